@@ -1,0 +1,42 @@
+# Fresh machine: `make demo` runs the main job, `make test` runs the tests. Each sets itself up.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export OMP_NUM_THREADS ?= 1
+export TMPDIR := $(CURDIR)/build/tmp
+export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/build/inductor
+
+.PHONY: setup test test-fast demo bench lint clean
+
+setup: $(STAMP)
+
+# torch first and pinned: an unpinned torch resolved on a bare machine pulls a multi-GB CUDA build.
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,kernels,hf]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	@mkdir -p $(TMPDIR)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	@mkdir -p $(TMPDIR)
+	$(PY) -m pytest -q tests -m "not slow"
+
+demo: $(STAMP)
+	@mkdir -p $(TMPDIR)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 tools/train.py $(ARGS)
+
+bench: $(STAMP)
+	@mkdir -p $(TMPDIR)
+	$(PY) tools/bench.py $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf build runs .pytest_cache

@@ -1,0 +1,32 @@
+"""mcore-engine: a Megatron-Core tensor-parallel training backend for RL post-training.
+
+Install torch first, pinned (``pip install torch==2.13.0`` on CPU machines), then this package:
+an unpinned torch requirement resolved on a machine without torch pulls a multi-GB CUDA build.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="mcore-engine",
+    version="0.1.0",
+    description="Megatron-Core tensor-parallel training backend for RL post-training",
+    python_requires=">=3.11",
+    # kernels/ installs as ``mcore_engine_kernels``: the PyPI name ``kernels`` belongs to another project.
+    packages=find_packages(include=["mcore_engine", "mcore_engine.*"]) + ["mcore_engine_kernels"],
+    package_dir={"mcore_engine_kernels": "kernels"},
+    package_data={"mcore_engine": ["data_files/*.txt"]},
+    install_requires=[
+        "torch>=2.11",
+        "megatron-core==0.16.1",
+        "tensordict==0.15.3",
+        "pyyaml>=6",
+        "tqdm>=4.60",
+        "matplotlib>=3.7",
+        "numpy",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "ruff>=0.6"],
+        "kernels": ["triton>=3.0"],
+        "hf": ["transformers>=4.45", "safetensors>=0.4"],
+    },
+)

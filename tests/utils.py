@@ -1,0 +1,88 @@
+"""Shared test helpers: a gloo multi-rank launcher, a dtype -> tolerance table, a verbose allclose.
+
+Multi-rank checks run in fresh spawned processes (one per rank) that talk over gloo on a free
+``tcp://127.0.0.1`` port. A launch costs seconds, so put many checks into one launched function.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# Relative-norm error budgets on values AND gradients, by the logits' dtype.
+REL_TOL: dict[torch.dtype, float] = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2,
+                                     torch.float16: 5e-3}
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / max(||expected||, tiny), computed in float64."""
+    a, e = actual.detach().double(), expected.detach().double()
+    return float((a - e).norm() / e.norm().clamp_min(1e-30))
+
+
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str = "") -> None:
+    """Relative-norm check with a message that names the quantity, the error and the worst element."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values in result"
+    err = rel_err(actual, expected)
+    if err > tol:
+        diff = (actual.detach().double() - expected.detach().double()).abs()
+        idx = int(diff.argmax())
+        raise AssertionError(
+            f"{what}: relative norm error {err:.3e} > {tol:.1e}; worst element at flat index {idx}: "
+            f"{actual.flatten()[idx].item()!r} vs {expected.flatten()[idx].item()!r}"
+        )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, err_q) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    except BaseException:
+        err_q.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; re-raise failures.
+
+    ``fn`` must be a module-level function (it is pickled by reference). The default process group
+    is initialised before ``fn`` runs and destroyed after it.
+    """
+    ctx = mp.get_context("spawn")
+    err_q = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, err_q))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=600)
+    errors = []
+    while not err_q.empty():
+        errors.append(err_q.get())
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            errors.append((-1, "a rank timed out after 600 s"))
+    if errors or any(p.exitcode != 0 for p in procs):
+        msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors))
+        raise AssertionError(f"distributed run failed (exit codes {[p.exitcode for p in procs]}):\n{msg}")
