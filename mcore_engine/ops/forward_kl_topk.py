@@ -1,0 +1,31 @@
+"""Vocab-parallel forward KL from a teacher's top-k log-probs (a thin wrapper over the fused pass)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mcore_engine.ops.fused import vocab_parallel_logits_outputs
+from mcore_engine.ops.temperature import Temperature
+
+
+def vocab_parallel_forward_kl_topk(student_logits: torch.Tensor, teacher_topk_ids: torch.Tensor,
+                                   teacher_topk_log_probs: torch.Tensor, *, temperature: Temperature = 1.0,
+                                   group: dist.ProcessGroup | None = None, chunk_size: int | None = None,
+                                   log_prob_min_clamp: float | None = None, vocab_size: int | None = None,
+                                   kl_tail: bool = False) -> dict[str, torch.Tensor]:
+    """Top-k forward KL of the teacher P against the student q = softmax(student_logits / temperature).
+
+        log_q = z.gather(-1, ids) - z.logsumexp(-1, keepdim=True); P = log_p.exp()
+        "distillation_losses" = (P * (log_p.clamp_min(c) - log_q.clamp_min(c))).sum(-1)
+            (+ p_t * log(p_t / q_t) with p_t = 1 - P.sum(-1), q_t = 1 - log_q.exp().sum(-1) iff kl_tail)
+        "student_mass" = log_q.exp().sum(-1);  "teacher_mass" = P.sum(-1)   (no gradient)
+
+    student_logits ``[..., V_local]``; ids / log-probs ``[..., k]`` (global ids) -> fp32 ``[...]`` each.
+    With a clamp ``c``, student entries with ``log_q < c`` get no gradient. q_t is summed directly over
+    the ids outside the top-k set (no ``1 - sum`` cancellation); both tail masses are floored at 1e-20.
+    """
+    return vocab_parallel_logits_outputs(
+        student_logits, teacher_ids=teacher_topk_ids, teacher_log_probs=teacher_topk_log_probs,
+        kl_tail=kl_tail, log_prob_min_clamp=log_prob_min_clamp, temperature=temperature, group=group,
+        chunk_size=chunk_size, vocab_size=vocab_size)

@@ -1,0 +1,214 @@
+"""One chunked pass over vocab-sharded logits for every per-token output RL needs.
+
+``vocab_parallel_logits_outputs`` computes any subset of {log-probs, entropy, sum-pi-squared,
+top-k forward KL} from ONE loop over row chunks: per chunk one MAX and one packed SUM all-reduce
+(``stats.py`` defines the statistics). The public ops and the logits processor are thin wrappers.
+
+Memory: forward keeps two fp32 ``[chunk, V_local]`` workspaces and saves only the logits (the
+caller's tensor, no copy) plus O(N (8 + 2k)) fp32 statistics; backward recomputes the softmax
+chunk by chunk (no collectives) into one gradient of the logits' shape and dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mcore_engine.ops import _common
+from mcore_engine.ops import stats as _stats
+from mcore_engine.ops.temperature import Temperature, temperature_rows
+
+OUTPUT_KEYS = ("log_probs", "entropy", "sum_pi_squared", "distillation_losses", "student_mass",
+               "teacher_mass")
+_NO_GRAD_KEYS = ("student_mass", "teacher_mass")
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """Everything non-tensor the Function needs: shard geometry, rows per chunk, what to compute."""
+
+    shard: _common.Shard
+    rows: int
+    layout: _stats.StatLayout
+    clamp: float | None
+    t_scalar: float | None  # host-scalar temperature != 1 (None: unit or per-row tensor)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        lay = self.layout
+        wanted = {"log_probs": lay.label, "entropy": lay.entropy, "sum_pi_squared": lay.sum_pi_squared,
+                  "distillation_losses": lay.k > 0, "student_mass": lay.k > 0, "teacher_mass": lay.k > 0}
+        return tuple(k for k in OUTPUT_KEYS if wanted[k])
+
+
+def _chunk_t(plan: _Plan, t_rows: torch.Tensor | None, r0: int, r1: int) -> float | torch.Tensor | None:
+    return t_rows[r0:r1] if t_rows is not None else plan.t_scalar
+
+
+class _VocabParallelLogitsFunction(torch.autograd.Function):
+    """Forward (per chunk of rows; ``x = logits.view(N, V_local)[:, :V_valid]``):
+
+    1. m = row max of x / t (local) -> ONE all-reduce MAX.
+    2. zm = x / t - m; packed statistics (``stats.chunk_stats``) -> ONE all-reduce SUM.
+    3. After the loop: finalize per token (``stats.finalize``).
+    Backward: per chunk, recompute zm and p = exp(zm) / S, form the gradient (``stats.chunk_grad``),
+    divide by t and write it into one preallocated gradient (padded columns get 0).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor | None, teacher_ids: torch.Tensor | None,
+                teacher_log_probs: torch.Tensor | None, t_rows: torch.Tensor | None,
+                plan: _Plan) -> tuple[torch.Tensor, ...]:
+        shard, lay = plan.shard, plan.layout
+        x = _common.flat_rows(logits)
+        n = x.shape[0]
+        flat_labels = labels.reshape(n) if labels is not None else None
+        flat_ids = teacher_ids.reshape(n, lay.k) if teacher_ids is not None else None
+        stats = torch.empty(n, lay.width, dtype=torch.float32, device=logits.device)
+        row_max = torch.empty(n, dtype=torch.float32, device=logits.device)
+        for r0 in range(0, n, plan.rows):
+            r1 = min(r0 + plan.rows, n)
+            xc, tc = x[r0:r1, :shard.v_valid], _chunk_t(plan, t_rows, r0, r1)
+            # --- 1. global row max ---
+            m = _common.all_reduce_(_stats.row_max(xc, tc), dist.ReduceOp.MAX, shard)
+            row_max[r0:r1] = m
+            # --- 2. packed local statistics -> one SUM ---
+            label = (_stats.local_columns(flat_labels[r0:r1], shard.offset, shard.v_valid)
+                     if flat_labels is not None else None)
+            teacher = (_stats.local_columns(flat_ids[r0:r1], shard.offset, shard.v_valid)
+                       if flat_ids is not None else None)
+            _stats.chunk_stats(_stats.shifted(xc, tc, m), lay, stats[r0:r1], label=label, teacher=teacher)
+            _common.all_reduce_(stats[r0:r1], dist.ReduceOp.SUM, shard)
+        # --- 3. finalize per token ---
+        tlp = teacher_log_probs.reshape(n, lay.k) if teacher_log_probs is not None else None
+        fin = _stats.finalize(stats, lay, teacher_log_probs=tlp, clamp=plan.clamp)
+        ctx.plan = plan
+        ctx.save_for_backward(logits, flat_labels, flat_ids, t_rows, row_max, fin.inv_s, fin.mu, fin.s2,
+                              fin.kl_w, fin.kl_p, fin.tail_r, fin.q, fin.q_s)
+        ctx.set_materialize_grads(False)
+        outs = tuple(fin.outputs[k].clone() for k in plan.keys)
+        ctx.mark_non_differentiable(*(o for k, o in zip(plan.keys, outs, strict=True) if k in _NO_GRAD_KEYS))
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        plan: _Plan = ctx.plan
+        shard = plan.shard
+        (logits, labels, ids, t_rows, row_max, inv_s, mu, s2, kl_w, kl_p, tail_r, q,
+         q_s) = ctx.saved_tensors
+        g = {k: gr for k, gr in zip(plan.keys, grads, strict=True) if k not in _NO_GRAD_KEYS}
+        g_lp, g_h = g.get("log_probs"), g.get("entropy")
+        g_s2, g_kl = g.get("sum_pi_squared"), g.get("distillation_losses")
+        none = (None,) * 6
+        if g_lp is None and g_h is None and g_s2 is None and g_kl is None:
+            return none
+        # --- per-token coefficients of g = p * (a + b (zm - mu) + c2 p) + scatter(cols, vals) ---
+        n = row_max.shape[0]
+        a = torch.zeros(n, dtype=torch.float32, device=logits.device)
+        b = -g_h.reshape(n).float() if g_h is not None else None
+        c2 = None
+        cols, vals = [], []
+        if g_lp is not None:
+            g_lp = g_lp.reshape(n).float()
+            a -= g_lp
+            cols.append(labels[:, None])
+            vals.append(g_lp[:, None])
+        if g_s2 is not None:
+            c2 = 2 * g_s2.reshape(n).float()
+            a -= c2 * s2
+        if g_kl is not None:
+            g_kl = g_kl.reshape(n).float()
+            a += g_kl * kl_w
+            tv = -kl_p
+            if tail_r is not None:
+                a -= g_kl * tail_r * q_s
+                tv = tv + tail_r[:, None] * q
+            cols.append(ids)
+            vals.append(g_kl[:, None] * tv)
+        mu = mu if mu is not None else a  # any [N] tensor: ignored when b is None
+        cols_all = torch.cat(cols, 1) if cols else None
+        vals_all = torch.cat(vals, 1) if vals else None
+        # --- recompute chunk by chunk into one gradient ---
+        x = _common.flat_rows(logits)
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        gflat = grad.view(n, shard.v_local)
+        if shard.v_valid < shard.v_local:
+            gflat[:, shard.v_valid:].zero_()
+        for r0 in range(0, n, plan.rows):
+            r1 = min(r0 + plan.rows, n)
+            xc, tc = x[r0:r1, :shard.v_valid], _chunk_t(plan, t_rows, r0, r1)
+            cc = vc = None
+            if cols_all is not None:
+                cc, inside = _stats.local_columns(cols_all[r0:r1], shard.offset, shard.v_valid)
+                vc = vals_all[r0:r1] * inside
+            gz = _stats.chunk_grad(_stats.shifted(xc, tc, row_max[r0:r1]), inv_s[r0:r1], a[r0:r1],
+                                   b[r0:r1] if b is not None else None, mu[r0:r1],
+                                   c2[r0:r1] if c2 is not None else None, cc, vc)
+            if tc is not None:
+                gz.div_(tc[:, None] if isinstance(tc, torch.Tensor) else tc)
+            gflat[r0:r1, :shard.v_valid] = gz
+        return (grad,) + none[1:]
+
+
+def vocab_parallel_logits_outputs(
+    logits: torch.Tensor, *, labels: torch.Tensor | None = None, teacher_ids: torch.Tensor | None = None,
+    teacher_log_probs: torch.Tensor | None = None, entropy: bool = False, sum_pi_squared: bool = False,
+    kl_tail: bool = False, log_prob_min_clamp: float | None = None, temperature: Temperature = 1.0,
+    group: dist.ProcessGroup | None = None, chunk_size: int | None = None, vocab_size: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every requested per-token output of ``z = logits / temperature`` from ONE chunked pass.
+
+    Equivalent torch math on the gathered logits ``L [..., V]`` (padded ids >= vocab_size dropped)::
+
+        z = L / t; lse = z.logsumexp(-1); p = z.softmax(-1)
+        "log_probs"      = z.gather(-1, labels[..., None])[..., 0] - lse          (iff labels)
+        "entropy"        = lse - (p * z).sum(-1)                                  (iff entropy)
+        "sum_pi_squared" = (p ** 2).sum(-1)                                       (iff sum_pi_squared)
+        log_q = z.gather(-1, teacher_ids) - lse[..., None]; P = teacher_log_probs.exp()   (iff teacher_*)
+        "distillation_losses" = (P * (teacher_log_probs.clamp_min(c) - log_q.clamp_min(c))).sum(-1)
+                                [+ p_t * log(p_t / q_t), p_t = 1 - P.sum(-1), q_t = 1 - log_q.exp().sum(-1)
+                                 when kl_tail]
+        "student_mass" = log_q.exp().sum(-1); "teacher_mass" = P.sum(-1)         (no gradient)
+
+    Shapes: logits ``[..., V_local]`` (this rank's shard); labels ``[...]``; teacher_* ``[..., k]``;
+    outputs fp32 ``[...]``. Differentiable w.r.t. ``logits`` (not the temperature or the teacher).
+    Memory: O(N (8 + 2k)) saved fp32 + two fp32 ``[chunk_size, V_local]`` workspaces.
+    """
+    group = _common.resolve_group(group)
+    shard = _common.make_shard(logits, group, vocab_size)
+    lead = tuple(logits.shape[:-1])
+    if labels is not None:
+        _common.check_ids(labels, "labels", lead, shard.vocab_size)
+        labels = labels.long()
+    if (teacher_ids is None) != (teacher_log_probs is None):
+        raise ValueError("teacher_ids and teacher_log_probs must be given together (shape [..., k])")
+    k = 0
+    if teacher_ids is not None:
+        if teacher_ids.dim() != len(lead) + 1 or teacher_ids.shape[-1] == 0:
+            raise ValueError(f"teacher_ids must have shape logits.shape[:-1] + (k,) = {lead} + (k,) "
+                             f"with k >= 1, got {tuple(teacher_ids.shape)}")
+        k = teacher_ids.shape[-1]
+        _common.check_ids(teacher_ids, "teacher_ids", lead + (k,), shard.vocab_size)
+        teacher_ids = teacher_ids.long()
+        if not isinstance(teacher_log_probs, torch.Tensor) or not teacher_log_probs.is_floating_point() \
+                or tuple(teacher_log_probs.shape) != lead + (k,):
+            raise ValueError(f"teacher_log_probs must be a floating tensor of shape {lead + (k,)}, got "
+                             f"{getattr(teacher_log_probs, 'dtype', type(teacher_log_probs).__name__)} "
+                             f"{tuple(getattr(teacher_log_probs, 'shape', ()))}")
+        teacher_log_probs = teacher_log_probs.detach()
+    if kl_tail and not k:
+        raise ValueError("kl_tail=True requires teacher_ids and teacher_log_probs")
+    clamp = _common.check_clamp(log_prob_min_clamp)
+    rows = _common.check_chunk_size(chunk_size, shard.v_local)
+    t = temperature_rows(temperature, lead, logits.device)
+    layout = _stats.StatLayout(entropy=bool(entropy), sum_pi_squared=bool(sum_pi_squared),
+                               label=labels is not None, k=k, tail=bool(kl_tail))
+    plan = _Plan(shard=shard, rows=rows, layout=layout, clamp=clamp,
+                 t_scalar=t if isinstance(t, float) else None)
+    if not plan.keys:
+        return {}
+    outs = _VocabParallelLogitsFunction.apply(logits, labels, teacher_ids, teacher_log_probs,
+                                              t if isinstance(t, torch.Tensor) else None, plan)
+    return {key: o.view(lead) for key, o in zip(plan.keys, outs, strict=True)}

@@ -1,0 +1,208 @@
+"""THE per-token statistics of one chunk of vocab-sharded logits, forward and backward.
+
+Pure functions on one chunk of rows (``x: [c, V_valid]``, this rank's valid columns; ``t`` the
+temperature: None, a float or a per-row ``[c]`` tensor). The torch path in ``fused.py`` calls them;
+a Triton backend must reproduce exactly these definitions. With ``z = x / t`` in float32,
+``m`` the GLOBAL row max of z and ``e = exp(z - m)``, the packed local statistics of a row are
+
+    S = sum_j e_j                         (always, column 0)
+    A = sum_j e_j (z_j - m)               (entropy)
+    B = sum_j e_j ** 2                    (sum-pi-squared)
+    z_y - m                               (label, iff y falls in this shard, else 0)
+    z_i - m for the k teacher ids         (iff in this shard, else 0)
+    T = sum_{j not in teacher ids} e_j    (tail mass, computed directly, not as S - sum)
+
+and SUMming them over the shards gives the global values. Workspace per call: two fp32 ``[c, V_valid]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Floor of the tail masses p_tail, q_tail inside the log (the tail term is p log(p / q)).
+TAIL_EPS = 1e-20
+
+
+@dataclass(frozen=True, slots=True)
+class StatLayout:
+    """Column layout of the packed ``[c, width]`` statistics buffer (one SUM all-reduce per chunk)."""
+
+    entropy: bool
+    sum_pi_squared: bool
+    label: bool
+    k: int  # number of teacher ids (0: no distillation)
+    tail: bool
+
+    @property
+    def a(self) -> int:
+        return 1
+
+    @property
+    def b(self) -> int:
+        return 1 + self.entropy
+
+    @property
+    def y(self) -> int:
+        return self.b + self.sum_pi_squared
+
+    @property
+    def teacher(self) -> int:
+        return self.y + self.label
+
+    @property
+    def t(self) -> int:
+        return self.teacher + self.k
+
+    @property
+    def width(self) -> int:
+        return self.t + self.tail
+
+
+def local_columns(ids: torch.Tensor, offset: int, v_valid: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global ids ``[c, n]`` -> (column clamped into this shard ``[c, n]``, in-shard mask ``[c, n]``)."""
+    local = ids - offset
+    inside = (local >= 0) & (local < v_valid)
+    return local.clamp(0, max(v_valid - 1, 0)), inside
+
+
+def row_max(x: torch.Tensor, t: float | torch.Tensor | None) -> torch.Tensor:
+    """``(x / t).amax(-1)`` in fp32 as ``x.amax(-1) / t`` (division by t > 0 is monotone): ``[c]``."""
+    if x.shape[-1] == 0:
+        return torch.full(x.shape[:-1], float("-inf"), dtype=torch.float32, device=x.device)
+    m = x.amax(-1).float()
+    return m if t is None else m / t
+
+
+def shifted(x: torch.Tensor, t: float | torch.Tensor | None, m: torch.Tensor) -> torch.Tensor:
+    """``x / t - m[:, None]`` as a NEW fp32 ``[c, V_valid]`` buffer (never aliases ``x``)."""
+    if t is None:
+        return x.float() - m[:, None] if x.dtype == torch.float32 else x.float().sub_(m[:, None])
+    tt = t if not isinstance(t, torch.Tensor) else t[:, None]
+    zm = x / tt if x.dtype == torch.float32 else x.float().div_(tt)
+    return zm.sub_(m[:, None])
+
+
+def gather_shifted(zm: torch.Tensor, cols: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    """``zm[row, cols]`` where ``inside`` else 0: ``[c, n]``."""
+    if zm.shape[-1] == 0:
+        return torch.zeros(cols.shape, dtype=zm.dtype, device=zm.device)
+    return zm.gather(1, cols).mul_(inside)
+
+
+def label_shifted_logit(zm: torch.Tensor, cols: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    """The log-prob path's only chunk work: ``z_y - m`` where the label is in this shard, else 0: ``[c]``."""
+    return gather_shifted(zm, cols[:, None], inside[:, None])[:, 0]
+
+
+def chunk_stats(zm: torch.Tensor, layout: StatLayout, out: torch.Tensor, *,
+                label: tuple[torch.Tensor, torch.Tensor] | None = None,
+                teacher: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Fill ``out [c, layout.width]`` with this shard's statistics of one chunk (see module docstring).
+
+    ``zm = z - m`` (from :func:`shifted`); ``label`` = (cols ``[c]``, inside ``[c]``) and ``teacher`` =
+    (cols ``[c, k]``, inside ``[c, k]``) from :func:`local_columns`. Allocates ``e`` (``[c, V_valid]``).
+    """
+    e = zm.exp()
+    out[:, 0] = e.sum(-1)
+    if layout.entropy:
+        out[:, layout.a] = (e.unsqueeze(1) @ zm.unsqueeze(2)).view(-1)
+    if layout.sum_pi_squared:
+        out[:, layout.b] = (e.unsqueeze(1) @ e.unsqueeze(2)).view(-1)
+    if layout.label:
+        out[:, layout.y] = label_shifted_logit(zm, *label)
+    if layout.k:
+        cols, inside = teacher
+        out[:, layout.teacher:layout.t] = gather_shifted(zm, cols, inside)
+        if layout.tail:
+            if e.shape[-1]:
+                e.scatter_reduce_(1, cols, (~inside).to(e.dtype), reduce="prod")
+            out[:, layout.t] = e.sum(-1)
+    return out
+
+
+def chunk_grad(zm: torch.Tensor, inv_s: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None,
+               mu: torch.Tensor, c2: torch.Tensor | None, cols: torch.Tensor | None,
+               vals: torch.Tensor | None) -> torch.Tensor:
+    """Gradient w.r.t. ``z`` of one chunk, written into ``zm``'s storage (``zm`` is consumed).
+
+    With ``p = exp(zm) * inv_s`` (``inv_s = 1 / S``, global) and per-row coefficients ``[c]``:
+
+        g = p * (a + b * (zm - mu) + c2 * p);  g[row, cols] += vals   (``vals`` is 0 off-shard)
+
+    ``b`` = -g_entropy (mu = A / S), ``c2`` = 2 g_sum_pi2, ``a`` collects the remaining terms. Allocates
+    ``p`` (``[c, V_valid]``).
+    """
+    p = zm.exp().mul_(inv_s[:, None])
+    g = zm.sub_(mu[:, None]).mul_(b[:, None]) if b is not None else zm.zero_()
+    g.add_(a[:, None])
+    if c2 is not None:
+        g.addcmul_(p, c2[:, None])
+    g.mul_(p)
+    if cols is not None and g.shape[-1]:
+        g.scatter_add_(1, cols, vals)
+    return g
+
+
+@dataclass(slots=True)
+class Finalized:
+    """Per-token outputs and the per-token quantities backward needs (all fp32, ``[N]`` or ``[N, k]``)."""
+
+    outputs: dict[str, torch.Tensor]
+    inv_s: torch.Tensor  # 1 / S
+    mu: torch.Tensor | None  # A / S  (= sum p z - m)
+    s2: torch.Tensor | None  # sum p^2
+    kl_w: torch.Tensor | None  # W = sum_{i active} P_i
+    kl_p: torch.Tensor | None  # [N, k] P_i * active_i
+    tail_r: torch.Tensor | None  # p_tail / q_tail (0 where q_tail was floored)
+    q: torch.Tensor | None  # [N, k] q_i (tail only)
+    q_s: torch.Tensor | None  # sum_S q_i (tail only)
+
+
+def finalize(stats: torch.Tensor, layout: StatLayout, *, teacher_log_probs: torch.Tensor | None,
+             clamp: float | None) -> Finalized:
+    """Global statistics ``[N, width]`` -> outputs (API.md formulas) and backward's per-token terms.
+
+        logS = log(S); log_probs = (z_y - m) - logS; entropy = logS - A / S; sum_pi2 = B / S**2
+        log_q = (z_i - m) - logS;  P = exp(teacher_log_probs)
+        KL = sum_i P_i (max(log P_i, c) - max(log q_i, c));  active_i = log q_i >= c
+        tail: p_t = max(1 - sum P, eps), q_t = max(T / S, eps), KL += p_t log(p_t / q_t)
+    """
+    s = stats[:, 0]
+    log_s = s.log()
+    inv_s = s.reciprocal()
+    out: dict[str, torch.Tensor] = {}
+    mu = s2 = kl_w = kl_p = tail_r = q = q_s = None
+    if layout.label:
+        out["log_probs"] = stats[:, layout.y] - log_s
+    if layout.entropy:
+        mu = stats[:, layout.a] * inv_s
+        out["entropy"] = log_s - mu
+    if layout.sum_pi_squared:
+        s2 = stats[:, layout.b] * inv_s.square()
+        out["sum_pi_squared"] = s2
+    if layout.k:
+        log_q = stats[:, layout.teacher:layout.t] - log_s[:, None]
+        log_p = teacher_log_probs.float()
+        big_p = log_p.exp()
+        if clamp is None:
+            kl = (big_p * (log_p - log_q)).sum(-1)
+            kl_p = big_p
+        else:
+            kl = (big_p * (log_p.clamp_min(clamp) - log_q.clamp_min(clamp))).sum(-1)
+            kl_p = big_p * (log_q >= clamp)
+        kl_w = kl_p.sum(-1)
+        q = log_q.exp()
+        q_s = q.sum(-1)
+        p_mass = big_p.sum(-1)
+        if layout.tail:
+            p_t = (1 - p_mass).clamp_min(TAIL_EPS)
+            q_raw = stats[:, layout.t] * inv_s
+            q_t = q_raw.clamp_min(TAIL_EPS)
+            kl = kl + p_t * (p_t.log() - q_t.log())
+            tail_r = (p_t / q_t) * (q_raw > TAIL_EPS)
+        out["distillation_losses"] = kl
+        out["student_mass"] = q_s
+        out["teacher_mass"] = p_mass
+    return Finalized(out, inv_s, mu, s2, kl_w, kl_p, tail_r, q, q_s)
