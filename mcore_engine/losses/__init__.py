@@ -1,5 +1,34 @@
-"""RL and distillation losses: aggregation, PPO clip, KL estimators, top-k distillation."""
+"""RL and distillation losses: aggregation, PPO clip, KL estimators, top-k distillation.
 
+A loss function has the engine's signature ``loss_fn(outputs, data, ctx) -> (loss, metrics)`` and
+returns the micro-batch's contribution to the global loss (see ``aggregation``). Logits processors
+(``forward_kl_topk``, ``forward_kl_topk_tail``) run inside ``process_lm_head_logits``.
+"""
+
+from mcore_engine.losses.aggregation import AGG_MODES, agg_loss, token_mean_metric, tokens_per_sequence
 from mcore_engine.losses.context import LossContext
+from mcore_engine.losses.distillation import (
+    forward_kl_topk,
+    forward_kl_topk_tail,
+    make_forward_kl_topk,
+    topk_overlap,
+)
+from mcore_engine.losses.distillation_ppo import distillation_ppo_loss
+from mcore_engine.losses.kl import KL_ESTIMATORS, kl_estimator
+from mcore_engine.losses.policy import ppo_policy_loss
 
-__all__ = ["LossContext"]
+__all__ = [
+    "AGG_MODES",
+    "KL_ESTIMATORS",
+    "LossContext",
+    "agg_loss",
+    "distillation_ppo_loss",
+    "forward_kl_topk",
+    "forward_kl_topk_tail",
+    "kl_estimator",
+    "make_forward_kl_topk",
+    "ppo_policy_loss",
+    "token_mean_metric",
+    "tokens_per_sequence",
+    "topk_overlap",
+]

@@ -1,0 +1,97 @@
+"""Loss aggregation over tokens and sequences, normalised by GLOBAL counts.
+
+The engine calls the loss once per micro-batch; each call returns the micro-batch's contribution to
+the loss of the whole global batch (all micro-batches, all data-parallel ranks), so that summing the
+contributions gives the global loss and its gradient does not depend on how the batch was split.
+
+With ``m = loss_mask`` (0/1), ``v`` the per-token values of one micro-batch, ``N = ctx.global_num_tokens``,
+``B = ctx.global_num_seqs``, and ``seq`` the sequence index of each token::
+
+    "token-mean":          (v * m).sum() / N
+    "seq-mean-token-sum":  sum_j (v * m)[seq == j].sum() / B                      # == (v * m).sum() / B
+    "seq-mean-token-mean": sum_j (v * m)[seq == j].sum() / m[seq == j].sum() / B   # 0/0 -> 0
+
+A sequence never splits across micro-batches, so its token count is local. Sequences without a loss
+token contribute 0; count them in ``B`` or not as the engine chooses (verl does not).
+Memory: O(T) for ``seq-mean-token-mean`` (a sort of the ``[T]`` sequence ids; no host sync), O(1)
+extra otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from mcore_engine.losses.context import LossContext
+
+AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+def _check(values: torch.Tensor, loss_mask: torch.Tensor, seq_ids: torch.Tensor | None, mode: str) -> None:
+    if mode not in AGG_MODES:
+        raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {mode!r}")
+    if not values.is_floating_point():
+        raise ValueError(f"values must be a floating tensor, got dtype {values.dtype}")
+    if loss_mask.shape != values.shape:
+        raise ValueError(f"loss_mask must have the shape of values {tuple(values.shape)}, "
+                         f"got {tuple(loss_mask.shape)}")
+    if mode == "seq-mean-token-mean":
+        if seq_ids is None:
+            raise ValueError("seq_ids is required for loss_agg_mode='seq-mean-token-mean'")
+        if seq_ids.shape != values.shape or seq_ids.is_floating_point() or seq_ids.is_complex():
+            raise ValueError(f"seq_ids must be an integer tensor of shape {tuple(values.shape)}, "
+                             f"got {seq_ids.dtype} {tuple(seq_ids.shape)}")
+
+
+def tokens_per_sequence(loss_mask: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    """Per token, the number of loss tokens of its sequence: ``m[seq == seq[t]].sum()`` for every t.
+
+    ``loss_mask`` and ``seq_ids`` are ``[T]`` (any order; ids need not be dense). Sync-free: sorts
+    the ids, numbers the runs of equal ids, counts with ``index_add``. Returns ``[T]`` of the mask's
+    float dtype (float32 for bool/int masks).
+    """
+    mask = loss_mask.reshape(-1)
+    mask = mask if mask.is_floating_point() else mask.float()
+    ids = seq_ids.reshape(-1)
+    if ids.numel() == 0:
+        return mask.new_zeros(loss_mask.shape)
+    sorted_ids, order = torch.sort(ids, stable=True)
+    run = torch.zeros_like(sorted_ids)
+    run[1:] = torch.cumsum(sorted_ids[1:] != sorted_ids[:-1], dim=0)
+    dense = torch.empty_like(run).scatter_(0, order, run)        # dense sequence index per token
+    counts = mask.new_zeros(ids.numel()).index_add_(0, dense, mask)
+    return counts[dense].reshape(loss_mask.shape)
+
+
+def agg_loss(values: torch.Tensor, loss_mask: torch.Tensor, seq_ids: torch.Tensor | None, mode: str,
+             ctx: LossContext) -> torch.Tensor:
+    """This micro-batch's contribution to the global aggregated loss (see the module docstring).
+
+    Args:
+        values: ``[T]`` (or any shape) per-token loss values, floating.
+        loss_mask: same shape; bool, int or float 0/1 (float weights are used as given).
+        seq_ids: same shape, integer sequence index of each token (GLOBAL index; only equality
+            matters). Needed only for ``"seq-mean-token-mean"``.
+        mode: one of ``AGG_MODES``.
+        ctx: global normalisers (``global_num_tokens``, ``global_num_seqs``).
+    Returns:
+        0-d tensor of ``values.dtype``, differentiable w.r.t. ``values``. Never modifies inputs.
+    """
+    _check(values, loss_mask, seq_ids, mode)
+    mask = loss_mask.to(values.dtype)
+    masked = values * mask
+    if mode == "token-mean":
+        return masked.sum() / ctx.global_num_tokens.to(values.dtype)
+    seqs = ctx.global_num_seqs.to(values.dtype)
+    if mode == "seq-mean-token-sum":
+        return masked.sum() / seqs
+    counts = tokens_per_sequence(mask, seq_ids).clamp_min(1)
+    return (masked / counts).sum() / seqs
+
+
+def token_mean_metric(values: torch.Tensor, loss_mask: torch.Tensor, ctx: LossContext) -> torch.Tensor:
+    """Detached float32 ``(values * m).sum() / N``: a metric contribution that sums to the global mean."""
+    values = values.detach().float()
+    return (values * loss_mask.to(values.dtype)).sum() / ctx.global_num_tokens.float()

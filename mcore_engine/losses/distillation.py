@@ -1,0 +1,131 @@
+"""Top-k forward-KL distillation as logits processors, and the top-k overlap metric.
+
+A logits processor is called by ``process_lm_head_logits`` as
+``fn(student_logits=..., data=batch, data_format=...) -> dict`` of per-token float32 tensors shaped
+``student_logits.shape[:-1]``. ``student_logits`` is this rank's vocab shard ``[..., V_local]``,
+already divided by the temperature; ``data["teacher_ids"]`` (global ids, int64) and
+``data["teacher_logprobs"]`` are ``student_logits.shape[:-1] + (K,)`` (a flat ``[T, K]`` is accepted
+for packed ``[1, T, V]`` logits). With S the teacher's top-k set, p the teacher's log-probs as given
+and q = softmax(student_logits) over the full global vocab::
+
+    distillation_losses = sum_{i in S} p_i * (log p_i - log q_i)                # forward_kl_topk
+                        + p_tail * log(p_tail / q_tail)                         # forward_kl_topk_tail
+    p_tail = 1 - sum_S p,  q_tail = 1 - sum_S q   (q_tail from the mass outside S, computed stably)
+    student_mass = sum_S q;  teacher_mass = sum_S p;  topk_overlap = |S & top-k(q)| / K   (no grad)
+
+The math runs in ``mcore_engine.ops.vocab_parallel_forward_kl_topk`` (chunked, vocab-parallel, no
+fp32 ``[..., V_local]`` buffer kept for backward); the overlap runs one ``vocab_parallel_topk`` pass
+under ``no_grad`` (O(T K) memory). ``log_prob_min_clamp=c`` clamps ``log p`` and ``log q`` from
+below at c, and entries whose student log-prob is below c get no gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcore_engine import ops
+
+LogitsProcessor = Callable[..., dict[str, torch.Tensor]]
+DATA_FORMATS: tuple[str, ...] = ("thd", "bshd")
+
+
+def topk_overlap(teacher_ids: torch.Tensor, student_ids: torch.Tensor) -> torch.Tensor:
+    """Fraction of the teacher's top-k ids found among the student's top-k ids, per token.
+
+    ``teacher_ids`` ``[..., K]`` and ``student_ids`` ``[..., K_s]`` (same leading dims, int64) ->
+    float32 ``[...]``: ``(teacher_ids[..., :, None] == student_ids[..., None, :]).any(-1).float().mean(-1)``,
+    computed with a sort and ``searchsorted`` in O(T (K + K_s) log K_s) time and O(T K) memory.
+    """
+    if teacher_ids.shape[:-1] != student_ids.shape[:-1]:
+        raise ValueError(f"student_ids must have leading dims {tuple(teacher_ids.shape[:-1])}, "
+                         f"got {tuple(student_ids.shape)}")
+    lead = teacher_ids.shape[:-1]
+    k_t, k_s = teacher_ids.shape[-1], student_ids.shape[-1]
+    if k_t == 0 or k_s == 0:
+        raise ValueError(f"teacher_ids and student_ids need a non-empty last dim, got {k_t} and {k_s}")
+    teacher = teacher_ids.reshape(-1, k_t).contiguous()
+    student = torch.sort(student_ids.reshape(-1, k_s), dim=-1).values
+    pos = torch.searchsorted(student, teacher).clamp_max(k_s - 1)
+    hit = student.gather(-1, pos) == teacher
+    return hit.float().mean(-1).reshape(lead)
+
+
+def _teacher_tensors(student_logits: torch.Tensor, data: Mapping[str, Any],
+                     data_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if data_format not in DATA_FORMATS:
+        raise ValueError(f"data_format must be one of {DATA_FORMATS}, got {data_format!r}")
+    for key in ("teacher_ids", "teacher_logprobs"):
+        if key not in data.keys():
+            raise ValueError(f"data must hold {key!r} ([..., K] per token) for top-k distillation")
+    ids, logprobs = data["teacher_ids"], data["teacher_logprobs"]
+    lead = student_logits.shape[:-1]
+    if ids.shape[:-1] != lead and ids.dim() >= 1 and ids.shape[:-1].numel() == lead.numel():
+        ids = ids.reshape(*lead, ids.shape[-1])                    # e.g. [T, K] for [1, T, V] logits
+        logprobs = logprobs.reshape(*lead, logprobs.shape[-1])
+    return ids, logprobs
+
+
+def _topk_distillation(student_logits: torch.Tensor, data: Mapping[str, Any], data_format: str = "thd", *,
+                       kl_tail: bool, log_prob_min_clamp: float | None, compute_overlap: bool,
+                       vocab_size: int | None, chunk_size: int | None,
+                       group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+    teacher_ids, teacher_logprobs = _teacher_tensors(student_logits, data, data_format)
+    out = ops.vocab_parallel_forward_kl_topk(
+        student_logits, teacher_ids, teacher_logprobs, temperature=1.0, group=group, chunk_size=chunk_size,
+        log_prob_min_clamp=log_prob_min_clamp, kl_tail=kl_tail, vocab_size=vocab_size)
+    out = dict(out)
+    if compute_overlap:
+        with torch.no_grad():
+            _, student_ids = ops.vocab_parallel_topk(student_logits, teacher_ids.shape[-1], temperature=1.0,
+                                                     group=group, vocab_size=vocab_size)
+            out["topk_overlap"] = topk_overlap(teacher_ids, student_ids)
+    return out
+
+
+def forward_kl_topk(student_logits: torch.Tensor, data: Mapping[str, Any], data_format: str = "thd", *,
+                    log_prob_min_clamp: float | None = None, compute_overlap: bool = True,
+                    vocab_size: int | None = None, chunk_size: int | None = None,
+                    group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+    """Top-k forward KL (teacher log-probs as given, no tail term): see the module docstring.
+
+    Returns ``distillation_losses`` (differentiable w.r.t. ``student_logits``), ``student_mass``,
+    ``teacher_mass`` and, with ``compute_overlap``, ``topk_overlap``; float32, ``student_logits.shape[:-1]``.
+    """
+    return _topk_distillation(student_logits, data, data_format, kl_tail=False,
+                              log_prob_min_clamp=log_prob_min_clamp, compute_overlap=compute_overlap,
+                              vocab_size=vocab_size, chunk_size=chunk_size, group=group)
+
+
+def forward_kl_topk_tail(student_logits: torch.Tensor, data: Mapping[str, Any], data_format: str = "thd", *,
+                         log_prob_min_clamp: float | None = None, compute_overlap: bool = True,
+                         vocab_size: int | None = None, chunk_size: int | None = None,
+                         group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+    """Top-k forward KL over k+1 buckets (the top-k ids plus one tail bucket): see the module docstring.
+
+    Same outputs as ``forward_kl_topk``; ``distillation_losses`` adds ``p_tail * log(p_tail / q_tail)``.
+    """
+    return _topk_distillation(student_logits, data, data_format, kl_tail=True,
+                              log_prob_min_clamp=log_prob_min_clamp, compute_overlap=compute_overlap,
+                              vocab_size=vocab_size, chunk_size=chunk_size, group=group)
+
+
+def make_forward_kl_topk(*, tail: bool = False, log_prob_min_clamp: float | None = None,
+                         compute_overlap: bool = True, vocab_size: int | None = None,
+                         chunk_size: int | None = None,
+                         group: dist.ProcessGroup | None = None) -> LogitsProcessor:
+    """A configured logits processor ``fn(student_logits, data, data_format) -> dict``.
+
+    ``tail`` picks ``forward_kl_topk_tail`` over ``forward_kl_topk``; the other arguments are bound
+    as keywords (``vocab_size``: the true global vocab when shards are padded).
+    """
+    if log_prob_min_clamp is not None and not (isinstance(log_prob_min_clamp, int | float)
+                                               and log_prob_min_clamp < 0):
+        raise ValueError(f"log_prob_min_clamp must be None or a negative number, got {log_prob_min_clamp!r}")
+    fn = forward_kl_topk_tail if tail else forward_kl_topk
+    return functools.partial(fn, log_prob_min_clamp=log_prob_min_clamp, compute_overlap=compute_overlap,
+                             vocab_size=vocab_size, chunk_size=chunk_size, group=group)

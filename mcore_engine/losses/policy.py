@@ -1,0 +1,72 @@
+"""PPO clipped policy loss with dual-clip (Schulman et al. 2017; Ye et al. 2020), as verl computes it.
+
+Per token, with advantage ``A``, ``log_ratio = (logp - old_logp).clamp(-20, 20)``, ``r = exp(log_ratio)``::
+
+    l1 = -A * r
+    l2 = -A * r.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    clipped = torch.maximum(l1, l2)                                  # standard PPO clip
+    l3 = -A * clip_ratio_c                                           # dual clip, only for A < 0
+    pg_losses = torch.where(A < 0, torch.minimum(clipped, l3), clipped)
+    loss = agg_loss(pg_losses, loss_mask, seq_ids, loss_agg_mode, ctx)
+
+Metrics (detached float32 contributions; summing over micro-batches and data-parallel ranks gives
+the global token mean): ``pg_loss`` (the loss contribution), ``pg_clipfrac`` (share of tokens with
+``l2 > l1``), ``pg_clipfrac_lower`` (share with ``A < 0`` and ``clipped > l3``), ``ppo_kl``
+(mean of ``old_logp - logp``). Memory: a few ``[T]`` temporaries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mcore_engine.losses.aggregation import agg_loss, token_mean_metric
+from mcore_engine.losses.context import LossContext
+
+LOG_RATIO_CLAMP = 20.0
+
+
+def ppo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                    loss_mask: torch.Tensor, seq_ids: torch.Tensor | None, ctx: LossContext, *,
+                    clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
+                    loss_agg_mode: str = "token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO dual-clip policy loss contribution of one micro-batch (see the module docstring).
+
+    Args:
+        log_probs: ``[T]`` current policy log-probs of the sampled tokens (differentiable).
+        old_log_probs, advantages, loss_mask, seq_ids: ``[T]``; the first two are treated as constants.
+        ctx: global normalisers.
+        clip_ratio_low, clip_ratio_high: in ``[0, 1)`` resp. ``>= 0``; clip_ratio_c: ``> 1``.
+    Returns:
+        ``(loss, metrics)``: 0-d loss of ``log_probs.dtype`` and detached float32 metric contributions.
+    """
+    if not 0.0 <= clip_ratio_low < 1.0:
+        raise ValueError(f"clip_ratio_low must be in [0, 1), got {clip_ratio_low}")
+    if clip_ratio_high < 0.0:
+        raise ValueError(f"clip_ratio_high must be >= 0, got {clip_ratio_high}")
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (dual clip), got {clip_ratio_c}")
+    for name, t in (("old_log_probs", old_log_probs), ("advantages", advantages)):
+        if t.shape != log_probs.shape:
+            raise ValueError(f"{name} must have the shape of log_probs {tuple(log_probs.shape)}, "
+                             f"got {tuple(t.shape)}")
+    old_log_probs = old_log_probs.detach().to(log_probs.dtype)
+    advantages = advantages.detach().to(log_probs.dtype)
+
+    log_ratio = (log_probs - old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    l1 = -advantages * ratio
+    l2 = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clipped = torch.maximum(l1, l2)
+    l3 = -advantages * clip_ratio_c
+    negative = advantages < 0
+    pg_losses = torch.where(negative, torch.minimum(clipped, l3), clipped)
+
+    loss = agg_loss(pg_losses, loss_mask, seq_ids, loss_agg_mode, ctx)
+    with torch.no_grad():
+        metrics = {
+            "pg_loss": loss.detach().float(),
+            "pg_clipfrac": token_mean_metric((l2 > l1).float(), loss_mask, ctx),
+            "pg_clipfrac_lower": token_mean_metric((negative & (clipped > l3)).float(), loss_mask, ctx),
+            "ppo_kl": token_mean_metric(-log_ratio, loss_mask, ctx),
+        }
+    return loss, metrics

@@ -1,0 +1,95 @@
+"""Float64 references for the losses, written from the formulas in a different form than the code.
+
+Aggregation loops over sequences in Python; PPO uses the closed form ``-A * min(r, 1 + hi)`` for
+``A >= 0`` and ``|A| * min(max(r, 1 - lo), c)`` for ``A < 0``; distillation works on the full
+(gathered) logits with ``log_softmax`` and takes the tail mass as the sum of q OUTSIDE the top-k set.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def ref_agg(values, mask, seq_ids, mode, num_tokens, num_seqs):
+    values, mask = values.double(), mask.double()
+    if mode == "token-mean":
+        return (values * mask).sum() / num_tokens
+    total = values.new_zeros(())
+    for s in torch.unique(seq_ids).tolist():
+        sel = seq_ids == s
+        tok_sum = (values[sel] * mask[sel]).sum()
+        count = mask[sel].sum()
+        if mode == "seq-mean-token-sum":
+            total = total + tok_sum
+        elif count > 0:
+            total = total + tok_sum / count
+    return total / num_seqs
+
+
+def ref_ppo_tokens(lp, olp, adv, lo, hi, c):
+    """Per-token dual-clip PPO loss and the clip indicators, float64."""
+    lp, olp, adv = lp.double(), olp.double(), adv.double()
+    r = torch.exp((lp - olp).clamp(-20, 20))
+    pos = -adv * torch.minimum(r, torch.full_like(r, 1 + hi))
+    neg = adv.abs() * torch.minimum(torch.maximum(r, torch.full_like(r, 1 - lo)), torch.full_like(r, c))
+    loss = torch.where(adv >= 0, pos, neg)
+    clipped = ((adv > 0) & (r > 1 + hi)) | ((adv < 0) & (r < 1 - lo))
+    lower = (adv < 0) & (torch.maximum(r, torch.full_like(r, 1 - lo)) > c)
+    return loss, clipped.double(), lower.double(), -(lp - olp).clamp(-20, 20)
+
+
+def ref_kl(lp, ref, kind):
+    lp, ref = lp.double(), ref.double()
+    if kind == "k1":
+        return lp - ref
+    d = (ref - lp).clamp(-20, 20)
+    return (torch.exp(d) - 1 - d).clamp(max=10)
+
+
+def make_teacher(n: int, vocab: int, k: int, generator: torch.Generator, sharpness: float = 2.0):
+    """Teacher top-k ids [n, k] and log-probs [n, k] (sorted) from a random teacher softmax."""
+    t_logits = torch.randn(n, vocab, generator=generator, dtype=torch.float64) * sharpness
+    logp = torch.log_softmax(t_logits, -1)
+    vals, ids = logp.topk(k, dim=-1)
+    return ids, vals.float()
+
+
+def ref_forward_kl_topk(logits, ids, tlp, *, clamp=None, tail=False, vocab_size=None):
+    """Per-token outputs of the top-k forward KL on full logits [..., V] (float64, differentiable)."""
+    z = logits.double()
+    if vocab_size is not None:
+        z = z[..., :vocab_size]
+    logq = torch.log_softmax(z, -1)
+    lq = logq.gather(-1, ids)
+    p = tlp.double().exp()
+    lp = tlp.double()
+    if clamp is not None:
+        lp, lq_c = lp.clamp(min=clamp), lq.clamp(min=clamp)
+    else:
+        lq_c = lq
+    kl = (p * (lp - lq_c)).sum(-1)
+    if tail:
+        outside = torch.ones_like(z, dtype=torch.bool).scatter(-1, ids, False)
+        q_tail = (logq.exp() * outside).sum(-1)
+        p_tail = 1 - p.sum(-1)
+        kl = kl + p_tail * torch.log(p_tail / q_tail)
+    student_top = logq.detach().topk(ids.shape[-1], dim=-1).indices
+    overlap = (ids[..., :, None] == student_top[..., None, :]).any(-1).double().mean(-1)
+    return {"distillation_losses": kl, "student_mass": lq.detach().exp().sum(-1),
+            "teacher_mass": p.sum(-1), "topk_overlap": overlap}
+
+
+def random_packed_batch(num_seqs: int, generator: torch.Generator, max_len: int = 9):
+    """seq_ids [T] of a packed batch with random lengths (>= 1) and a loss mask with some empty seqs."""
+    lengths = torch.randint(1, max_len + 1, (num_seqs,), generator=generator)
+    seq_ids = torch.repeat_interleave(torch.arange(num_seqs), lengths)
+    mask = torch.rand(seq_ids.numel(), generator=generator) < 0.7
+    mask[seq_ids == 0] = False                      # one sequence without any loss token
+    return seq_ids, mask
+
+
+def random_split(num_seqs: int, parts: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """A random partition of the sequence indices into ``parts`` groups (some may be empty)."""
+    perm = torch.randperm(num_seqs, generator=generator)
+    owner = torch.randint(0, parts, (num_seqs,), generator=generator)
+    return [perm[owner[perm] == i] for i in range(parts)]

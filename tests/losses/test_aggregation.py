@@ -1,0 +1,88 @@
+"""agg_loss: float64 reference (values and gradients), micro-batch split invariance, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_engine.losses import AGG_MODES, LossContext, agg_loss, tokens_per_sequence
+from tests.losses.reference import random_packed_batch, random_split, ref_agg
+from tests.utils import REL_TOL, assert_rel_close
+
+
+def _global_ctx(seq_ids, mask):
+    n_seqs = len({int(s) for s in seq_ids[mask].tolist()})           # sequences with a loss token
+    return LossContext.from_counts(mask.sum(), n_seqs)
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_agg_loss_matches_reference(mode, dtype):
+    g = torch.Generator().manual_seed(AGG_MODES.index(mode) + 10 * (dtype == torch.float32))
+    seq_ids, mask = random_packed_batch(13, g)
+    values = torch.randn(seq_ids.numel(), generator=g, dtype=torch.float64)
+    values_in = values.to(dtype).requires_grad_()
+    ctx = _global_ctx(seq_ids, mask)
+    values_c, mask_c, ids_c = values_in.detach().clone(), mask.clone(), seq_ids.clone()
+    out = agg_loss(values_in, mask, seq_ids, mode, ctx)
+    assert out.dtype == dtype and out.dim() == 0
+    ref_in = values_in.detach().double().requires_grad_()
+    ref = ref_agg(ref_in, mask, seq_ids, mode, ctx.global_num_tokens.double(), ctx.global_num_seqs.double())
+    assert_rel_close(out, ref, REL_TOL[dtype] if dtype != torch.float64 else 1e-12, f"{mode} value")
+    upstream = torch.randn((), generator=g, dtype=torch.float64) + 2
+    (out * upstream.to(dtype)).backward()
+    (ref * upstream).backward()
+    assert_rel_close(values_in.grad, ref_in.grad, REL_TOL[torch.float32], f"{mode} grad")
+    assert torch.equal(values_in.detach(), values_c) and torch.equal(mask, mask_c)
+    assert torch.equal(seq_ids, ids_c)
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_agg_loss_is_invariant_under_micro_batch_split(mode):
+    g = torch.Generator().manual_seed(7)
+    seq_ids, mask = random_packed_batch(17, g)
+    values = torch.randn(seq_ids.numel(), generator=g).requires_grad_()
+    ctx = _global_ctx(seq_ids, mask)
+    whole = agg_loss(values, mask, seq_ids, mode, ctx)
+    (whole_grad,) = torch.autograd.grad(whole, values)
+    for parts in (1, 2, 5):
+        total = values.new_zeros(())
+        for seqs in random_split(17, parts, g):
+            # tokens of the chosen sequences, in a shuffled order (ids need not be sorted or dense)
+            idx = torch.nonzero(torch.isin(seq_ids, seqs)).flatten()
+            idx = idx[torch.randperm(idx.numel(), generator=g)]
+            total = total + agg_loss(values[idx], mask[idx], seq_ids[idx] * 3 + 100, mode, ctx)
+        (grad,) = torch.autograd.grad(total, values)
+        assert_rel_close(total, whole, REL_TOL[torch.float32], f"{mode} split into {parts}: value")
+        assert_rel_close(grad, whole_grad, REL_TOL[torch.float32], f"{mode} split into {parts}: grad")
+
+
+def test_tokens_per_sequence_and_empty_input():
+    seq_ids = torch.tensor([5, 2, 5, 9, 2, 5])
+    mask = torch.tensor([1, 1, 0, 1, 1, 1], dtype=torch.bool)
+    assert torch.equal(tokens_per_sequence(mask, seq_ids), torch.tensor([2.0, 2.0, 2.0, 1.0, 2.0, 2.0]))
+    ctx = LossContext.from_counts(4, 3)
+    empty = torch.empty(0, requires_grad=True)
+    for mode in AGG_MODES:
+        out = agg_loss(empty, torch.empty(0, dtype=torch.bool), torch.empty(0, dtype=torch.long), mode, ctx)
+        assert out.item() == 0.0
+        out.backward()
+
+
+def test_agg_loss_rejects_bad_input():
+    ctx = LossContext.from_counts(4, 2)
+    v, m, s = torch.randn(4), torch.ones(4), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        agg_loss(v, m, s, "seq-sum", ctx)
+    with pytest.raises(ValueError, match="loss_mask"):
+        agg_loss(v, m[:3], s, "token-mean", ctx)
+    with pytest.raises(ValueError, match="seq_ids"):
+        agg_loss(v, m, None, "seq-mean-token-mean", ctx)
+    with pytest.raises(ValueError, match="seq_ids"):
+        agg_loss(v, m, s.float(), "seq-mean-token-mean", ctx)
+    with pytest.raises(ValueError, match="values"):
+        agg_loss(s, m, s, "token-mean", ctx)
+    with pytest.raises(ValueError, match="global_num_tokens"):
+        LossContext(global_num_tokens=torch.ones(2), global_num_seqs=torch.tensor(1.0))
+    with pytest.raises(ValueError, match="dp_size"):
+        LossContext.from_counts(1, 1, dp_size=0)
