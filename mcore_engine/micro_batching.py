@@ -1,0 +1,111 @@
+"""Split a batch into micro-batches (by count or by token budget) and put outputs back in order.
+
+Both modes return ``(micro_batches, order)``: ``order[i]`` is the original batch index of the i-th
+sample when the micro-batches are concatenated, so per-sample results come back with
+
+    restored = concatenated[torch.argsort(torch.tensor(order))]        # == restore_order(...)
+
+By count the order is the identity. By token budget (``use_dynamic_bsz``) the sequences are spread
+over ``k`` micro-batches with a balanced greedy partition (longest first, each into the currently
+lightest micro-batch), ``k`` starting at ``ceil(total_tokens / max_token_len_per_gpu)`` and growing
+until every micro-batch fits the budget. Micro-batches are TensorDict index views of the batch
+(``batch[idx]``): one copy of each selected tensor, the input is never modified.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from tensordict import TensorDictBase
+
+from mcore_engine.batch_layout import is_jagged, sequence_lengths
+
+
+def balanced_partition(lengths: Sequence[int], budget: int, *, min_parts: int = 1) -> list[list[int]]:
+    """Partition indices of ``lengths`` into the fewest groups (>= ``min_parts``) of sum <= ``budget``.
+
+    Greedy: for ``k = max(min_parts, ceil(sum / budget)), k + 1, ...`` place the indices by decreasing
+    length, each into the group with the smallest sum so far; stop at the first ``k`` where all fit.
+    Each group is sorted ascending; groups are ordered by their first index. A length above
+    ``budget`` raises ``ValueError`` naming ``max_token_len_per_gpu``.
+    """
+    n = len(lengths)
+    if budget <= 0:
+        raise ValueError(f"max_token_len_per_gpu must be a positive int, got {budget}")
+    too_long = [i for i, length in enumerate(lengths) if length > budget]
+    if too_long:
+        raise ValueError(f"max_token_len_per_gpu={budget} is smaller than sequence {too_long[0]} of "
+                         f"{lengths[too_long[0]]} tokens")
+    if min_parts > n:
+        raise ValueError(f"min_num_micro_batches={min_parts} exceeds the {n} sequences of the batch")
+    by_length = sorted(range(n), key=lambda i: (-lengths[i], i))
+    k = max(min_parts, math.ceil(sum(lengths) / budget), 1)
+    while True:
+        loads, groups = [0] * k, [[] for _ in range(k)]
+        for i in by_length:
+            g = min(range(k), key=lambda j: (loads[j], j))
+            if loads[g] + lengths[i] > budget:
+                break
+            loads[g] += lengths[i]
+            groups[g].append(i)
+        else:
+            groups = [sorted(g) for g in groups if g]
+            return sorted(groups, key=lambda g: g[0])
+        k += 1
+
+
+def split_micro_batches(batch: TensorDictBase, flags, *, default_micro_batch_size: int,
+                        min_num_micro_batches: int = 1) -> tuple[list[TensorDictBase], list[int]]:
+    """Split ``batch`` (``[B]``) into micro-batches; return them and ``order`` (see module docstring).
+
+    ``flags`` is a :class:`mcore_engine.data.StepFlags`. By count: ``flags.micro_batch_size_per_gpu``
+    (or ``default_micro_batch_size``) consecutive sequences per micro-batch, the last one smaller.
+    By token budget (``flags.use_dynamic_bsz``): real tokens per micro-batch <=
+    ``flags.max_token_len_per_gpu``, at least ``min_num_micro_batches`` micro-batches (lets DP ranks
+    agree on one count). Non-tensor entries (the flags) travel with every micro-batch.
+    """
+    size = batch.batch_size[0]
+    if flags.use_dynamic_bsz:
+        lengths = sequence_lengths(batch).tolist()
+        groups = balanced_partition(lengths, flags.max_token_len_per_gpu, min_parts=min_num_micro_batches)
+    else:
+        mbs = flags.micro_batch_size_per_gpu or default_micro_batch_size
+        if not isinstance(mbs, int) or mbs <= 0:
+            raise ValueError(f"micro_batch_size_per_gpu must be a positive int, got {mbs!r}")
+        groups = [list(range(start, min(start + mbs, size))) for start in range(0, size, mbs)]
+    order = [i for g in groups for i in g]
+    micro_batches = [batch[torch.tensor(g, dtype=torch.int64)] for g in groups]
+    return micro_batches, order
+
+
+def restore_order(items: Sequence, order: Sequence[int]) -> list:
+    """Put per-sample ``items`` (listed in micro-batch order) back in the batch's original order."""
+    if sorted(order) != list(range(len(items))):
+        raise ValueError(f"order must be a permutation of range({len(items)}), got {list(order)}")
+    restored = [None] * len(items)
+    for item, index in zip(items, order, strict=True):
+        restored[index] = item
+    return restored
+
+
+def merge_micro_batches(outputs: Sequence[torch.Tensor], order: Sequence[int]) -> torch.Tensor:
+    """Concatenate per-micro-batch outputs and restore the original sample order.
+
+    Each output is in its micro-batch's input layout (from :func:`mcore_engine.packing.unpack_per_token`):
+    jagged nested ``[b, j, ...]`` -> jagged ``[B, j, ...]``; padded ``[b, S, ...]`` or per-sample
+    ``[b, ...]`` dense tensors -> ``[B, ...]``. Autograd flows through. Memory: one copy of the outputs.
+    """
+    if not outputs:
+        raise ValueError("outputs must hold at least one micro-batch output")
+    inverse = torch.argsort(torch.tensor(list(order), dtype=torch.int64))
+    if is_jagged(outputs[0]):
+        rows = restore_order([row for out in outputs for row in out.unbind()], order)
+        lengths = torch.tensor([0] + [row.shape[0] for row in rows], dtype=torch.int64)
+        offsets = lengths.cumsum(0).to(rows[0].device)
+        return torch.nested.nested_tensor_from_jagged(torch.cat(rows), offsets=offsets)
+    merged = torch.cat(list(outputs), dim=0)
+    if merged.shape[0] != len(order):
+        raise ValueError(f"outputs hold {merged.shape[0]} samples, order has {len(order)}")
+    return merged[inverse.to(merged.device)]
