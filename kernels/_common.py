@@ -1,0 +1,68 @@
+"""Launcher plumbing shared by the kernels: argument checks, temperature modes, Triton helpers.
+
+Temperature arrives as the ops pass it (``mcore_engine.ops.temperature.temperature_rows``):
+None (unit: never divide), a host float, or a per-row float32 tensor ``[c]``. Kernels take it as
+``(t_ptr, t_scalar, T_MODE)`` with ``T_MODE`` 0 / 1 / 2 for those three cases.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+T_NONE, T_SCALAR, T_ROWS = 0, 1, 2
+
+
+def temperature_args(t: float | torch.Tensor | None, rows: int, device: torch.device
+                     ) -> tuple[torch.Tensor | None, float, int]:
+    """``t`` -> (t_ptr, t_scalar, T_MODE) for a kernel launch over ``rows`` rows."""
+    if t is None:
+        return None, 1.0, T_NONE
+    if isinstance(t, torch.Tensor):
+        if t.shape != (rows,) or t.dtype != torch.float32 or t.device != device:
+            raise ValueError(f"t must be a float32 tensor [c] = [{rows}] on {device}, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+        return t, 1.0, T_ROWS
+    return None, float(t), T_SCALAR
+
+
+def check_chunk(x: torch.Tensor, name: str = "x") -> None:
+    """``x`` must be a 2-d floating chunk ``[c, V]`` on a device Triton can address."""
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point chunk [c, V], got {x.dtype} {tuple(x.shape)}")
+
+
+def check_rows(v: torch.Tensor, name: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> None:
+    """``v`` must have ``shape`` (and ``dtype`` unless None)."""
+    if tuple(v.shape) != shape or (dtype is not None and v.dtype != dtype):
+        raise ValueError(f"{name} must be {dtype or 'a tensor'} of shape {shape}, got {v.dtype} "
+                         f"{tuple(v.shape)}")
+
+
+@triton.jit
+def divide_by_temperature(v, t_ptr, row, t_scalar, T_MODE: tl.constexpr):
+    """``v / t`` for this row's temperature (``v`` unchanged when ``T_MODE`` is 0)."""
+    if T_MODE == 1:
+        v = v / t_scalar
+    elif T_MODE == 2:
+        v = v / tl.load(t_ptr + row)
+    return v
+
+
+def emulate_rtne(out: torch.Tensor) -> bool:
+    """True when fp32 -> ``out.dtype`` stores must round in software: bf16 under the interpreter.
+
+    GPUs round fp32 -> bf16 to nearest-even; Triton's CPU interpreter truncates, doubling the error.
+    """
+    from .dispatch import interpreter_enabled
+
+    return out.dtype == torch.bfloat16 and interpreter_enabled()
+
+
+@triton.jit
+def round_to_bf16_rtne(v):
+    """fp32 ``v`` rounded to the nearest bf16 (ties to even), still fp32: any later cast is then exact."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)

@@ -1,0 +1,130 @@
+"""Triton backward of one chunk: ``mcore_engine.ops.stats.chunk_grad`` fused with ``/ t`` and the cast.
+
+For ``x [c, V_valid]`` (this rank's valid columns), temperature ``t`` (None / float / ``[c]``),
+the saved global row statistics ``m, inv_s = 1 / S`` and per-row coefficients ``a, b, mu, c2 [c]``:
+
+    zm = x.float() / t - m[:, None]
+    p = zm.exp() * inv_s[:, None]
+    g = p * (a + b * (zm - mu) + c2 * p)                      # b, c2 None -> those terms are 0
+    g[row, cols] += vals                                      # point terms (label, teacher ids); 0 off-shard
+    out = (g / t).to(out.dtype)                               # gradient w.r.t. the logits chunk
+
+Grid ``(c, splits)``; each program streams its column range in ``block_v`` tiles and writes ``out``
+directly (a view into the caller's preallocated gradient, in the logits' dtype). Point terms are
+matched per tile against the ``n`` point columns (``n`` compares per element). Memory: nothing
+beyond ``out``; reads ``x`` once, writes ``out`` once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    check_chunk,
+    check_rows,
+    divide_by_temperature,
+    emulate_rtne,
+    round_to_bf16_rtne,
+    temperature_args,
+)
+from .launch import LaunchConfig, get_config, num_splits, split_cols
+
+
+@triton.jit
+def _chunk_grad_kernel(
+    x_ptr,  # [c, V] logits chunk (any float dtype), strides (stride_xr, stride_xc)
+    t_ptr,  # [c] fp32 per-row temperature (T_MODE 2)
+    m_ptr,  # [c] fp32 global row max of z
+    inv_s_ptr,  # [c] fp32 1 / S
+    a_ptr,  # [c] fp32
+    b_ptr,  # [c] fp32 (HAS_B)
+    mu_ptr,  # [c] fp32 A / S (HAS_B)
+    c2_ptr,  # [c] fp32 (HAS_C2)
+    pcol_ptr,  # [c, N_PTS] int64 point columns (clamped), strides (stride_pr, stride_pk)
+    pval_ptr,  # [c, N_PTS] fp32 point values (0 off-shard), strides (stride_vr, stride_vk)
+    out_ptr,  # [c, V] out, any float dtype, strides (stride_or, stride_oc)
+    stride_xr, stride_xc, stride_pr, stride_pk, stride_vr, stride_vk, stride_or, stride_oc,
+    t_scalar, n_cols, cols_per_split,
+    HAS_B: tl.constexpr, HAS_C2: tl.constexpr, N_PTS: tl.constexpr,
+    T_MODE: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    lo = split * cols_per_split
+    hi = tl.minimum(lo + cols_per_split, n_cols)
+    x_row = x_ptr + row * stride_xr
+    out_row = out_ptr + row * stride_or
+    m = tl.load(m_ptr + row)
+    inv_s = tl.load(inv_s_ptr + row)
+    a = tl.load(a_ptr + row)
+    if HAS_B:
+        b = tl.load(b_ptr + row)
+        mu = tl.load(mu_ptr + row)
+    if HAS_C2:
+        c2 = tl.load(c2_ptr + row)
+    for start in range(lo, hi, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        valid = cols < hi
+        x = tl.load(x_row + cols * stride_xc, mask=valid, other=float("-inf")).to(tl.float32)
+        zm = divide_by_temperature(x, t_ptr, row, t_scalar, T_MODE) - m
+        p = tl.exp(zm) * inv_s
+        inner = tl.zeros([BLOCK_V], tl.float32) + a
+        if HAS_B:
+            inner += b * (zm - mu)
+        if HAS_C2:
+            inner += c2 * p
+        g = tl.where(p > 0, p * inner, 0.0)  # guards 0 * inf for -inf logits
+        for i in tl.static_range(N_PTS):
+            col_i = tl.load(pcol_ptr + row * stride_pr + i * stride_pk)
+            val_i = tl.load(pval_ptr + row * stride_vr + i * stride_vk)
+            g += tl.where(cols == col_i, val_i, 0.0)
+        g = divide_by_temperature(g, t_ptr, row, t_scalar, T_MODE)
+        if EMULATE_RTNE:
+            g = round_to_bf16_rtne(g)
+        tl.store(out_row + cols * stride_oc, g.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+def chunk_grad(x: torch.Tensor, t: float | torch.Tensor | None, m: torch.Tensor, inv_s: torch.Tensor,
+               a: torch.Tensor, b: torch.Tensor | None, mu: torch.Tensor | None, c2: torch.Tensor | None,
+               cols: torch.Tensor | None, vals: torch.Tensor | None, out: torch.Tensor, *,
+               splits: int | None = None, config: LaunchConfig | None = None) -> torch.Tensor:
+    """Write the gradient w.r.t. the logits chunk ``x [c, V_valid]`` into ``out [c, V_valid]`` (returned).
+
+    The math is the module docstring's. ``m, inv_s, a`` (and ``mu`` with ``b``) are fp32 ``[c]``;
+    ``cols [c, n]`` int64 (clamped local columns) with ``vals [c, n]`` fp32, or both None. ``out`` has
+    the logits' dtype (any float dtype) and may be a strided view into the full gradient. Allocates
+    nothing.
+    """
+    check_chunk(x)
+    rows, n_cols = x.shape
+    for name, v in (("m", m), ("inv_s", inv_s), ("a", a), ("b", b), ("mu", mu), ("c2", c2)):
+        if v is not None:
+            check_rows(v, name, (rows,), torch.float32)
+    if (b is None) != (mu is None):
+        raise ValueError("b and mu must be given together (entropy term) or both be None")
+    check_chunk(out, "out")
+    check_rows(out, "out", (rows, n_cols), None)
+    if (cols is None) != (vals is None):
+        raise ValueError("cols and vals must be given together or both be None")
+    n_pts = 0
+    if cols is not None:
+        n_pts = cols.shape[-1] if cols.dim() == 2 else -1
+        check_rows(cols, "cols", (rows, n_pts), torch.int64)
+        check_rows(vals, "vals", (rows, n_pts), torch.float32)
+    t_ptr, t_scalar, t_mode = temperature_args(t, rows, x.device)
+    if rows == 0 or n_cols == 0:
+        return out
+    cfg = config or get_config("chunk_grad")
+    splits = splits or num_splits(rows, n_cols, cfg.block_v, x.device)
+    pr, pk = cols.stride() if n_pts else (0, 0)
+    vr, vk = vals.stride() if n_pts else (0, 0)
+    _chunk_grad_kernel[(rows, splits)](
+        x, t_ptr, m, inv_s, a, b, mu, c2, cols, vals, out,
+        x.stride(0), x.stride(1), pr, pk, vr, vk, out.stride(0), out.stride(1),
+        t_scalar, n_cols, split_cols(n_cols, splits, cfg.block_v),
+        HAS_B=b is not None, HAS_C2=c2 is not None, N_PTS=n_pts,
+        T_MODE=t_mode, EMULATE_RTNE=emulate_rtne(out), BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
+    )
+    return out
