@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict, TensorDictBase, is_non_tensor
 
 from mcore_engine.batch_layout import (
     INPUT_KEYS,
@@ -180,7 +180,7 @@ def pack_micro_batch(mb: TensorDictBase, *, data_format: str, temperature: float
 
     # --- 3. temperature per token (from a per-sample tensor) and teacher top-k ---
     if temperature is None:
-        if "temperature" not in mb.keys():
+        if "temperature" not in mb.keys() or is_non_tensor(mb.get("temperature")):
             raise ValueError("temperature=None needs a per-sample tensor temperature [b] in the batch")
         per_sample = mb["temperature"].to(device=device, dtype=torch.float32)
         temperature = scatter(per_sample[seq_of_token.to(device)], fill=1.0)
