@@ -1,0 +1,163 @@
+"""Values and gradients of every op against the float64 reference, on 1, 2 and 4 gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mcore_engine.ops import (
+    vocab_parallel_entropy,
+    vocab_parallel_forward_kl_topk,
+    vocab_parallel_log_probs,
+    vocab_parallel_logits_outputs,
+    vocab_parallel_sum_pi_squared,
+    vocab_parallel_topk,
+)
+from tests.ops._cases import Case, case_inputs, shard_of, weighted_sum
+from tests.utils import REL_TOL, assert_rel_close, reference_logits_outputs, run_distributed
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+# Odd shapes; N never a multiple of the chunk rows; padded vocab; every temperature kind.
+CASES = [
+    Case(1, (13,), 37, F32, temperature="1", chunk_size=4),
+    Case(2, (1, 11), 41, F32, pad=5, temperature="0.7", chunk_size=3, clamp=-3.0),
+    Case(3, (3, 5), 29, F32, temperature="0d", chunk_size=None, kl_tail=True),
+    Case(4, (2, 7), 33, F32, pad=7, temperature="tok", chunk_size=5, clamp=-2.5, kl_tail=True, k=6),
+    Case(5, (9,), 45, BF16, temperature="0.7", chunk_size=2, kl_tail=True),
+    Case(6, (2, 3), 31, BF16, pad=3, temperature="tok", chunk_size=4, clamp=-3.0),
+    Case(7, (1, 6), 26, BF16, temperature="1", chunk_size=1),
+]
+FLAGS = dict(entropy=True, sum_pi_squared=True)
+
+
+def _group(world: int):
+    return dist.group.WORLD if world > 1 else None
+
+
+def _check_fused(case: Case, rank: int, world: int) -> None:
+    """All outputs from one call + each public op alone: values and grads vs the float64 reference."""
+    inp = case_inputs(case, world)
+    tol = REL_TOL[case.dtype]
+    teacher = dict(teacher_ids=inp["teacher_ids"], teacher_log_probs=inp["teacher_log_probs"])
+    common = dict(temperature=inp["temperature"], vocab_size=inp["vocab_size"])
+    full64 = inp["full"].double().requires_grad_()
+    ref = reference_logits_outputs(full64, labels=inp["labels"], **teacher, **FLAGS, kl_tail=case.kl_tail,
+                                   log_prob_min_clamp=case.clamp, **common)
+    (ref_grad,) = torch.autograd.grad(weighted_sum(ref, inp["weights"]), full64, retain_graph=True)
+    ref_grad = ref_grad[..., rank * case.v_local:(rank + 1) * case.v_local]
+    name = f"{case} rank {rank}/{world}"
+
+    x = shard_of(inp["full"], rank, case.v_local)
+    out = vocab_parallel_logits_outputs(x, labels=inp["labels"], **teacher, **FLAGS, kl_tail=case.kl_tail,
+                                        log_prob_min_clamp=case.clamp, group=_group(world),
+                                        chunk_size=case.chunk_size, **common)
+    assert set(out) == set(ref), name
+    for key in ref:
+        assert out[key].dtype == torch.float32 and out[key].shape == case.lead, (name, key)
+        assert_rel_close(out[key], ref[key], tol, f"{name} {key}")
+    weighted_sum(out, inp["weights"]).backward()
+    assert x.grad.dtype == case.dtype
+    assert_rel_close(x.grad, ref_grad, tol, f"{name} grad")
+
+    # Each public op on its own: value + gradient of its single output.
+    kw = dict(group=_group(world), chunk_size=case.chunk_size, **common)
+    single = {
+        "log_probs": lambda y: vocab_parallel_log_probs(y, inp["labels"], **kw),
+        "entropy": lambda y: vocab_parallel_entropy(y, **kw),
+        "sum_pi_squared": lambda y: vocab_parallel_sum_pi_squared(y, **kw),
+        "distillation_losses": lambda y: vocab_parallel_forward_kl_topk(
+            y, inp["teacher_ids"], inp["teacher_log_probs"], log_prob_min_clamp=case.clamp,
+            kl_tail=case.kl_tail, **kw)["distillation_losses"],
+    }
+    for key, fn in single.items():
+        y = shard_of(inp["full"], rank, case.v_local)
+        val = fn(y)
+        assert_rel_close(val, ref[key], tol, f"{name} {key} (single op)")
+        w = inp["weights"][key]
+        (val.double() * w).sum().backward()
+        (g64,) = torch.autograd.grad((ref[key] * w).sum(), full64, retain_graph=True)
+        assert_rel_close(y.grad, g64[..., rank * case.v_local:(rank + 1) * case.v_local], tol,
+                         f"{name} {key} (single op) grad")
+
+
+def _check_chunk_invariance(rank: int, world: int) -> None:
+    case = Case(11, (2, 9), 39, F32, pad=4, temperature="tok", kl_tail=True, clamp=-3.0)
+    inp = case_inputs(case, world)
+    results = []
+    for chunk in (1, 4, 7, None, 1000):
+        x = shard_of(inp["full"], rank, case.v_local)
+        out = vocab_parallel_logits_outputs(
+            x, labels=inp["labels"], teacher_ids=inp["teacher_ids"],
+            teacher_log_probs=inp["teacher_log_probs"], **FLAGS, kl_tail=True, log_prob_min_clamp=-3.0,
+            temperature=inp["temperature"], vocab_size=inp["vocab_size"], group=_group(world),
+            chunk_size=chunk)
+        weighted_sum(out, inp["weights"]).backward()
+        results.append((out, x.grad))
+    for out, grad in results[1:]:
+        for key in out:
+            assert_rel_close(out[key], results[0][0][key], 1e-6, f"chunk invariance {key}")
+        assert_rel_close(grad, results[0][1], 1e-6, "chunk invariance grad")
+
+
+def _check_topk(rank: int, world: int) -> None:
+    """Ids on other ranks' shards, equal values on every shard (duplicates), k > V_local, padding."""
+    v_local = 7
+    big_k = v_local + 3 if world > 1 else v_local  # k > V_local whenever there are other shards
+    for seed, k, pad, temperature in ((21, 3, 0, 1.0), (22, big_k, 0, 0.7), (23, 5, 2, "tok")):
+        case = Case(seed, (2, 5), v_local, F32, pad=pad,
+                    temperature=temperature if temperature == "tok" else "1")
+        inp = case_inputs(case, world)
+        t = inp["temperature"] if temperature == "tok" else temperature
+        full = inp["full"]
+        if seed == 21:  # every shard holds the same values: local top-k candidates tie across ranks
+            full = full[..., :v_local].repeat(1, 1, world)
+        x = shard_of(full, rank, v_local)
+        lp, ids = vocab_parallel_topk(x, k, temperature=t, group=_group(world), vocab_size=inp["vocab_size"])
+        assert lp.shape == ids.shape == case.lead + (k,) and not lp.requires_grad and ids.dtype == torch.int64
+        vocab = inp["vocab_size"] or v_local * world
+        tt = t.unsqueeze(-1) if isinstance(t, torch.Tensor) else t
+        ref_lsm = (full.double()[..., :vocab] / tt).log_softmax(-1)
+        ref_vals = ref_lsm.topk(k, dim=-1).values
+        assert_rel_close(lp, ref_vals, 1e-6, f"topk values k={k}")
+        assert (ids >= 0).all() and (ids < vocab).all()
+        assert_rel_close(ref_lsm.gather(-1, ids), ref_vals, 1e-6, f"topk ids k={k}")
+        assert (ids.sort(-1).values.diff(dim=-1) > 0).all(), "top-k ids must be distinct"
+        assert (lp.diff(dim=-1) <= 0).all(), "top-k must be sorted descending"
+        if world > 1:
+            gathered = [torch.empty_like(ids) for _ in range(world)]
+            dist.all_gather(gathered, ids)
+            assert all(torch.equal(g_, ids) for g_ in gathered), "top-k ids differ across ranks"
+
+
+def _check_zero_tokens(rank: int, world: int) -> None:
+    x = torch.randn(0, 5, 11).requires_grad_()
+    labels = torch.zeros(0, 5, dtype=torch.int64)
+    out = vocab_parallel_logits_outputs(x, labels=labels, **FLAGS, temperature=0.7, group=_group(world))
+    assert all(o.shape == (0, 5) for o in out.values())
+    sum(o.sum() for o in out.values()).backward()
+    assert x.grad.shape == x.shape
+    lp, ids = vocab_parallel_topk(x, 3, group=_group(world))
+    assert lp.shape == ids.shape == (0, 5, 3)
+
+
+def _run_all(rank: int, world: int, case_indices: list[int]) -> None:
+    for i in case_indices:
+        _check_fused(CASES[i], rank, world)
+    _check_chunk_invariance(rank, world)
+    _check_topk(rank, world)
+    _check_zero_tokens(rank, world)
+
+
+def test_one_shard_in_process() -> None:
+    _run_all(0, 1, list(range(len(CASES))))
+
+
+def test_two_ranks() -> None:
+    run_distributed(_run_all, 2, list(range(len(CASES))))
+
+
+@pytest.mark.slow
+def test_four_ranks() -> None:
+    run_distributed(_run_all, 4, [1, 3, 5])
