@@ -1,0 +1,152 @@
+"""Top-k distillation processors and the overlap metric against a float64 full-vocab reference.
+
+One process for the 1-shard checks; one gloo launch (2 ranks) for the vocab-parallel processor
+(TP=2, padded vocab) and for data-parallel additivity of ``distillation_ppo_loss`` contributions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mcore_engine.losses import (
+    LossContext,
+    distillation_ppo_loss,
+    forward_kl_topk,
+    forward_kl_topk_tail,
+    make_forward_kl_topk,
+    topk_overlap,
+)
+from tests.losses.reference import make_teacher, random_packed_batch, ref_agg, ref_forward_kl_topk
+from tests.utils import REL_TOL, assert_rel_close, run_distributed
+
+KEYS = ("distillation_losses", "student_mass", "teacher_mass", "topk_overlap")
+
+
+def _check_processor(fn, logits, data, ref, dtype, what, grad_shard=slice(None)):
+    """Values of every output and the gradient of sum(g * distillation_losses) vs the reference."""
+    tol = REL_TOL[dtype]
+    out = fn(logits, data, "thd")
+    assert set(out) == set(KEYS), f"{what}: keys {sorted(out)}"
+    lead = logits.shape[:-1]
+    for key in KEYS:
+        if key == "topk_overlap" and dtype != torch.float32:
+            continue                                     # bf16 ties make the student's top-k order ambiguous
+        assert out[key].dtype == torch.float32 and out[key].shape == lead, f"{what}: {key} shape/dtype"
+        assert_rel_close(out[key], ref[key].reshape(lead), tol, f"{what}: {key}")
+    g = torch.randn(lead, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    (grad,) = torch.autograd.grad((out["distillation_losses"] * g.float()).sum(), logits)
+    return grad, g
+
+
+@pytest.mark.parametrize("tail", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_kl_topk_single_shard(tail, dtype):
+    g = torch.Generator().manual_seed(20 + tail + 2 * (dtype == torch.float32))
+    t, v, k = 37, 203, 7
+    logits = (torch.randn(1, t, v, generator=g, dtype=torch.float64) * 2).to(dtype).requires_grad_()
+    ids, tlp = make_teacher(t, v, k, g)
+    data = {"teacher_ids": ids, "teacher_logprobs": tlp}           # flat [T, K] for [1, T, V] logits
+    before = (logits.detach().clone(), ids.clone(), tlp.clone())
+    fn = forward_kl_topk_tail if tail else forward_kl_topk
+    ref_logits = logits.detach().double().requires_grad_()
+    ref = ref_forward_kl_topk(ref_logits, ids.view(1, t, k), tlp.view(1, t, k), tail=tail)
+    grad, up = _check_processor(fn, logits, data, ref, dtype, f"tail={tail} {dtype}")
+    (ref_grad,) = torch.autograd.grad((ref["distillation_losses"] * up).sum(), ref_logits)
+    assert_rel_close(grad, ref_grad, REL_TOL[dtype], f"tail={tail} {dtype}: grad")
+    for b, a in zip(before, (logits.detach(), ids, tlp), strict=True):
+        assert torch.equal(a, b), "inputs must not be modified"
+
+
+def test_clamped_factory_and_padded_vocab():
+    g = torch.Generator().manual_seed(31)
+    b, s, v, vocab, k = 2, 5, 64, 61, 5
+    logits = (torch.randn(b, s, v, generator=g, dtype=torch.float64) * 4).float().requires_grad_()
+    ids, tlp = make_teacher(b * s, vocab, k, g, sharpness=1.0)
+    ids, tlp = ids.view(b, s, k), tlp.view(b, s, k)
+    clamp = -3.0
+    fn = make_forward_kl_topk(log_prob_min_clamp=clamp, vocab_size=vocab, chunk_size=3)
+    ref_logits = logits.detach().double().requires_grad_()
+    ref = ref_forward_kl_topk(ref_logits, ids, tlp, clamp=clamp, vocab_size=vocab)
+    lq = torch.log_softmax(ref_logits.detach()[..., :vocab], -1).gather(-1, ids)
+    assert (lq < clamp).any() and (tlp < clamp).any(), "inputs must exercise the clamp"
+    grad, up = _check_processor(fn, logits, {"teacher_ids": ids, "teacher_logprobs": tlp}, ref,
+                                torch.float32, "clamped bshd")
+    (ref_grad,) = torch.autograd.grad((ref["distillation_losses"] * up).sum(), ref_logits)
+    assert_rel_close(grad, ref_grad, REL_TOL[torch.float32], "clamped bshd: grad")
+    assert (grad[..., vocab:] == 0).all(), "padded vocab entries get no gradient"
+    no_overlap = make_forward_kl_topk(tail=True, compute_overlap=False)
+    assert "topk_overlap" not in no_overlap(logits, {"teacher_ids": ids, "teacher_logprobs": tlp}, "bshd")
+
+
+def test_topk_overlap_and_bad_input():
+    g = torch.Generator().manual_seed(41)
+    teacher = torch.stack([torch.randperm(30, generator=g)[:6] for _ in range(50)]).view(5, 10, 6)
+    student = torch.stack([torch.randperm(30, generator=g)[:4] for _ in range(50)]).view(5, 10, 4)
+    brute = (teacher[..., :, None] == student[..., None, :]).any(-1).float().mean(-1)
+    assert torch.equal(topk_overlap(teacher, student), brute)
+    assert 0 < brute.mean() < 1
+    assert torch.equal(topk_overlap(teacher, teacher.flip(-1)), torch.ones(5, 10))
+    with pytest.raises(ValueError, match="student_ids"):
+        topk_overlap(teacher, student[:2])
+    logits = torch.randn(4, 10)
+    data = {"teacher_ids": torch.zeros(4, 2, dtype=torch.long), "teacher_logprobs": torch.full((4, 2), -1.0)}
+    with pytest.raises(ValueError, match="data_format"):
+        forward_kl_topk(logits, data, "sbhd")
+    with pytest.raises(ValueError, match="teacher_logprobs"):
+        forward_kl_topk(logits, {"teacher_ids": data["teacher_ids"]}, "thd")
+    with pytest.raises(ValueError, match="log_prob_min_clamp"):
+        make_forward_kl_topk(log_prob_min_clamp=1.0)
+
+
+def _two_rank_checks(rank, world, full_logits, ids, tlp, vocab, seq_ids, mask, adv):
+    # --- TP=2: each rank holds its vocab shard of the same logits; padded vocab ---
+    v_local = full_logits.shape[-1] // world
+    shard = full_logits[..., rank * v_local:(rank + 1) * v_local].float().clone().requires_grad_()
+    fn = make_forward_kl_topk(tail=True, vocab_size=vocab, group=dist.group.WORLD, chunk_size=4)
+    ref_logits = full_logits.clone().requires_grad_()
+    ref = ref_forward_kl_topk(ref_logits, ids, tlp, tail=True, vocab_size=vocab)
+    grad, up = _check_processor(fn, shard, {"teacher_ids": ids, "teacher_logprobs": tlp}, ref,
+                                torch.float32, f"TP rank {rank}")
+    (ref_grad,) = torch.autograd.grad((ref["distillation_losses"] * up).sum(), ref_logits)
+    assert_rel_close(grad, ref_grad[..., rank * v_local:(rank + 1) * v_local], REL_TOL[torch.float32],
+                     f"TP rank {rank}: grad")
+
+    # --- DP=2: each rank holds half of the sequences; contributions all-reduce to the global loss ---
+    ctx = LossContext.from_counts(mask.sum(), len(set(seq_ids[mask].tolist())), dp_size=world)
+    t = seq_ids.numel()
+    per_token = torch.randn(2, t, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    mine = torch.nonzero(seq_ids % world == rank).flatten()
+    dl = per_token[0].float().requires_grad_()
+    lp = (-per_token[1].abs()).float().requires_grad_()
+    loss_fn = distillation_ppo_loss(loss_agg_mode="seq-mean-token-mean", distillation_loss_coef=0.5)
+    outputs = {"distillation_losses": dl[mine], "log_probs": lp[mine]}
+    data = {"loss_mask": mask[mine], "seq_ids": seq_ids[mine], "advantages": adv[mine]}
+    loss, _ = loss_fn(outputs, data, ctx)
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    grads = torch.stack([dl.grad, lp.grad])
+    dist.all_reduce(grads)
+    dl_ref, lp_ref = per_token[0].clone().requires_grad_(), (-per_token[1].abs()).requires_grad_()
+    n, b = ctx.global_num_tokens.double(), ctx.global_num_seqs.double()
+    from tests.losses.reference import ref_ppo_tokens
+    pg = ref_ppo_tokens(lp_ref, lp_ref.detach(), adv, 0.2, 0.2, 3.0)[0]
+    ref_loss = (0.5 * ref_agg(dl_ref, mask, seq_ids, "seq-mean-token-mean", n, b)
+                + ref_agg(pg, mask, seq_ids, "seq-mean-token-mean", n, b))
+    ref_loss.backward()
+    assert_rel_close(total, ref_loss, REL_TOL[torch.float32], "DP=2 loss")
+    assert_rel_close(grads, torch.stack([dl_ref.grad, lp_ref.grad]), REL_TOL[torch.float32], "DP=2 grads")
+
+
+def test_two_ranks_tensor_and_data_parallel():
+    g = torch.Generator().manual_seed(51)
+    t, v, vocab, k = 13, 2 * 45, 87, 6
+    full = torch.randn(1, t, v, generator=g, dtype=torch.float64) * 3
+    ids, tlp = make_teacher(t, vocab, k, g)
+    assert ((ids < v // 2).any(-1) & (ids >= v // 2).any(-1)).sum() > t // 2, "ids on both shards"
+    seq_ids, mask = random_packed_batch(11, g)
+    adv = torch.randn(seq_ids.numel(), generator=g)
+    run_distributed(_two_rank_checks, 2, full, ids.view(1, t, k), tlp.view(1, t, k), vocab,
+                    seq_ids, mask, adv)
