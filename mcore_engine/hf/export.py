@@ -1,0 +1,146 @@
+"""Export the engine's TP/PP-sharded GPTModel chunks as Hugging Face tensors: streamed or to a folder.
+
+``iter_hf_tensors`` yields ``(hf_name, full_tensor)`` in checkpoint order on EVERY rank of the
+model-parallel group (a collective: all TP and PP ranks must consume it to the end, in step):
+
+1. the owning pipeline stage all-gathers the parameter over its TP group
+   (``torch.cat(all_gather(shard), dim=tp_dim)``) and rebuilds the Hugging Face tensors
+   (``layout.hf_from_gathered``: split qkv per group, split gate/up per rank, drop vocab padding);
+2. with PP > 1 it broadcasts each tensor to the other stages.
+
+Memory: one gathered parameter plus its Hugging Face tensors at a time. Yielded tensors can share
+storage with live parameters (TP = 1, replicated norms): copy them to keep them past an update.
+
+``export_hf`` drives the generator on data-parallel rank 0's model-parallel group and global
+rank 0 writes safetensors shards (at most one shard in memory) and ``config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from mcore_engine.config import EngineConfig
+from mcore_engine.hf.checkpoint_io import INDEX_FILE, ShardedSafetensorsWriter
+from mcore_engine.hf.layout import hf_from_gathered
+from mcore_engine.hf.mapping import (
+    hf_shapes,
+    iter_units,
+    model_units,
+    read_hf_config,
+    to_hf_config,
+    unit_rule,
+)
+
+
+def _gather_tp(t: torch.Tensor, dim: int | None, group, size: int) -> torch.Tensor:
+    if dim is None or size == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _owners(local_units: dict, pp_group, pp_size: int) -> list[dict[str, str]]:
+    """Per pipeline rank: {unit: dtype name} of the units it holds (one all_gather_object)."""
+    mine = {unit: str(param.dtype).removeprefix("torch.") for unit, (param, _) in local_units.items()}
+    if pp_size == 1:
+        return [mine]
+    gathered: list = [None] * pp_size
+    dist.all_gather_object(gathered, mine, group=pp_group)
+    return gathered
+
+
+def iter_hf_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, *,
+                    dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream ``(hf_name, tensor)`` for the whole model, in Hugging Face checkpoint order.
+
+    Collective over the TP and PP groups (see the module docstring); ``dtype`` casts each tensor
+    (None: the parameters' dtype). Tensors live on the parameters' device.
+    """
+    model_cfg = cfg.model
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+
+    local: dict[str, tuple[torch.nn.Parameter, object]] = {}
+    for chunk in model_chunks:
+        for unit, param, rule in iter_units(chunk, model_cfg):
+            if not (unit == "output_layer.weight" and model_cfg.tie_word_embeddings):
+                local[unit] = (param, rule)
+    owners = _owners(local, pp_group, pp_size)
+    owner = {}
+    for rank, held in enumerate(owners):
+        for unit in held:
+            owner.setdefault(unit, rank)
+    shapes = hf_shapes(model_cfg)
+    if local:
+        device = next(iter(local.values()))[0].device
+    else:  # a stage without parameters still receives the broadcasts
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+
+    for unit in model_units(model_cfg):
+        if unit not in owner:
+            raise ValueError(f"model_chunks: no pipeline stage holds {unit!r}; cfg.model does not match "
+                             "the model")
+        src = owner[unit]
+        if src == pp_rank:
+            param, rule = local[unit]
+            full = _gather_tp(param.detach(), rule.tp_dim, tp_group, tp_size)
+            tensors = hf_from_gathered(rule, full, model_cfg, tp_size)
+        else:
+            tensors = [(name, None) for name in unit_rule(unit).hf_names]
+        for name, t in tensors:
+            if pp_size > 1:
+                if t is None:
+                    t = torch.empty(shapes[name], dtype=getattr(torch, owners[src][unit]), device=device)
+                else:
+                    t = t.contiguous()
+                dist.broadcast(t, src=dist.get_global_rank(pp_group, src), group=pp_group)
+            yield name, (t if dtype is None else t.to(dtype))
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    """Tokenizer / generation files of the source folder (everything but weights and config)."""
+    for file in src.iterdir():
+        if (file.is_file() and file.suffix not in (".safetensors", ".bin", ".pt")
+                and file.name not in ("config.json", INDEX_FILE)):
+            shutil.copy2(file, dst / file.name)
+
+
+def export_hf(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, out_dir: str | os.PathLike, *,
+              dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write the model as a Hugging Face folder ``out_dir`` (safetensors + ``config.json``).
+
+    Call on every rank. Data-parallel rank 0's model-parallel group streams the tensors
+    (``iter_hf_tensors``); global rank 0 writes them in shards of at most ``max_shard_bytes``.
+    When ``cfg.model.hf_path`` is set, its config fields (token ids, ...) and tokenizer files are
+    carried over. Ends with a barrier. Memory on rank 0: one shard.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    writer = ShardedSafetensorsWriter(out_dir, max_shard_bytes) if rank == 0 else None
+    out_dtype = dtype
+    if parallel_state.get_data_parallel_rank() == 0:
+        for name, tensor in iter_hf_tensors(model_chunks, cfg, dtype=dtype):
+            out_dtype = tensor.dtype
+            if writer is not None:
+                writer.add(name, tensor)
+    if writer is not None:
+        writer.close()
+        hf_path = cfg.model.hf_path
+        base = read_hf_config(hf_path) if hf_path else None
+        config = to_hf_config(cfg.model, dtype=out_dtype or torch.float32, base=base)
+        (Path(out_dir) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if hf_path:
+            _copy_side_files(Path(hf_path), Path(out_dir))
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,99 @@
+"""Tensor layout transforms between Hugging Face tensors and Megatron tensor-parallel shards.
+
+Pure functions (no process groups): ``shard_from_hf`` builds TP rank ``r``'s shard of one Megatron
+parameter by reading only the rows / columns it needs; ``hf_from_gathered`` turns the TP-gathered
+Megatron tensor back into the Hugging Face tensors. The kinds are described in ``mapping.py``.
+
+For ``qkv`` the gathered tensor is, with ``G = ng`` groups, ``Q = heads / ng`` and head dim ``d``::
+
+    full = torch.cat([torch.cat([q[g*Q*d:(g+1)*Q*d], k[g*d:(g+1)*d], v[g*d:(g+1)*d]]) for g in range(G)])
+
+and rank ``r`` holds ``full[r*n:(r+1)*n]`` with ``n = len(full) / tp`` (also when ``ng < tp``, where a
+group is split over ranks, as Megatron-Core does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mcore_engine.config import ModelConfig
+from mcore_engine.hf.mapping import TensorRule, head_dim, num_query_groups
+
+# read(name, dim, start, stop) -> rows (dim 0) or columns (dim 1) [start, stop) of an HF tensor,
+# or the whole tensor when start and stop are None.
+Reader = Callable[..., torch.Tensor]
+
+
+def _qkv_segments(cfg: ModelConfig, start: int, stop: int) -> list[tuple[int, int, int]]:
+    """Rows ``[start, stop)`` of the fused qkv layout as ``(source 0/1/2 = q/k/v, hf_start, hf_stop)``."""
+    d, ng = head_dim(cfg), num_query_groups(cfg)
+    q_rows = cfg.num_attention_heads // ng * d
+    group_rows = q_rows + 2 * d
+    segments = []
+    for g in range(start // group_rows, min(ng, -(-stop // group_rows))):
+        base = g * group_rows
+        for src, offset, size, hf_base in ((0, 0, q_rows, g * q_rows), (1, q_rows, d, g * d),
+                                           (2, q_rows + d, d, g * d)):
+            a, b = max(start, base + offset), min(stop, base + offset + size)
+            if a < b:
+                segments.append((src, hf_base + a - base - offset, hf_base + b - base - offset))
+    return segments
+
+
+def shard_from_hf(rule: TensorRule, read: Reader, cfg: ModelConfig, tp_rank: int, tp_size: int,
+                  local_shape: torch.Size) -> torch.Tensor:
+    """TP rank ``tp_rank``'s shard (shape ``local_shape``) of the parameter described by ``rule``.
+
+    Reads only the slices the shard needs (one read per source tensor). Returned in the stored
+    dtype; padded vocab rows are zeros. Memory: the shard plus, for qkv, one copy while fusing.
+    """
+    names = rule.hf_names
+    if rule.kind == "replicated":
+        return read(names[0])
+    if rule.kind == "row":
+        n = local_shape[1]
+        return read(names[0], 1, tp_rank * n, (tp_rank + 1) * n)
+    if rule.kind == "gate_up":
+        n = local_shape[0] // 2
+        return torch.cat([read(name, 0, tp_rank * n, (tp_rank + 1) * n) for name in names])
+    if rule.kind == "vocab":
+        n = local_shape[0]
+        start, stop = tp_rank * n, min((tp_rank + 1) * n, cfg.vocab_size)
+        rows = read(names[0], 0, start, max(start, stop))
+        pad = rows.new_zeros((n - rows.shape[0], *rows.shape[1:]))
+        return torch.cat([rows, pad]) if pad.numel() else rows
+    if rule.kind == "qkv":
+        n = local_shape[0]
+        segments = _qkv_segments(cfg, tp_rank * n, (tp_rank + 1) * n)
+        parts = {}
+        for src in {s for s, _, _ in segments}:  # one contiguous read per source tensor
+            lo = min(a for s, a, _ in segments if s == src)
+            hi = max(b for s, _, b in segments if s == src)
+            parts[src] = (lo, read(names[src], 0, lo, hi))
+        return torch.cat([parts[s][1][a - parts[s][0]:b - parts[s][0]] for s, a, b in segments])
+    raise ValueError(f"rule.kind: unknown kind {rule.kind!r}")
+
+
+def hf_from_gathered(rule: TensorRule, full: torch.Tensor, cfg: ModelConfig,
+                     tp_size: int) -> list[tuple[str, torch.Tensor]]:
+    """Hugging Face ``(name, tensor)`` pairs from the TP-gathered Megatron tensor ``full``.
+
+    Replicated and row tensors come back as ``full`` itself (no copy); vocab as the view
+    ``full[:vocab_size]``; qkv and gate/up as new contiguous tensors (one copy of ``full``).
+    """
+    names, rest = rule.hf_names, full.shape[1:]
+    if rule.kind in ("replicated", "row"):
+        return [(names[0], full)]
+    if rule.kind == "vocab":
+        return [(names[0], full[:cfg.vocab_size])]
+    if rule.kind == "gate_up":
+        halves = full.view(tp_size, 2, -1, *rest)
+        return [(names[i], halves[:, i].reshape(-1, *rest)) for i in range(2)]
+    if rule.kind == "qkv":
+        d, ng = head_dim(cfg), num_query_groups(cfg)
+        q_rows = cfg.num_attention_heads // ng * d
+        q, k, v = full.view(ng, q_rows + 2 * d, *rest).split([q_rows, d, d], dim=1)
+        return [(name, t.reshape(-1, *rest)) for name, t in zip(names, (q, k, v), strict=True)]
+    raise ValueError(f"rule.kind: unknown kind {rule.kind!r}")

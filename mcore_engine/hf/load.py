@@ -1,0 +1,80 @@
+"""Import a Hugging Face Llama / Qwen2 / Qwen3 folder into the engine's (TP/PP-sharded) GPTModel chunks.
+
+Each rank walks its own chunks' parameters and reads, through ``safe_open(...).get_slice``, only the
+rows / columns its shards need: memory per rank = its shards plus one shard-sized read buffer.
+No collectives: every rank works alone, so the call is cheap to make on all ranks at once.
+
+Call it right after ``build_model_chunks(cfg)``, BEFORE the DDP wrap and the optimizer are built
+(the optimizer's fp32 main parameters are copied from the model at construction).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import fields
+
+import torch
+from megatron.core import parallel_state
+
+from mcore_engine.config import EngineConfig, ModelConfig
+from mcore_engine.hf.checkpoint_io import HFCheckpointReader
+from mcore_engine.hf.layout import shard_from_hf
+from mcore_engine.hf.mapping import check_hf_names, from_hf_config, hf_shapes, iter_units, read_hf_config
+
+# Fields that must agree between the engine config and the checkpoint's config.json (the others,
+# e.g. max_sequence_length or init_method_std, may differ on purpose).
+_MATCHING_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                    "vocab_size", "rotary_base", "normalization", "norm_epsilon", "swiglu",
+                    "tie_word_embeddings", "add_qkv_bias", "qk_layernorm", "kv_channels")
+
+
+def check_config_matches(cfg: ModelConfig, hf_cfg: ModelConfig) -> None:
+    """``ValueError`` naming the first architecture field where ``cfg`` and the checkpoint differ."""
+    names = {f.name for f in fields(ModelConfig)}
+    for name in _MATCHING_FIELDS:
+        if name not in names:
+            continue
+        ours, theirs = getattr(cfg, name), getattr(hf_cfg, name)
+        if name == "num_query_groups":  # None means one group per head
+            ours, theirs = ours or cfg.num_attention_heads, theirs or hf_cfg.num_attention_heads
+        if ours != theirs:
+            raise ValueError(f"model.{name}: the engine config has {ours!r} but the Hugging Face "
+                             f"checkpoint's config.json implies {theirs!r}")
+
+
+def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_path: str | os.PathLike,
+                    cfg: EngineConfig) -> None:
+    """Copy the weights of the Hugging Face folder ``hf_path`` into this rank's ``model_chunks``.
+
+    Per parameter (see ``mapping.py`` for the rules)::
+
+        shard = shard_from_hf(rule, read, cfg.model, tp_rank, tp_size, param.shape)
+        param.copy_(shard)          # cast to the parameter's dtype and device
+
+    Raises ``ValueError`` (naming the field or tensor) when the folder's config does not match
+    ``cfg.model``, a tensor is missing, has the wrong shape, or cannot be read, the folder holds
+    tensors the model has no place for, or the architecture is unknown; all of these checks run
+    before any parameter changes.
+    """
+    model_cfg = cfg.model
+    check_config_matches(model_cfg, from_hf_config(read_hf_config(hf_path)))
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    shapes = hf_shapes(model_cfg)
+
+    with HFCheckpointReader(hf_path) as reader:
+        check_hf_names(reader.names(), model_cfg)
+        reader.check(shapes)
+
+        def read(name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+            return reader.read(name, shapes[name], dim, start, stop)
+
+        for chunk in model_chunks:
+            for unit, param, rule in iter_units(chunk, model_cfg):
+                shard = shard_from_hf(rule, read, model_cfg, tp_rank, tp_size, param.shape)
+                if shard.shape != param.shape:
+                    raise ValueError(f"parameter {unit!r}: built a shard of shape {tuple(shard.shape)} from "
+                                     f"{list(rule.hf_names)} but the model expects {tuple(param.shape)}")
+                with torch.no_grad():
+                    param.copy_(shard)

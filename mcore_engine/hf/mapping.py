@@ -1,0 +1,311 @@
+"""Name and layout rules between Hugging Face Llama / Qwen2 / Qwen3 and Megatron-Core's GPTModel.
+
+Config: ``from_hf_config(config.json dict) -> ModelConfig`` and back with ``to_hf_config``.
+
+Tensors: every Megatron parameter is one *unit* with a ``TensorRule``: the Hugging Face tensors it
+is made of and how it is laid out and split over tensor-parallel ranks (``kind``):
+
+- ``"replicated"``: norms; every TP rank holds the full tensor.
+- ``"row"``: row-parallel linear (``linear_proj``, ``linear_fc2``), split along dim 1 (inputs).
+- ``"vocab"``: embedding / output layer, split along dim 0 over the padded vocab
+  ``[V_pad, h]``; rows ``>= vocab_size`` are padding (zero on import, dropped on export).
+- ``"qkv"``: ``linear_qkv`` weight ``[ng * (q_per_group + 2) * d, h]`` (or bias), per query
+  group ``[q heads of the group, k, v]`` stacked along dim 0, then split along dim 0
+  (``torch.cat([cat([q[g], k[g], v[g]]) for g in range(ng)])`` with ``q[g]`` the group's rows).
+- ``"gate_up"``: ``linear_fc1`` with SwiGLU; TP rank ``r`` holds ``cat([gate[r], up[r]])``, i.e.
+  the gathered tensor is ``[gate_0; up_0; gate_1; up_1; ...]``.
+
+Both the local layer spec (``input_layernorm.weight``, ``pre_mlp_layernorm.weight``) and the
+Transformer Engine spec (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``) map to
+the same units. Layer names use the GLOBAL layer index (``TransformerLayer.layer_number - 1``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mcore_engine.config import ModelConfig
+
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """How one Megatron parameter relates to Hugging Face tensors."""
+
+    kind: str
+    """'replicated' | 'row' | 'vocab' | 'qkv' | 'gate_up' (see the module docstring)."""
+    hf_names: tuple[str, ...]
+    """Hugging Face tensor names, in the order they are fused (q, k, v / gate, up)."""
+
+    @property
+    def tp_dim(self) -> int | None:
+        """Dimension split over tensor-parallel ranks (None: replicated)."""
+        return {"replicated": None, "row": 1}.get(self.kind, 0)
+
+
+# Per-layer units: canonical (local-spec) Megatron suffix -> (kind, Hugging Face suffixes).
+_LAYER_UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "input_layernorm.weight": ("replicated", ("input_layernorm.weight",)),
+    "self_attention.linear_qkv.weight": (
+        "qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+    "self_attention.linear_qkv.bias": (
+        "qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")),
+    "self_attention.q_layernorm.weight": ("replicated", ("self_attn.q_norm.weight",)),
+    "self_attention.k_layernorm.weight": ("replicated", ("self_attn.k_norm.weight",)),
+    "self_attention.linear_proj.weight": ("row", ("self_attn.o_proj.weight",)),
+    "pre_mlp_layernorm.weight": ("replicated", ("post_attention_layernorm.weight",)),
+    "mlp.linear_fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    "mlp.linear_fc2.weight": ("row", ("mlp.down_proj.weight",)),
+}
+# Transformer Engine spec: norms fused into the following linear layer.
+_TE_ALIASES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+_GLOBAL_UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",)),
+    "decoder.final_layernorm.weight": ("replicated", ("model.norm.weight",)),
+    "output_layer.weight": ("vocab", ("lm_head.weight",)),
+}
+# Tensors some Hugging Face checkpoints carry that the model does not need.
+_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def head_dim(cfg: ModelConfig) -> int:
+    """Per-head channels ``d`` (``kv_channels`` when the config has one, else hidden / heads)."""
+    kv_channels = getattr(cfg, "kv_channels", None)
+    return kv_channels if kv_channels else cfg.hidden_size // cfg.num_attention_heads
+
+
+def num_query_groups(cfg: ModelConfig) -> int:
+    return cfg.num_query_groups or cfg.num_attention_heads
+
+
+def canonical_unit(name: str, global_layer: int | None) -> str:
+    """Canonical unit key of a Megatron parameter name (TE names folded to local-spec names).
+
+    ``name`` is the chunk-local parameter name (``decoder.layers.<local>.<suffix>`` or a global
+    one); ``global_layer`` replaces the local layer index. Raises ``ValueError`` for names with no
+    Hugging Face counterpart.
+    """
+    if name in _GLOBAL_UNITS:
+        return name
+    parts = name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["decoder", "layers"] and global_layer is not None:
+        suffix = _TE_ALIASES.get(parts[3], parts[3])
+        if suffix in _LAYER_UNITS:
+            return f"decoder.layers.{global_layer}.{suffix}"
+    raise ValueError(f"parameter {name!r} has no Hugging Face counterpart (supported: Llama/Qwen2/Qwen3 "
+                     "GPTModel with RMSNorm, SwiGLU, optional QKV bias and QK-norm)")
+
+
+def unit_rule(unit: str) -> TensorRule:
+    """The ``TensorRule`` of a canonical unit key (see ``canonical_unit``)."""
+    if unit in _GLOBAL_UNITS:
+        kind, names = _GLOBAL_UNITS[unit]
+        return TensorRule(kind, names)
+    _, _, layer, suffix = unit.split(".", 3)
+    kind, names = _LAYER_UNITS[suffix]
+    return TensorRule(kind, tuple(f"model.layers.{layer}.{n}" for n in names))
+
+
+def model_units(cfg: ModelConfig) -> list[str]:
+    """All units of the full model, in Hugging Face order (embedding, layers, norm, lm_head)."""
+    layer_suffixes = ["input_layernorm.weight", "self_attention.linear_qkv.weight"]
+    if cfg.add_qkv_bias:
+        layer_suffixes.append("self_attention.linear_qkv.bias")
+    if cfg.qk_layernorm:
+        layer_suffixes += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+    layer_suffixes += ["self_attention.linear_proj.weight", "pre_mlp_layernorm.weight",
+                       "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    units = ["embedding.word_embeddings.weight"]
+    units += [f"decoder.layers.{i}.{s}" for i in range(cfg.num_layers) for s in layer_suffixes]
+    units.append("decoder.final_layernorm.weight")
+    if not cfg.tie_word_embeddings:
+        units.append("output_layer.weight")
+    return units
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Full shape of every Hugging Face tensor the model is made of, in checkpoint order."""
+    h, d, ng = cfg.hidden_size, head_dim(cfg), num_query_groups(cfg)
+    q_out, kv_out = cfg.num_attention_heads * d, ng * d
+    ffn = cfg.ffn_hidden_size or 4 * h
+    by_suffix = {
+        "model.embed_tokens.weight": (cfg.vocab_size, h), "lm_head.weight": (cfg.vocab_size, h),
+        "model.norm.weight": (h,), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q_out, h), "self_attn.k_proj.weight": (kv_out, h),
+        "self_attn.v_proj.weight": (kv_out, h), "self_attn.q_proj.bias": (q_out,),
+        "self_attn.k_proj.bias": (kv_out,), "self_attn.v_proj.bias": (kv_out,),
+        "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
+        "self_attn.o_proj.weight": (h, q_out), "mlp.gate_proj.weight": (ffn, h),
+        "mlp.up_proj.weight": (ffn, h), "mlp.down_proj.weight": (h, ffn),
+    }
+    shapes = {}
+    for unit in model_units(cfg):
+        for name in unit_rule(unit).hf_names:
+            key = name.split(".", 3)[3] if name.startswith("model.layers.") else name
+            shapes[name] = by_suffix[key]
+    return shapes
+
+
+def check_hf_names(names: list[str], cfg: ModelConfig) -> None:
+    """Refuse a checkpoint that carries tensors this model config has no place for."""
+    expected = hf_shapes(cfg)
+    for name in names:
+        if name in expected or name.endswith(_IGNORED_HF_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # some tied checkpoints store the (identical) lm_head anyway
+        raise ValueError(f"tensor {name!r} in the checkpoint has no place in the model built from its "
+                         "config (config and weights do not match)")
+
+
+def unwrap_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The ``GPTModel`` inside DDP / Float16Module wrappers (their ``.module`` attribute)."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def iter_units(chunk: torch.nn.Module,
+               cfg: ModelConfig) -> Iterator[tuple[str, torch.nn.Parameter, TensorRule]]:
+    """``(unit, parameter, rule)`` for every parameter of one (possibly wrapped) model chunk.
+
+    The tied output layer that a last pipeline stage keeps (PP > 1) reads ``model.embed_tokens``.
+    """
+    model = unwrap_chunk(chunk)
+    for name, param in model.named_parameters():
+        global_layer = None
+        if name.startswith("decoder.layers."):
+            global_layer = model.decoder.layers[int(name.split(".")[2])].layer_number - 1
+        unit = canonical_unit(name, global_layer)
+        rule = unit_rule(unit)
+        if unit == "output_layer.weight" and cfg.tie_word_embeddings:
+            rule = TensorRule("vocab", ("model.embed_tokens.weight",))
+        yield unit, param, rule
+
+
+# ----------------------------------------------------------------------------------------- config
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """``config.json`` of a Hugging Face folder as a dict (``ValueError`` when absent or invalid)."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise ValueError(f"hf_path: no config.json in {str(path)!r}")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"hf_path: {file} is not valid JSON ({e})") from e
+
+
+def hf_family(hf_config: Mapping[str, Any]) -> str:
+    """'llama' | 'qwen2' | 'qwen3' from ``architectures`` (or ``model_type``); ValueError otherwise."""
+    archs = hf_config.get("architectures") or []
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    model_type = hf_config.get("model_type")
+    if not archs and model_type in ARCHITECTURES.values():
+        return model_type
+    raise ValueError(f"architectures: unknown architecture {archs or model_type!r}; supported: "
+                     f"{sorted(ARCHITECTURES)}")
+
+
+def _rope_theta(hf_config: Mapping[str, Any]) -> float:
+    params = dict(hf_config.get("rope_parameters") or {})
+    scaling = hf_config.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise ValueError(f"rope_scaling: rope type {rope_type!r} is not supported (only 'default' RoPE)")
+    return float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
+
+
+def from_hf_config(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfig:
+    """Map a Hugging Face ``config.json`` dict to ``ModelConfig``; ``overrides`` set other fields.
+
+    Refuses (``ValueError`` naming the field) what the Megatron model here cannot express: other
+    architectures, activations other than SiLU, RoPE scaling, sliding-window attention, MLP or
+    output-projection biases, and a head_dim other than hidden / heads when ``ModelConfig`` has no
+    ``kv_channels``.
+    """
+    family = hf_family(hf_config)
+    hidden, heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
+    if hf_config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act: {hf_config['hidden_act']!r} is not supported (expected 'silu')")
+    if hf_config.get("mlp_bias"):
+        raise ValueError("mlp_bias: MLP biases are not supported")
+    if family != "qwen2" and hf_config.get("attention_bias"):
+        raise ValueError("attention_bias: the output-projection bias it implies is not supported")
+    if hf_config.get("use_sliding_window"):
+        raise ValueError("use_sliding_window: sliding-window attention is not supported")
+    fields: dict[str, Any] = dict(
+        num_layers=int(hf_config["num_hidden_layers"]),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=int(hf_config.get("num_key_value_heads") or heads),
+        ffn_hidden_size=int(hf_config["intermediate_size"]),
+        vocab_size=int(hf_config["vocab_size"]),
+        max_sequence_length=int(hf_config["max_position_embeddings"]),
+        rotary_base=_rope_theta(hf_config),
+        normalization="RMSNorm",
+        norm_epsilon=float(hf_config["rms_norm_eps"]),
+        swiglu=True,
+        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        add_qkv_bias=family == "qwen2",
+        qk_layernorm=family == "qwen3",
+        init_method_std=float(hf_config.get("initializer_range", 0.02)),
+    )
+    d = hf_config.get("head_dim") or hidden // heads
+    if d != hidden // heads or hidden % heads:
+        if "kv_channels" not in ModelConfig.__dataclass_fields__:
+            raise ValueError(f"head_dim: {d} != hidden_size / num_attention_heads = {hidden / heads:g}, "
+                             "which ModelConfig cannot express (no kv_channels field)")
+        fields["kv_channels"] = int(d)
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def to_hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
+                 base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Hugging Face ``config.json`` dict for ``cfg`` (architecture from qkv-bias / qk-norm).
+
+    ``base`` (the source checkpoint's config, when known) keeps fields this mapping does not own
+    (token ids, generation settings); the architecture fields are always overwritten.
+    """
+    if cfg.normalization != "RMSNorm" or not cfg.swiglu:
+        raise ValueError("cfg: only RMSNorm + SwiGLU models map to Llama/Qwen2/Qwen3")
+    if cfg.add_qkv_bias and cfg.qk_layernorm:
+        raise ValueError("cfg: add_qkv_bias together with qk_layernorm has no Hugging Face family here")
+    family = "qwen3" if cfg.qk_layernorm else "qwen2" if cfg.add_qkv_bias else "llama"
+    if base is not None and hf_family(base) != family:
+        base = None  # the source describes another family: do not carry its fields over
+    arch = next(a for a, f in ARCHITECTURES.items() if f == family)
+    out = dict(base or {})
+    out.update(
+        architectures=[arch], model_type=family, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=num_query_groups(cfg),
+        head_dim=head_dim(cfg), hidden_act="silu", max_position_embeddings=cfg.max_sequence_length,
+        rms_norm_eps=cfg.norm_epsilon, rope_theta=cfg.rotary_base,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rotary_base},
+        tie_word_embeddings=cfg.tie_word_embeddings, initializer_range=cfg.init_method_std,
+        dtype=str(dtype).removeprefix("torch."), torch_dtype=str(dtype).removeprefix("torch."),
+    )
+    out.pop("rope_scaling", None)
+    if family == "llama":
+        out.update(attention_bias=False, mlp_bias=False)
+    else:
+        out.update(use_sliding_window=False, **({"attention_bias": False} if family == "qwen3" else {}))
+    return out

@@ -1,0 +1,56 @@
+"""Tiny random Llama / Qwen2 / Qwen3 checkpoints built with ``transformers`` (no downloads).
+
+Odd sizes on purpose: vocab 250 (padded by Megatron), 4 query heads in 2 groups, ffn 88; Qwen2 ties
+its embeddings (so the tied path, incl. the last pipeline stage's copy, is exercised).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+VOCAB = 250
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
+
+
+def hf_config(family: str):
+    """A transformers config object of the tiny model."""
+    import transformers
+
+    if family == "llama":
+        return transformers.LlamaConfig(**_COMMON, rope_theta=5000.0, architectures=["LlamaForCausalLM"])
+    if family == "qwen2":
+        return transformers.Qwen2Config(**_COMMON, rope_theta=20000.0, tie_word_embeddings=True,
+                                        architectures=["Qwen2ForCausalLM"])
+    return transformers.Qwen3Config(**_COMMON, head_dim=16, rope_theta=1e6,
+                                    architectures=["Qwen3ForCausalLM"])
+
+
+def hf_config_dict(family: str) -> dict[str, Any]:
+    """``config.json`` content of the tiny model, as ``save_pretrained`` writes it."""
+    return hf_config(family).to_dict()
+
+
+def save_tiny_model(family: str, path: Path, seed: int = 0) -> torch.nn.Module:
+    """Random fp32 model of ``family`` saved (safetensors) to ``path``; returns it in eval mode.
+
+    Weights are drawn with std 0.2 (not HF's 0.02, which would make every logit ~0 and hide layout
+    errors) and norm weights around 1, so every tensor matters for the logits.
+    """
+    import transformers
+
+    torch.manual_seed(seed)
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+           "qwen3": transformers.Qwen3ForCausalLM}[family]
+    model = cls(hf_config(family)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn_like(p)
+            p.copy_(1 + 0.3 * noise if name.endswith("norm.weight") else 0.2 * noise)
+    model.save_pretrained(path)
+    return model
