@@ -57,18 +57,23 @@ def balanced_partition(lengths: Sequence[int], budget: int, *, min_parts: int = 
 
 
 def split_micro_batches(batch: TensorDictBase, flags, *, default_micro_batch_size: int,
-                        min_num_micro_batches: int = 1) -> tuple[list[TensorDictBase], list[int]]:
+                        min_num_micro_batches: int = 1,
+                        pad_multiple: int = 1) -> tuple[list[TensorDictBase], list[int]]:
     """Split ``batch`` (``[B]``) into micro-batches; return them and ``order`` (see module docstring).
 
     ``flags`` is a :class:`mcore_engine.data.StepFlags`. By count: ``flags.micro_batch_size_per_gpu``
     (or ``default_micro_batch_size``) consecutive sequences per micro-batch, the last one smaller.
     By token budget (``flags.use_dynamic_bsz``): real tokens per micro-batch <=
-    ``flags.max_token_len_per_gpu``, at least ``min_num_micro_batches`` micro-batches (lets DP ranks
-    agree on one count). Non-tensor entries (the flags) travel with every micro-batch.
+    ``flags.max_token_len_per_gpu``, each length counted rounded up to ``pad_multiple`` (use the
+    ``pad_multiple`` of :func:`mcore_engine.packing.pack_micro_batch` so the packed thd ``T`` is within
+    budget), at least ``min_num_micro_batches`` micro-batches (lets DP ranks agree on one count).
+    Non-tensor entries (the flags) travel with every micro-batch.
     """
     size = batch.batch_size[0]
     if flags.use_dynamic_bsz:
-        lengths = sequence_lengths(batch).tolist()
+        if not isinstance(pad_multiple, int) or pad_multiple < 1:
+            raise ValueError(f"pad_multiple must be a positive int, got {pad_multiple!r}")
+        lengths = (-(-sequence_lengths(batch) // pad_multiple) * pad_multiple).tolist()
         groups = balanced_partition(lengths, flags.max_token_len_per_gpu, min_parts=min_num_micro_batches)
     else:
         mbs = flags.micro_batch_size_per_gpu or default_micro_batch_size

@@ -453,6 +453,16 @@ def test_balanced_partition_budget_and_errors():
     td.set_non_tensor("max_token_len_per_gpu", 8)
     with pytest.raises(ValueError, match="max_token_len_per_gpu=8"):
         split_micro_batches(td, parse_step_flags(td), default_micro_batch_size=2)
+    td.set_non_tensor("max_token_len_per_gpu", 12)
+    mbs, _ = split_micro_batches(td, parse_step_flags(td), default_micro_batch_size=2, pad_multiple=4)
+    for mb in mbs:  # the packed thd length, padding included, stays within the budget
+        x = pack_micro_batch(mb, data_format="thd", temperature=1.0, pad_multiple=4)
+        assert x.input_ids.shape[1] <= 12
+    with pytest.raises(ValueError, match="max_token_len_per_gpu"):  # 9 tokens pad to 12 > 11
+        td.set_non_tensor("max_token_len_per_gpu", 11)
+        split_micro_batches(td, parse_step_flags(td), default_micro_batch_size=2, pad_multiple=4)
+    with pytest.raises(ValueError, match="pad_multiple"):
+        split_micro_batches(td, parse_step_flags(td), default_micro_batch_size=2, pad_multiple=0)
 
 
 # ------------------------------------------------------------------ flatten for the loss
