@@ -241,12 +241,13 @@ def flatten_per_token(mb: TensorDictBase, inputs: ModelInputs, *,
     ``T = inputs.input_ids.numel()`` (padding slots included, so it lines up with the processor's
     outputs flattened with ``reshape(-1)``). Holds ``loss_mask`` (``inputs.loss_mask``, float32),
     ``seq_ids`` (int64: ``sample_ids[i]`` for every slot of sequence i; ``sample_ids`` defaults to
-    ``arange(b)``, pass the indices in the global batch), and every other per-token key of ``mb``
-    (``old_log_probs``, ``advantages``, ... with trailing dims kept; teacher and input keys excluded),
-    0 on padding. Memory: one ``[T, ...]`` tensor per key.
+    ``arange(b)``, pass the indices in the global batch), ``teacher_ids`` / ``teacher_logprobs``
+    ``[T, K]`` when packed (views of ``inputs``' tensors), and every other per-token key of ``mb``
+    (``old_log_probs``, ``advantages``, ... with trailing dims kept; input keys excluded), 0 on
+    padding. Memory: one ``[T, ...]`` tensor per user key.
     """
     device = inputs.input_ids.device
-    b = inputs.lengths.numel()
+    b, num_slots = inputs.lengths.numel(), inputs.input_ids.numel()
     if sample_ids is None:
         sample_ids = torch.arange(b)
     sample_ids = torch.as_tensor(sample_ids, dtype=torch.int64)
@@ -256,9 +257,12 @@ def flatten_per_token(mb: TensorDictBase, inputs: ModelInputs, *,
         "loss_mask": inputs.loss_mask.reshape(-1),
         "seq_ids": sample_ids.to(device)[inputs.slot_sequence],
     }
+    if inputs.teacher_ids is not None:  # views of the packed tensors: no copy
+        fields["teacher_ids"] = inputs.teacher_ids.reshape(num_slots, -1)
+        fields["teacher_logprobs"] = inputs.teacher_logprobs.reshape(num_slots, -1)
     for key in per_token_keys(mb):
         if key in INPUT_KEYS or key in TEACHER_KEYS or key == "loss_mask":
             continue
         values = token_values(mb, key).to(device)
         fields[key] = inputs.scatter_tokens(values).reshape(-1, *values.shape[1:])
-    return TensorDict(fields, batch_size=[inputs.input_ids.numel()], device=None)
+    return TensorDict(fields, batch_size=[num_slots], device=None)

@@ -475,7 +475,10 @@ def test_flatten_per_token_for_loss(data_format):
     flat = flatten_per_token(td, x, sample_ids=sample_ids)
     num = x.input_ids.numel()
     assert flat.batch_size == torch.Size([num])
-    assert set(flat.keys()) == {"loss_mask", "seq_ids", "old_log_probs", "advantages"}
+    assert set(flat.keys()) == {"loss_mask", "seq_ids", "old_log_probs", "advantages", "teacher_ids",
+                                "teacher_logprobs"}
+    assert flat["teacher_ids"].data_ptr() == x.teacher_ids.data_ptr()  # a view, not a copy
+    assert torch.equal(flat["teacher_logprobs"], x.teacher_logprobs.reshape(num, K))
     assert torch.equal(flat["loss_mask"], x.loss_mask.reshape(-1))
     slots, _, seq_of_slot, _ = _reference_layout(LENGTHS, data_format, 2)
     assert torch.equal(flat["seq_ids"], sample_ids[torch.tensor(seq_of_slot)])
