@@ -12,7 +12,8 @@ With ``m = loss_mask`` (0/1), ``v`` the per-token values of one micro-batch, ``N
     "seq-mean-token-mean": sum_j (v * m)[seq == j].sum() / m[seq == j].sum() / B   # 0/0 -> 0
 
 A sequence never splits across micro-batches, so its token count is local. Sequences without a loss
-token contribute 0; count them in ``B`` or not as the engine chooses (verl does not).
+token contribute 0; count them in ``B`` or not as the engine chooses (verl does not). Masked slots
+contribute exact zeros to the value and the gradient even when their values are not finite.
 Memory: O(T) for ``seq-mean-token-mean`` (a sort of the ``[T]`` sequence ids; no host sync), O(1)
 extra otherwise.
 """
@@ -65,6 +66,12 @@ def tokens_per_sequence(loss_mask: torch.Tensor, seq_ids: torch.Tensor) -> torch
     return counts[dense].reshape(loss_mask.shape)
 
 
+def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values * mask`` with exact zeros where ``mask == 0`` (a non-finite value on a padding slot
+    neither leaks into the sum nor into the gradient)."""
+    return torch.where(mask != 0, values * mask, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
 def agg_loss(values: torch.Tensor, loss_mask: torch.Tensor, seq_ids: torch.Tensor | None, mode: str,
              ctx: LossContext) -> torch.Tensor:
     """This micro-batch's contribution to the global aggregated loss (see the module docstring).
@@ -81,7 +88,7 @@ def agg_loss(values: torch.Tensor, loss_mask: torch.Tensor, seq_ids: torch.Tenso
     """
     _check(values, loss_mask, seq_ids, mode)
     mask = loss_mask.to(values.dtype)
-    masked = values * mask
+    masked = _masked(values, mask)
     if mode == "token-mean":
         return masked.sum() / ctx.global_num_tokens.to(values.dtype)
     seqs = ctx.global_num_seqs.to(values.dtype)
@@ -94,4 +101,4 @@ def agg_loss(values: torch.Tensor, loss_mask: torch.Tensor, seq_ids: torch.Tenso
 def token_mean_metric(values: torch.Tensor, loss_mask: torch.Tensor, ctx: LossContext) -> torch.Tensor:
     """Detached float32 ``(values * m).sum() / N``: a metric contribution that sums to the global mean."""
     values = values.detach().float()
-    return (values * loss_mask.to(values.dtype)).sum() / ctx.global_num_tokens.float()
+    return _masked(values, loss_mask.to(values.dtype)).sum() / ctx.global_num_tokens.float()

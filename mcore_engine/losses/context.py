@@ -23,7 +23,8 @@ class LossContext:
 
     global_num_seqs: torch.Tensor
     """0-d tensor on the compute device: number of sequences in the whole global batch (all
-    micro-batches, all data-parallel ranks)."""
+    micro-batches, all data-parallel ranks); the divisor of the ``seq-mean-*`` aggregation modes.
+    (verl counts only sequences with at least one loss token; counting all is also consistent.)"""
 
     dp_size: int = 1
     """Data-parallel world size (informational: contributions are already globally normalised)."""

@@ -62,12 +62,12 @@ def distillation_ppo_loss(*, distillation_loss_coef: float = 1.0, loss_agg_mode:
         terms: list[torch.Tensor] = []
         metrics: dict[str, torch.Tensor] = {}
 
-        if "distillation_losses" in outputs:
+        if "distillation_losses" in outputs.keys():
             distill = agg_loss(outputs["distillation_losses"], loss_mask, seq_ids, loss_agg_mode, ctx)
             terms.append(distillation_loss_coef * distill)
             metrics["distillation_loss"] = distill.detach().float()
             for key in DISTILLATION_METRICS:
-                if key in outputs:
+                if key in outputs.keys():
                     metrics[key] = token_mean_metric(outputs[key], loss_mask, ctx)
         elif ctx.distillation_only:
             raise ValueError("distillation_only is set but outputs has no 'distillation_losses' "
@@ -88,7 +88,7 @@ def distillation_ppo_loss(*, distillation_loss_coef: float = 1.0, loss_agg_mode:
                 terms.append(kl_loss_coef * kl)
                 metrics["kl_loss"] = kl.detach().float()
 
-        loss = terms[0] if len(terms) == 1 else torch.stack(terms).sum()
+        loss = sum(terms[1:], start=terms[0])
         metrics["loss"] = loss.detach().float()
         return loss, metrics
 

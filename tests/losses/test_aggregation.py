@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_engine.losses import AGG_MODES, LossContext, agg_loss, tokens_per_sequence
+from mcore_engine.losses import AGG_MODES, LossContext, agg_loss, token_mean_metric, tokens_per_sequence
 from tests.losses.reference import random_packed_batch, random_split, ref_agg
 from tests.utils import REL_TOL, assert_rel_close
 
@@ -67,6 +67,19 @@ def test_tokens_per_sequence_and_empty_input():
         out = agg_loss(empty, torch.empty(0, dtype=torch.bool), torch.empty(0, dtype=torch.long), mode, ctx)
         assert out.item() == 0.0
         out.backward()
+
+
+def test_masked_slots_never_leak_non_finite_values():
+    seq_ids = torch.tensor([0, 0, 1, 1, 1])
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0])
+    values = torch.tensor([0.5, float("nan"), -1.0, 2.0, float("inf")], requires_grad=True)
+    ctx = LossContext.from_counts(3, 2)
+    for mode in AGG_MODES:
+        out = agg_loss(values, mask, seq_ids, mode, ctx)
+        (grad,) = torch.autograd.grad(out, values)
+        assert torch.isfinite(out) and torch.isfinite(grad).all(), mode
+        assert grad[1] == 0 and grad[4] == 0
+    assert torch.isfinite(token_mean_metric(values, mask, ctx))
 
 
 def test_agg_loss_rejects_bad_input():

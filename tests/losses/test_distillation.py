@@ -150,3 +150,31 @@ def test_two_ranks_tensor_and_data_parallel():
     adv = torch.randn(seq_ids.numel(), generator=g)
     run_distributed(_two_rank_checks, 2, full, ids.view(1, t, k), tlp.view(1, t, k), vocab,
                     seq_ids, mask, adv)
+
+
+def test_processor_runs_the_configured_distillation_and_loss_end_to_end():
+    from mcore_engine.processor import process_lm_head_logits
+
+    g = torch.Generator().manual_seed(61)
+    t, v, k = 19, 71, 4
+    logits = (torch.randn(1, t, v, generator=g, dtype=torch.float64) * 2).float().requires_grad_()
+    ids, tlp = make_teacher(t, v, k, g)
+    batch = {"teacher_ids": ids.view(1, t, k), "teacher_logprobs": tlp.view(1, t, k)}
+    labels = torch.zeros(1, t, dtype=torch.long)
+    out = process_lm_head_logits(logits, labels, 0.5, calculate_sum_pi_squared=False, calculate_entropy=False,
+                                 distillation_use_topk=True, distillation_only=True,
+                                 logits_processor_func=make_forward_kl_topk(tail=True), batch=batch)
+    assert set(out) == set(KEYS), "distillation_only: no log_probs, the processor's keys merged in"
+    ref_logits = logits.detach().double().requires_grad_()
+    ref = ref_forward_kl_topk(ref_logits / 0.5, batch["teacher_ids"], batch["teacher_logprobs"], tail=True)
+    mask = torch.rand(t, generator=g) < 0.8
+    ctx = LossContext.from_counts(mask.sum(), 1, distillation_only=True)
+    data = {"loss_mask": mask, "seq_ids": torch.zeros(t, dtype=torch.long)}
+    loss, metrics = distillation_ppo_loss()({kk: vv.reshape(-1) for kk, vv in out.items()}, data, ctx)
+    ref_loss = (ref["distillation_losses"].reshape(-1) * mask).sum() / mask.sum()
+    assert_rel_close(loss, ref_loss, REL_TOL[torch.float32], "end-to-end loss")
+    (grad,) = torch.autograd.grad(loss, logits)
+    (ref_grad,) = torch.autograd.grad(ref_loss, ref_logits)
+    assert_rel_close(grad, ref_grad, REL_TOL[torch.float32], "end-to-end grad")
+    assert_rel_close(metrics["topk_overlap"], (ref["topk_overlap"].reshape(-1) * mask).sum() / mask.sum(),
+                     REL_TOL[torch.float32], "end-to-end overlap")
