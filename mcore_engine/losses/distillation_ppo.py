@@ -53,6 +53,7 @@ def distillation_ppo_loss(*, distillation_loss_coef: float = 1.0, loss_agg_mode:
     if distillation_loss_coef < 0 or kl_loss_coef < 0:
         raise ValueError(f"distillation_loss_coef and kl_loss_coef must be >= 0, got "
                          f"{distillation_loss_coef} and {kl_loss_coef}")
+    _policy.check_clip_ratios(clip_ratio_low, clip_ratio_high, clip_ratio_c)
     clips = dict(clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c)
 
     def loss_fn(outputs: Mapping[str, torch.Tensor], data: Mapping[str, Any],

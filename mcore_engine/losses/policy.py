@@ -25,6 +25,16 @@ from mcore_engine.losses.context import LossContext
 LOG_RATIO_CLAMP = 20.0
 
 
+def check_clip_ratios(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float) -> None:
+    """ValueError unless ``0 <= clip_ratio_low < 1``, ``clip_ratio_high >= 0`` and ``clip_ratio_c > 1``."""
+    if not 0.0 <= clip_ratio_low < 1.0:
+        raise ValueError(f"clip_ratio_low must be in [0, 1), got {clip_ratio_low}")
+    if not clip_ratio_high >= 0.0:
+        raise ValueError(f"clip_ratio_high must be >= 0, got {clip_ratio_high}")
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (dual clip), got {clip_ratio_c}")
+
+
 def ppo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
                     loss_mask: torch.Tensor, seq_ids: torch.Tensor | None, ctx: LossContext, *,
                     clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
@@ -39,12 +49,7 @@ def ppo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advant
     Returns:
         ``(loss, metrics)``: 0-d loss of ``log_probs.dtype`` and detached float32 metric contributions.
     """
-    if not 0.0 <= clip_ratio_low < 1.0:
-        raise ValueError(f"clip_ratio_low must be in [0, 1), got {clip_ratio_low}")
-    if clip_ratio_high < 0.0:
-        raise ValueError(f"clip_ratio_high must be >= 0, got {clip_ratio_high}")
-    if not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 (dual clip), got {clip_ratio_c}")
+    check_clip_ratios(clip_ratio_low, clip_ratio_high, clip_ratio_c)
     for name, t in (("old_log_probs", old_log_probs), ("advantages", advantages)):
         if t.shape != log_probs.shape:
             raise ValueError(f"{name} must have the shape of log_probs {tuple(log_probs.shape)}, "

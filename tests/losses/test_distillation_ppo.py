@@ -123,7 +123,7 @@ def test_combined_loss_rejects_bad_input():
         no_ref = {k: v for k, v in data.items() if k != "ref_log_probs"}
         distillation_ppo_loss(kl_loss_coef=0.1)(outputs, no_ref, ctx)
     bad = ((dict(loss_agg_mode="mean"), "loss_agg_mode"), (dict(kl_loss_type="k2"), "kl_loss_type"),
-           (dict(kl_loss_coef=-1.0), "kl_loss_coef"))
+           (dict(kl_loss_coef=-1.0), "kl_loss_coef"), (dict(clip_ratio_c=0.9), "clip_ratio_c"))
     for kwargs, name in bad:
         with pytest.raises(ValueError, match=name):
             distillation_ppo_loss(**kwargs)
