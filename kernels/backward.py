@@ -67,7 +67,7 @@ def _chunk_grad_kernel(
     for start in range(lo, hi, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         valid = cols < hi
-        x = tl.load(x_row + cols * stride_xc, mask=valid, other=float("-inf")).to(tl.float32)
+        x = tl.load(x_row + cols * stride_xc, mask=valid, other=0.0).to(tl.float32)  # masked: never stored
         zm = divide_by_temperature(x, t_ptr, row, t_scalar, T_MODE) - m
         p = tl.exp(zm) * inv_s
         inner = tl.zeros([BLOCK_V], tl.float32) + a

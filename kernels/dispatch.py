@@ -1,7 +1,9 @@
-"""Whether the Triton backend can run on a device; no Triton import unless asked.
+"""Whether the Triton backend should run on a device; imports Triton only when asked about CUDA.
 
-``triton_available(device)`` is True when ``device`` is a CUDA device and ``triton`` imports, or
-when ``TRITON_INTERPRET=1`` is set (the CPU interpreter, used by the kernel tests).
+The ops' chunk loop asks ``triton_available(logits.device)`` once per call: True only for a CUDA
+device with an importable ``triton`` and the interpreter off. CPU tensors always take the torch
+path, even under ``TRITON_INTERPRET=1`` (the interpreter is for the kernel tests, which call the
+launchers directly, and would make every CPU op orders of magnitude slower).
 """
 
 from __future__ import annotations
@@ -22,13 +24,10 @@ def _triton_imports() -> bool:
 
 
 def interpreter_enabled() -> bool:
-    """True when ``TRITON_INTERPRET=1`` is set (kernels then run on CPU tensors, slowly)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when ``TRITON_INTERPRET`` is set to a true value (kernels then run on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false", "off", "no")
 
 
 def triton_available(device: torch.device | str) -> bool:
-    """True iff the Triton kernels of this package can run on tensors of ``device``."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return _triton_imports() and not interpreter_enabled()
-    return device.type == "cpu" and interpreter_enabled() and _triton_imports()
+    """True iff the ops should use this package's Triton kernels for tensors on ``device``."""
+    return torch.device(device).type == "cuda" and not interpreter_enabled() and _triton_imports()

@@ -114,7 +114,7 @@ def _chunk_stats_kernel(
         e = tl.exp(zm)  # 0 on masked columns (exp(-inf))
         s_acc += e
         if COL_A >= 0:
-            a_acc += tl.where(e > 0, e * zm, 0.0)  # guards 0 * -inf for -inf logits
+            a_acc += e * tl.where(e > 0, zm, 0.0)  # guards 0 * -inf for -inf logits
         if COL_B >= 0:
             b_acc += e * e
         if COL_TAIL >= 0:

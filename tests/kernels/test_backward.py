@@ -1,0 +1,111 @@
+"""Triton chunk gradient (``chunk_grad``) vs its float64 formula and the ops' torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from mcore_engine.ops import stats as torch_stats  # noqa: E402
+from mcore_engine_kernels.backward import chunk_grad  # noqa: E402
+from mcore_engine_kernels.launch import LaunchConfig  # noqa: E402
+from tests.kernels._helpers import BF16, DEVICE, F16, F32, chunk_inputs, temperature_rows  # noqa: E402
+from tests.utils import assert_rel_close, rel_err  # noqa: E402
+
+SMALL = LaunchConfig(block_v=128, num_warps=4)
+
+# (seed, dtype, temperature, rows, v_local, v_valid, offset, terms, splits, config)
+CASES = [
+    (1, F32, "none", 37, 1000, 1000, 0, dict(b=True, c2=True, points=6), None, None),
+    (2, F32, "rows", 17, 1000, 953, 1000, dict(b=True, c2=False, points=4), 5, SMALL),
+    (3, BF16, "float", 29, 517, 517, 517, dict(b=False, c2=True, points=1), 3, SMALL),
+    (4, BF16, "rows", 23, 700, 650, 0, dict(b=True, c2=True, points=5), None, None),
+    (5, F16, "float", 19, 333, 333, 333, dict(b=False, c2=False, points=0), 2, SMALL),
+]
+
+
+def _stats_of(x, t, m):
+    """Exact-ish global statistics of the chunk (single shard) in fp32: inv_s and mu = A / S."""
+    zm = torch_stats.shifted(x, t, m).double()
+    e = zm.exp()
+    return (1 / e.sum(-1)).float(), ((e * zm).sum(-1) / e.sum(-1)).float()
+
+
+def _reference_grad64(x, t, m, inv_s, a, b, mu, c2, cols, vals):
+    """The module docstring's formula in float64: ``(p (a + b (zm - mu) + c2 p) + scatter) / t``."""
+    tt = 1.0 if t is None else (t.double()[:, None] if isinstance(t, torch.Tensor) else t)
+    zm = x.double() / tt - m.double()[:, None]
+    p = zm.exp() * inv_s.double()[:, None]
+    inner = a.double()[:, None] + torch.zeros_like(p)
+    if b is not None:
+        inner = inner + b.double()[:, None] * (zm - mu.double()[:, None])
+    if c2 is not None:
+        inner = inner + c2.double()[:, None] * p
+    g = p * inner
+    if cols is not None:
+        g = g.scatter_add(1, cols, vals.double())
+    return g / tt
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"case{c[0]}" for c in CASES])
+def test_chunk_grad_matches_float64_and_torch_path(case):
+    seed, dtype, tkind, rows, v_local, v_valid, offset, terms, splits, cfg = case
+    vocab = offset + v_valid + 211
+    n = terms["points"]
+    inp = chunk_inputs(seed, rows, v_local, v_valid, dtype, max(n, 1), offset, vocab)
+    x, g = inp["x"], inp["gen"]
+    t = temperature_rows(tkind, rows, g)
+    m = torch_stats.row_max(x, t)
+    inv_s, mu = _stats_of(x, t, m)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(DEVICE)
+
+    a = rnd(rows)
+    b = rnd(rows) if terms["b"] else None
+    mu = mu if terms["b"] else None
+    c2 = rnd(rows) if terms["c2"] else None
+    cols = vals = None
+    if n:
+        # Label + teacher ids as the ops pass them: clamped local columns, values zeroed off-shard.
+        gids = torch.cat([inp["labels"][:, None], inp["ids"][:, :n - 1]], 1)
+        cols, inside = torch_stats.local_columns(gids, offset, v_valid)
+        vals = rnd(rows, n) * inside
+    x_before = inp["full"].clone()
+
+    # The chunk's columns of a full-width gradient (padded columns must stay untouched).
+    grad = torch.full((rows, v_local), float("nan"), dtype=dtype, device=DEVICE)
+    out = grad[:, :v_valid]
+    res = chunk_grad(x, t, m, inv_s, a, b, mu, c2, cols, vals, out, splits=splits, config=cfg)
+    assert res is out and out.dtype == dtype
+    assert torch.isfinite(out).all(), "some gradient element was not written"
+    assert torch.isnan(grad[:, v_valid:]).all(), "chunk_grad wrote past the valid columns"
+    assert torch.equal(inp["full"], x_before), "chunk_grad modified its input"
+
+    ref = _reference_grad64(x, t, m, inv_s, a, b, mu, c2, cols, vals)
+    # Error budget: the rounding of the exact result to the output dtype, plus fp32 arithmetic.
+    budget = rel_err(ref.to(dtype), ref) + 1e-5
+    assert rel_err(out, ref) <= budget, f"grad vs float64: {rel_err(out, ref):.3e} > {budget:.3e}"
+
+    # The ops' torch path: recompute zm, chunk_grad (w.r.t. z), divide by t, cast to the logits' dtype.
+    gz = torch_stats.chunk_grad(torch_stats.shifted(x, t, m), inv_s, a, b, mu if b is not None else a, c2,
+                                cols, vals)
+    if t is not None:
+        gz = gz / (t[:, None] if isinstance(t, torch.Tensor) else t)
+    assert_rel_close(out, gz.to(dtype), 1e-5 if dtype == F32 else 1e-2, "grad vs torch path")
+
+
+def test_bad_input_raises_value_error_naming_argument():
+    x = torch.randn(5, 40, device=DEVICE)
+    r = torch.ones(5, device=DEVICE)
+    out = torch.empty(5, 40, device=DEVICE)
+    with pytest.raises(ValueError, match="inv_s must be"):
+        chunk_grad(x, None, r, r[:3], r, None, None, None, None, None, out)
+    with pytest.raises(ValueError, match="b and mu"):
+        chunk_grad(x, None, r, r, r, r, None, None, None, None, out)
+    with pytest.raises(ValueError, match="cols and vals"):
+        chunk_grad(x, None, r, r, r, None, None, None, torch.zeros(5, 1, dtype=torch.long, device=DEVICE),
+                   None, out)
+    with pytest.raises(ValueError, match="out must be"):
+        chunk_grad(x, None, r, r, r, None, None, None, None, None, out[:, :39])
