@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from tensordict import TensorDictBase
 
 from mcore_engine.batch_layout import is_jagged, sequence_lengths
+
+if TYPE_CHECKING:
+    from mcore_engine.data import StepFlags
 
 
 def balanced_partition(lengths: Sequence[int], budget: int, *, min_parts: int = 1) -> list[list[int]]:
@@ -56,7 +60,7 @@ def balanced_partition(lengths: Sequence[int], budget: int, *, min_parts: int = 
         k += 1
 
 
-def split_micro_batches(batch: TensorDictBase, flags, *, default_micro_batch_size: int,
+def split_micro_batches(batch: TensorDictBase, flags: StepFlags, *, default_micro_batch_size: int,
                         min_num_micro_batches: int = 1,
                         pad_multiple: int = 1) -> tuple[list[TensorDictBase], list[int]]:
     """Split ``batch`` (``[B]``) into micro-batches; return them and ``order`` (see module docstring).

@@ -90,9 +90,15 @@ class ModelInputs:
 
     def scatter_tokens(self, values: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
         """Place ``values [N, ...]`` (real tokens in order) into the model layout, ``fill`` elsewhere."""
-        flat = values.new_full((self.input_ids.numel(), *values.shape[1:]), fill)
-        flat = flat.index_copy(0, self.token_index.to(values.device), values)
-        return flat.reshape(*self.input_ids.shape, *values.shape[1:])
+        return _scatter(values, self.token_index, tuple(self.input_ids.shape), fill)
+
+
+def _scatter(values: torch.Tensor, token_index: torch.Tensor, shape: tuple[int, int],
+             fill: float | int = 0) -> torch.Tensor:
+    """``out = full(shape + tail, fill); out.view(-1, *tail)[token_index] = values`` (out of place)."""
+    flat = values.new_full((shape[0] * shape[1], *values.shape[1:]), fill)
+    flat = flat.index_copy(0, token_index.to(values.device), values)
+    return flat.reshape(*shape, *values.shape[1:])
 
 
 def _slot_layout(lengths: torch.Tensor, data_format: str, pad_multiple: int):
@@ -139,9 +145,7 @@ def pack_micro_batch(mb: TensorDictBase, *, data_format: str, temperature: float
     num_slots = shape[0] * shape[1]
 
     def scatter(values: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
-        values = values.to(device)
-        flat = values.new_full((num_slots, *values.shape[1:]), fill)
-        return flat.index_copy(0, token_index, values).reshape(*shape, *values.shape[1:])
+        return _scatter(values.to(device), token_index, shape, fill)
 
     # --- 1. ids, positions, next-token labels, loss mask ---
     id_values = token_values(mb, "input_ids").to(device=device, dtype=torch.int64)

@@ -370,7 +370,9 @@ def test_attention_mask_gives_per_sequence_causal_attention(data_format):
     n, d = sum(LENGTHS), 5
     q, k, v = (torch.randn(n, d, dtype=torch.float64) for _ in range(3))
     qs, ks, vs = (x.scatter_tokens(a).reshape(x.input_ids.shape[0], -1, d) for a in (q, k, v))
-    scores = (qs @ ks.transpose(1, 2)).masked_fill(x.attention_mask[:, 0], -10000.0)
+    from megatron.core.transformer.utils import attention_mask_func  # masked_fill_(mask, -10000.0)
+
+    scores = attention_mask_func((qs @ ks.transpose(1, 2))[:, None], x.attention_mask)[:, 0]
     packed_out = unpack_per_token(torch.softmax(scores, -1) @ vs, x)
     got = torch.cat(packed_out.unbind())
     ref, start = [], 0
