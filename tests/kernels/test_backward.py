@@ -7,9 +7,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from mcore_engine.ops import stats as torch_stats  # noqa: E402
 from mcore_engine_kernels.backward import chunk_grad  # noqa: E402
 from mcore_engine_kernels.launch import LaunchConfig  # noqa: E402
+
+from mcore_engine.ops import stats as torch_stats  # noqa: E402
 from tests.kernels._helpers import BF16, DEVICE, F16, F32, chunk_inputs, temperature_rows  # noqa: E402
 from tests.utils import assert_rel_close, rel_err  # noqa: E402
 

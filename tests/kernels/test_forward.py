@@ -7,26 +7,36 @@ import torch
 
 pytest.importorskip("triton")
 
-from mcore_engine.ops import stats as torch_stats  # noqa: E402
 from mcore_engine_kernels.forward import chunk_stats, row_max  # noqa: E402
 from mcore_engine_kernels.launch import LaunchConfig  # noqa: E402
-from tests.kernels._helpers import BF16, DEVICE, F16, F32, chunk_inputs, reference_stats64, temperature_rows  # noqa: E402
+
+from mcore_engine.ops import stats as torch_stats  # noqa: E402
+from tests.kernels._helpers import (  # noqa: E402
+    BF16,
+    DEVICE,
+    F16,
+    F32,
+    chunk_inputs,
+    reference_stats64,
+    temperature_rows,
+)
 from tests.utils import assert_rel_close  # noqa: E402
 
 SMALL = LaunchConfig(block_v=128, num_warps=4)  # many tiles per row, so splits and tile edges are exercised
 
 # (seed, dtype, temperature, rows, v_local, v_valid, offset, layout flags, splits, config)
+
+
+def _flags(entropy: bool, sum_pi_squared: bool, label: bool, k: int, tail: bool) -> dict:
+    return dict(entropy=entropy, sum_pi_squared=sum_pi_squared, label=label, k=k, tail=tail)
+
+
 CASES = [
-    (1, F32, "none", 37, 1000, 1000, 0, dict(entropy=True, sum_pi_squared=True, label=True, k=6, tail=True),
-     None, None),
-    (2, F32, "rows", 17, 1000, 953, 1000, dict(entropy=True, sum_pi_squared=True, label=True, k=5, tail=True),
-     5, SMALL),
-    (3, BF16, "float", 29, 517, 517, 517, dict(entropy=True, sum_pi_squared=False, label=True, k=4, tail=False),
-     3, SMALL),
-    (4, BF16, "rows", 23, 700, 650, 0, dict(entropy=False, sum_pi_squared=True, label=False, k=3, tail=True),
-     None, None),
-    (5, F16, "float", 19, 333, 333, 333, dict(entropy=False, sum_pi_squared=False, label=True, k=0, tail=False),
-     2, SMALL),
+    (1, F32, "none", 37, 1000, 1000, 0, _flags(True, True, True, 6, True), None, None),
+    (2, F32, "rows", 17, 1000, 953, 1000, _flags(True, True, True, 5, True), 5, SMALL),
+    (3, BF16, "float", 29, 517, 517, 517, _flags(True, False, True, 4, False), 3, SMALL),
+    (4, BF16, "rows", 23, 700, 650, 0, _flags(False, True, False, 3, True), None, None),
+    (5, F16, "float", 19, 333, 333, 333, _flags(False, False, True, 0, False), 2, SMALL),
 ]
 
 
