@@ -59,13 +59,13 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_path: str | os.P
     """
     model_cfg = cfg.model
     check_config_matches(model_cfg, from_hf_config(read_hf_config(hf_path)))
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
     shapes = hf_shapes(model_cfg)
 
     with HFCheckpointReader(hf_path) as reader:
         check_hf_names(reader.names(), model_cfg)
         reader.check(shapes)
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
 
         def read(name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
             return reader.read(name, shapes[name], dim, start, stop)
