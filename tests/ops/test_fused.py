@@ -142,9 +142,23 @@ def _check_zero_tokens(rank: int, world: int) -> None:
     assert lp.shape == ids.shape == (0, 5, 3)
 
 
+def _check_all_padding_shards(rank: int, world: int) -> None:
+    """Ranks >= 1 hold only padded columns (V_valid = 0): no mass, no gradient, correct results."""
+    case = Case(8, (5,), 9, F32, pad=9 * (world - 1), temperature="tok", chunk_size=2, kl_tail=True)
+    _check_fused(case, rank, world)
+    inp = case_inputs(case, world)
+    x = shard_of(inp["full"], rank, case.v_local)
+    lp, ids = vocab_parallel_topk(x, 9, group=_group(world), vocab_size=9)
+    ref = inp["full"].double()[..., :9].log_softmax(-1).topk(9)
+    assert_rel_close(lp, ref.values, 1e-6, "topk with all-padding shards")
+    assert (ids < 9).all()
+
+
 def _run_all(rank: int, world: int, case_indices: list[int]) -> None:
     for i in case_indices:
         _check_fused(CASES[i], rank, world)
+    if world > 1:
+        _check_all_padding_shards(rank, world)
     _check_chunk_invariance(rank, world)
     _check_topk(rank, world)
     _check_zero_tokens(rank, world)
