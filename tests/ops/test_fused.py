@@ -175,3 +175,23 @@ def test_two_ranks() -> None:
 @pytest.mark.slow
 def test_four_ranks() -> None:
     run_distributed(_run_all, 4, [1, 3, 5])
+
+
+def _check_default_group_is_megatron_tp(rank: int, world: int) -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    try:
+        case = Case(31, (3, 4), 11, F32, temperature="0.7")
+        inp = case_inputs(case, world)
+        x = shard_of(inp["full"], rank, case.v_local)
+        ref = reference_logits_outputs(inp["full"].double(), entropy=True, temperature=0.7)["entropy"]
+        out = vocab_parallel_entropy(x, temperature=0.7)  # group=None: must find Megatron's TP group
+        assert_rel_close(out, ref, 1e-5, "group=None under Megatron TP")
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.slow
+def test_default_group_is_megatron_tp_group() -> None:
+    run_distributed(_check_default_group_is_megatron_tp, 2)
