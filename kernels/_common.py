@@ -23,7 +23,7 @@ def temperature_args(t: float | torch.Tensor | None, rows: int, device: torch.de
         if t.shape != (rows,) or t.dtype != torch.float32 or t.device != device:
             raise ValueError(f"t must be a float32 tensor [c] = [{rows}] on {device}, got "
                              f"{t.dtype} {tuple(t.shape)} on {t.device}")
-        return t, 1.0, T_ROWS
+        return t.contiguous(), 1.0, T_ROWS  # e.g. a 0-d temperature broadcast to [c] has stride 0
     return None, float(t), T_SCALAR
 
 
@@ -38,6 +38,14 @@ def check_rows(v: torch.Tensor, name: str, shape: tuple[int, ...], dtype: torch.
     if tuple(v.shape) != shape or (dtype is not None and v.dtype != dtype):
         raise ValueError(f"{name} must be {dtype or 'a tensor'} of shape {shape}, got {v.dtype} "
                          f"{tuple(v.shape)}")
+
+
+def row_vector(v: torch.Tensor | None, name: str, rows: int) -> torch.Tensor | None:
+    """A checked fp32 per-row vector ``[c]`` with unit stride (kernels index it as ``ptr + row``)."""
+    if v is None:
+        return None
+    check_rows(v, name, (rows,), torch.float32)
+    return v.contiguous()
 
 
 @triton.jit

@@ -27,6 +27,7 @@ from ._common import (
     divide_by_temperature,
     emulate_rtne,
     round_to_bf16_rtne,
+    row_vector,
     temperature_args,
 )
 from .launch import LaunchConfig, get_config, num_splits, split_cols
@@ -92,18 +93,18 @@ def chunk_grad(x: torch.Tensor, t: float | torch.Tensor | None, m: torch.Tensor,
                splits: int | None = None, config: LaunchConfig | None = None) -> torch.Tensor:
     """Write the gradient w.r.t. the logits chunk ``x [c, V_valid]`` into ``out [c, V_valid]`` (returned).
 
-    The math is the module docstring's. ``m, inv_s, a`` (and ``mu`` with ``b``) are fp32 ``[c]``;
-    ``cols [c, n]`` int64 (clamped local columns) with ``vals [c, n]`` fp32, or both None. ``out`` has
-    the logits' dtype (any float dtype) and may be a strided view into the full gradient. Allocates
-    nothing.
+    The math is the module docstring's. ``m, inv_s, a`` (and ``mu`` with ``b``; ``mu`` is ignored
+    without ``b``) are fp32 ``[c]``; ``cols [c, n]`` int64 (clamped local columns) with ``vals [c, n]``
+    fp32, or both None. ``out`` has the logits' dtype (any float dtype) and may be a strided view into
+    the full gradient. Allocates nothing.
     """
     check_chunk(x)
     rows, n_cols = x.shape
-    for name, v in (("m", m), ("inv_s", inv_s), ("a", a), ("b", b), ("mu", mu), ("c2", c2)):
-        if v is not None:
-            check_rows(v, name, (rows,), torch.float32)
-    if (b is None) != (mu is None):
-        raise ValueError("b and mu must be given together (entropy term) or both be None")
+    mu = mu if b is not None else None  # unused without the entropy term
+    m, inv_s, a = row_vector(m, "m", rows), row_vector(inv_s, "inv_s", rows), row_vector(a, "a", rows)
+    b, mu, c2 = row_vector(b, "b", rows), row_vector(mu, "mu", rows), row_vector(c2, "c2", rows)
+    if b is not None and mu is None:
+        raise ValueError("mu must be given with b (the entropy term)")
     check_chunk(out, "out")
     check_rows(out, "out", (rows, n_cols), None)
     if (cols is None) != (vals is None):

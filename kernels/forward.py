@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_chunk, check_rows, divide_by_temperature, temperature_args
+from ._common import check_chunk, check_rows, divide_by_temperature, row_vector, temperature_args
 from .launch import LaunchConfig, get_config, num_splits, split_cols
 
 
@@ -182,7 +182,7 @@ def chunk_stats(x: torch.Tensor, t: float | torch.Tensor | None, m: torch.Tensor
     """
     check_chunk(x)
     rows, cols = x.shape
-    check_rows(m, "m", (rows,), torch.float32)
+    m = row_vector(m, "m", rows)
     check_rows(out, "out", (rows, layout.width), torch.float32)
     if out.stride(1) != 1:
         raise ValueError("out must have unit column stride")

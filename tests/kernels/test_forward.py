@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mcore_engine_kernels.forward import chunk_stats, row_max
+from mcore_engine_kernels.launch import LaunchConfig
 
-pytest.importorskip("triton")
-
-from mcore_engine_kernels.forward import chunk_stats, row_max  # noqa: E402
-from mcore_engine_kernels.launch import LaunchConfig  # noqa: E402
-
-from mcore_engine.ops import stats as torch_stats  # noqa: E402
-from tests.kernels._helpers import (  # noqa: E402
+from mcore_engine.ops import stats as torch_stats
+from tests.kernels._helpers import (
     BF16,
     DEVICE,
     F16,
@@ -20,7 +17,7 @@ from tests.kernels._helpers import (  # noqa: E402
     reference_stats64,
     temperature_rows,
 )
-from tests.utils import assert_rel_close  # noqa: E402
+from tests.utils import assert_rel_close
 
 SMALL = LaunchConfig(block_v=128, num_warps=4)  # many tiles per row, so splits and tile edges are exercised
 
