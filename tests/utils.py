@@ -119,9 +119,10 @@ def reference_logits_outputs(
         big_p = log_p.exp()
         c = log_prob_min_clamp
         if c is None:
-            kl = (big_p * (log_p - log_q)).sum(-1)
+            terms = big_p * (log_p - log_q)
         else:
-            kl = (big_p * (log_p.clamp_min(c) - log_q.clamp_min(c))).sum(-1)
+            terms = big_p * (log_p.clamp_min(c) - log_q.clamp_min(c))
+        kl = torch.where(big_p > 0, terms, 0.0).sum(-1)  # 0 log 0 = 0
         if kl_tail:
             p_t = (1 - big_p.sum(-1)).clamp_min(1e-20)
             q_t = (1 - log_q.exp().sum(-1)).clamp_min(1e-20)

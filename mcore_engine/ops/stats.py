@@ -166,7 +166,8 @@ def finalize(stats: torch.Tensor, layout: StatLayout, *, teacher_log_probs: torc
 
         logS = log(S); log_probs = (z_y - m) - logS; entropy = logS - A / S; sum_pi2 = B / S**2
         log_q = (z_i - m) - logS;  P = exp(teacher_log_probs)
-        KL = sum_i P_i (max(log P_i, c) - max(log q_i, c));  active_i = log q_i >= c
+        KL = sum_i P_i (max(log P_i, c) - max(log q_i, c))   (a term with P_i = 0 counts 0)
+        active_i = log q_i >= c
         tail: p_t = max(1 - sum P, eps), q_t = max(T / S, eps), KL += p_t log(p_t / q_t)
     """
     s = stats[:, 0]
@@ -187,11 +188,12 @@ def finalize(stats: torch.Tensor, layout: StatLayout, *, teacher_log_probs: torc
         log_p = teacher_log_probs.float()
         big_p = log_p.exp()
         if clamp is None:
-            kl = (big_p * (log_p - log_q)).sum(-1)
+            terms = big_p * (log_p - log_q)
             kl_p = big_p
         else:
-            kl = (big_p * (log_p.clamp_min(clamp) - log_q.clamp_min(clamp))).sum(-1)
+            terms = big_p * (log_p.clamp_min(clamp) - log_q.clamp_min(clamp))
             kl_p = big_p * (log_q >= clamp)
+        kl = terms.masked_fill_(big_p == 0, 0.0).sum(-1)  # 0 log 0 = 0: teacher ids with log-prob -inf
         kl_w = kl_p.sum(-1)
         q = log_q.exp()
         q_s = q.sum(-1)

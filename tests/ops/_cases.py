@@ -34,6 +34,8 @@ def case_inputs(case: Case, world: int) -> dict:
     ids = torch.rand(case.lead + (vocab_size,), generator=g).argsort(-1)[..., :case.k]
     # Teacher mass < 1 so the tail bucket is non-trivial.
     tlp = torch.randn(case.lead + (case.k,), generator=g).log_softmax(-1) + math.log(0.85)
+    if case.seed % 2:  # a teacher slot with probability 0 (log-prob -inf) in the first token
+        tlp.view(-1, case.k)[0, -1] = float("-inf")
     temperature = {"1": 1.0, "0.7": 0.7, "0d": torch.tensor(1.3),
                    "tok": torch.rand(case.lead, generator=g) + 0.5}[case.temperature]
     weights = {key: torch.randn(case.lead, generator=g, dtype=torch.float64)
