@@ -125,7 +125,7 @@ def chunk_stats(zm: torch.Tensor, layout: StatLayout, out: torch.Tensor, *,
 def chunk_grad(zm: torch.Tensor, inv_s: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None,
                mu: torch.Tensor, c2: torch.Tensor | None, cols: torch.Tensor | None,
                vals: torch.Tensor | None) -> torch.Tensor:
-    """Gradient w.r.t. ``z`` of one chunk, written into ``zm``'s storage (``zm`` is consumed).
+    """Gradient w.r.t. ``z`` of one chunk, in a workspace of this call (``zm`` is consumed).
 
     With ``p = exp(zm) * inv_s`` (``inv_s = 1 / S``, global) and per-row coefficients ``[c]``:
 
@@ -135,11 +135,14 @@ def chunk_grad(zm: torch.Tensor, inv_s: torch.Tensor, a: torch.Tensor, b: torch.
     ``p`` (``[c, V_valid]``).
     """
     p = zm.exp().mul_(inv_s[:, None])
-    g = zm.sub_(mu[:, None]).mul_(b[:, None]) if b is not None else zm.zero_()
-    g.add_(a[:, None])
-    if c2 is not None:
-        g.addcmul_(p, c2[:, None])
-    g.mul_(p)
+    if b is None and c2 is None:  # log-probs / KL only: g = p * a, in p's storage
+        g = p.mul_(a[:, None])
+    else:
+        g = zm.sub_(mu[:, None]).mul_(b[:, None]).add_(a[:, None]) if b is not None \
+            else torch.addcmul(a[:, None], p, c2[:, None], out=zm)
+        if b is not None and c2 is not None:
+            g.addcmul_(p, c2[:, None])
+        g.mul_(p)
     if cols is not None and g.shape[-1]:
         g.scatter_add_(1, cols, vals)
     return g
