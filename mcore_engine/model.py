@@ -1,0 +1,197 @@
+"""Megatron-Core ``GPTModel`` from an :class:`~mcore_engine.config.EngineConfig`.
+
+No process-group code lives here (house habit 9): the platform layer must have run
+``init_distributed`` first; the pipeline / virtual-pipeline ranks only decide which chunks hold the
+embedding (``pre_process``) and the output layer (``post_process``).
+
+- Layer spec: Transformer Engine's when ``transformer_engine`` imports (GPU machines), else the local
+  Megatron-Core spec whose core attention also accepts packed ``thd`` batches
+  (:class:`PackedDotProductAttention`).
+- Vocab: padded as Megatron does (:func:`padded_vocab_size`); logits come out vocab-sharded
+  ``[b, s, V_padded / tp]`` (``parallel_output=True``) and the true ``vocab_size`` goes to the ops.
+- Precision: parameters are built directly in the training dtype (``params_dtype``); no
+  ``Float16Module`` wrap, so bf16 logits are never upcast to a full fp32 copy.
+- CPU: ``use_cpu_initialization=True``; every weight is drawn in full on every rank from the same
+  seed and sliced, so a TP shard is an exact slice of the TP=1 weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec
+from torch import Tensor
+
+from mcore_engine.config import EngineConfig
+from mcore_engine.platform import apply_cpu_device_layer
+
+__all__ = ["PackedDotProductAttention", "build_model_chunks", "build_transformer_config", "has_te",
+           "padded_vocab_size"]
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's rule: round ``vocab_size`` up to a multiple of ``divisible_by * tp``.
+
+    ``padded_vocab_size(250, 128, 2) == 256``; ``padded_vocab_size(151936, 128, 2) == 152064``.
+    """
+    for name, value in (("vocab_size", vocab_size), ("divisible_by", divisible_by), ("tp", tp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"padded_vocab_size: {name} must be an int >= 1, got {value!r}")
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def has_te() -> bool:
+    """True when Transformer Engine imports (never on CPU-only machines)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+class PackedDotProductAttention(DotProductAttention):
+    """Megatron-Core's local ``DotProductAttention`` that also accepts packed ``thd`` sequences.
+
+    With ``packed_seq_params`` (``qkv_format='thd'``), ``query`` is ``[t, np, hn]`` and ``key`` /
+    ``value`` ``[t, ng, hn]`` for ``t`` packed tokens; attention is causal inside each sequence of
+    ``cu_seqlens_q`` (``cu_seqlens_q_padded`` when given) and blocked across sequences:
+
+        seq = searchsorted(cu_seqlens[1:], arange(t), right=True)           # [t]
+        masked[i, j] = (seq[i] != seq[j]) | (j > i)                         # [t, t] bool
+        out = softmax(q k^T / sqrt(hn) masked by -10000) v                  # [t, 1, np * hn]
+
+    Memory: the ``[np, t, t]`` score matrix of all packed tokens (quadratic in the pack, not in the
+    longest sequence); meant for CPU tests and GPUs without Transformer Engine.
+    """
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                attn_mask_type: AttnMaskType | None = None, attention_bias: Tensor | None = None,
+                packed_seq_params: PackedSeqParams | None = None) -> Tensor:
+        if packed_seq_params is None:
+            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias)
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError("packed_seq_params.qkv_format must be 'thd', "
+                             f"got {packed_seq_params.qkv_format!r}")
+        cu = packed_seq_params.cu_seqlens_q_padded
+        if cu is None:
+            cu = packed_seq_params.cu_seqlens_q
+        t = query.size(0)
+        positions = torch.arange(t, device=query.device)
+        seq = torch.searchsorted(cu[1:].to(device=query.device, dtype=torch.int64), positions, right=True)
+        masked = (seq[:, None] != seq[None, :]) | (positions[None, :] > positions[:, None])
+        return super().forward(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1),
+                               masked[None, None], attn_mask_type=AttnMaskType.arbitrary,
+                               attention_bias=attention_bias)
+
+
+def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
+    """Megatron-Core ``TransformerConfig`` for ``cfg`` (dropout off, no bias except QKV's, RoPE).
+
+    ``sequence_parallel`` needs the Transformer Engine norms: ``ValueError`` without them.
+    """
+    m, p = cfg.model, cfg.parallel
+    on_gpu = torch.cuda.is_available()
+    if p.sequence_parallel and not has_te():
+        raise ValueError("ParallelConfig.sequence_parallel needs Transformer Engine (GPU); the local layer "
+                         "spec's torch norms do not support it")
+    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.query_groups,
+        ffn_hidden_size=m.ffn_size,
+        normalization=m.normalization,
+        layernorm_epsilon=m.norm_epsilon,
+        gated_linear_unit=m.swiglu,
+        activation_func=F.silu if m.swiglu else F.gelu,
+        add_bias_linear=False,
+        add_qkv_bias=m.add_qkv_bias,
+        qk_layernorm=m.qk_layernorm,
+        init_method_std=m.init_method_std,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+        sequence_parallel=p.sequence_parallel,
+        batch_p2p_comm=p.batch_p2p_comm,
+        variable_seq_lengths=True,  # pipeline p2p sends shapes: micro-batches differ in length
+        moe_token_dispatcher_type="alltoall",  # unused (no MoE); the default rejects variable lengths
+        bf16=cfg.precision == "bf16",
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=not on_gpu,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def _layer_spec(cfg: EngineConfig) -> ModuleSpec:
+    m = cfg.model
+    if has_te():
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=m.qk_layernorm)
+    spec = get_gpt_layer_local_spec(qk_layernorm=m.qk_layernorm, normalization=m.normalization)
+    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    return spec
+
+
+def build_model_chunks(cfg: EngineConfig) -> list[GPTModel]:
+    """One ``GPTModel`` per virtual pipeline stage of this rank (one chunk without VPP), not wrapped.
+
+    Needs ``parallel_state`` initialised with ``cfg.parallel`` (``platform.init_distributed``).
+    Chunk ``i`` holds the embedding iff it is the first virtual stage of the first pipeline rank,
+    the output layer iff the last of the last. Logits: ``[b, s, padded_vocab / tp]`` in the
+    parameters' dtype. Memory: the parameters, plus on CPU one full fp32 master copy of the largest
+    weight while it is initialised.
+    """
+    if not parallel_state.model_parallel_is_initialized():
+        raise ValueError("build_model_chunks: parallel_state is not initialised; call "
+                         "mcore_engine.platform.init_distributed(cfg.parallel, cfg.seed) first")
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if (tp, pp) != (cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size):
+        raise ValueError(f"build_model_chunks: parallel_state has tp={tp}, pp={pp} but cfg.parallel asks "
+                         f"tensor_model_parallel_size={cfg.parallel.tensor_model_parallel_size}, "
+                         f"pipeline_model_parallel_size={cfg.parallel.pipeline_model_parallel_size}")
+    apply_cpu_device_layer()
+    config = build_transformer_config(cfg)
+    spec = _layer_spec(cfg)
+    vocab = padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
+    vpp = cfg.parallel.virtual_pipeline_model_parallel_size
+    chunks = []
+    for stage in range(vpp or 1):
+        vp_stage = stage if vpp is not None else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=vocab,
+            max_sequence_length=cfg.model.max_sequence_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            parallel_output=True,
+            share_embeddings_and_output_weights=cfg.model.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=cfg.model.rotary_base,
+            vp_stage=vp_stage,
+        )
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks

@@ -1,0 +1,320 @@
+"""Platform layer: devices, distributed bring-up, seeding, and the CPU device layer for Megatron-Core.
+
+One module owns the process groups and the device (house habit 9): ``init_distributed`` brings up
+``torch.distributed`` (NCCL with CUDA, gloo without), Megatron-Core's ``parallel_state`` and the
+RNG streams; ``get_device`` hands out a small :class:`Device` for ``empty_cache`` / synchronisation /
+memory statistics.
+
+Megatron-Core 0.16 has no device abstraction: on a CPU-only torch build ``torch.cuda.current_device``,
+the CUDA RNG state calls, streams, events, ``synchronize`` and ``device='cuda'`` tensor factories
+raise. :func:`apply_cpu_device_layer` makes them run on the CPU, and only when CUDA is absent:
+
+1. ``torch.cuda.current_device`` -> ``"cpu"`` (Megatron passes it as ``device=``).
+2. CUDA RNG calls -> the CPU default generator (``torch.cuda.{get,set}_rng_state``, ``manual_seed``,
+   and Megatron's ``tensor_parallel.random._set_cuda_rng_state``), so the RNG tracker keeps
+   Megatron's seed layout (data-parallel stream ``seed``, model-parallel ``seed + 2718 + tp_rank``)
+   and forks the generator that CPU dropout really draws from.
+3. Streams, events, ``synchronize``, ``set_stream`` and NVTX ranges become no-ops.
+4. A ``TorchFunctionMode`` rewrites ``device='cuda'`` / ``device=<int>`` keyword arguments and
+   ``Tensor.to('cuda')`` to the CPU, makes ``Tensor.cuda()`` return the tensor itself, and reports
+   ``Tensor.type()`` with the ``torch.cuda.`` prefix that Megatron's optimizers assert on.
+   Cost: one Python call per torch function (~2% on the tiny test models).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+from mcore_engine.config import ParallelConfig
+
+__all__ = ["Device", "apply_cpu_device_layer", "cpu_device_layer_active", "destroy_distributed",
+           "get_device", "init_distributed"]
+
+_CPU_LAYER_MODE: _CudaToCpuMode | None = None
+_OWNS_DEFAULT_GROUP = False
+
+
+# ----------------------------------------------------------------------------------------------------
+# CPU device layer
+# ----------------------------------------------------------------------------------------------------
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Redirects CUDA placements to the CPU (see the module docstring, item 4)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]) \
+                and not isinstance(args[1], int):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """Stand-in for ``torch.cuda.Stream``: every operation completes immediately on the CPU."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> _NullEvent:
+        return event if event is not None else _NullEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _NullEvent:
+    """Stand-in for ``torch.cuda.Event``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end_event: Any) -> float:
+        return 0.0
+
+
+def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.default_generator.get_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    torch.default_generator.set_state(new_state)
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    torch.default_generator.manual_seed(seed)
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def cpu_device_layer_active() -> bool:
+    """True once :func:`apply_cpu_device_layer` has patched this process."""
+    return _CPU_LAYER_MODE is not None
+
+
+def apply_cpu_device_layer() -> None:
+    """Make Megatron-Core 0.16's CUDA calls run on the CPU. Idempotent; a no-op when CUDA is available.
+
+    Patches ``torch.cuda`` attributes, Megatron's ``_set_cuda_rng_state`` and enters a process-wide
+    ``TorchFunctionMode`` (items 1-4 of the module docstring). Never reverted: a CPU-only process
+    stays CPU-only.
+    """
+    global _CPU_LAYER_MODE
+    if _CPU_LAYER_MODE is not None or torch.cuda.is_available():
+        return
+    cuda = torch.cuda
+    # --- 1. current device ---
+    cuda.current_device = lambda: "cpu"
+    # --- 2. RNG: the CPU default generator plays the CUDA generator ---
+    # (``manual_seed_all`` stays: ``torch.manual_seed`` calls it, and on a CPU build it only queues.)
+    cuda.get_rng_state = cuda.random.get_rng_state = _cpu_get_rng_state
+    cuda.set_rng_state = cuda.random.set_rng_state = _cpu_set_rng_state
+    cuda.manual_seed = cuda.random.manual_seed = _cpu_manual_seed
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._set_cuda_rng_state = _cpu_set_rng_state
+    # --- 3. streams, events, synchronisation, profiling ranges ---
+    cuda.Stream = _NullStream
+    cuda.Event = _NullEvent
+    cuda.current_stream = cuda.default_stream = lambda device=None: _NullStream()
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.set_stream = _noop
+    cuda.synchronize = _noop
+    cuda.nvtx.range_push = _noop
+    cuda.nvtx.range_pop = _noop
+    cuda.nvtx.range = lambda *args, **kwargs: contextlib.nullcontext()
+    # --- 4. device='cuda' placements ---
+    mode = _CudaToCpuMode()
+    mode.__enter__()
+    _CPU_LAYER_MODE = mode
+
+
+# ----------------------------------------------------------------------------------------------------
+# Device abstraction
+# ----------------------------------------------------------------------------------------------------
+def _rss_bytes(field: str) -> int:
+    """``VmRSS`` / ``VmHWM`` of this process from /proc (Linux), else 0."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+@dataclass(frozen=True)
+class Device:
+    """The compute device of this process: ``type`` is ``"cuda"`` or ``"cpu"``.
+
+    On CUDA the methods forward to ``torch.cuda``; on the CPU the memory statistics are the process's
+    resident set size (``VmRSS``; peak ``VmHWM``, reset through ``/proc/self/clear_refs``) and
+    ``empty_cache`` / ``synchronize`` do nothing (they exist so callers and tests can rely on them).
+    """
+
+    type: str
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def empty_cache(self) -> None:
+        if self.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def synchronize(self) -> None:
+        if self.type == "cuda":
+            torch.cuda.synchronize()
+
+    def memory_allocated(self) -> int:
+        return torch.cuda.memory_allocated() if self.type == "cuda" else _rss_bytes("VmRSS")
+
+    def max_memory_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated() if self.type == "cuda" else _rss_bytes("VmHWM")
+
+    def reset_peak_memory_stats(self) -> None:
+        if self.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            return
+        with contextlib.suppress(OSError):
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+
+
+_DEVICE: Device | None = None
+
+
+def get_device() -> Device:
+    """The process-wide :class:`Device` (one instance, so tests can spy on its methods)."""
+    global _DEVICE
+    if _DEVICE is None:
+        _DEVICE = Device(type="cuda" if torch.cuda.is_available() else "cpu")
+    return _DEVICE
+
+
+# ----------------------------------------------------------------------------------------------------
+# Distributed bring-up and seeding
+# ----------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _world_size_before_init() -> int:
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def seed_everything(seed: int) -> None:
+    """Megatron's seed layout: every stream offset by ``100 * pp_rank``; Python, NumPy and torch get
+    ``seed``; the RNG tracker gets the data-parallel stream ``seed`` and the tensor-parallel stream
+    ``seed + 2718 + tp_rank`` (``model_parallel_cuda_manual_seed``). Needs ``parallel_state``."""
+    import numpy as np
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def init_distributed(parallel: ParallelConfig, seed: int) -> None:
+    """Bring up ``torch.distributed``, Megatron-Core's ``parallel_state`` and the RNG streams.
+
+    The default group comes from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``; NCCL with CUDA, gloo without) unless one already exists, which is then used as
+    is; without torchrun variables a single-process gloo group is created. The world size is checked
+    against ``parallel`` (``ValueError``) before any process-group work. Gloo process groups are
+    kept (Megatron's default), and an existing ``parallel_state`` is replaced.
+    """
+    world_size = _world_size_before_init()
+    parallel.data_parallel_size(world_size)
+    use_cuda = torch.cuda.is_available()
+    if not use_cuda:
+        apply_cpu_device_layer()
+    global _OWNS_DEFAULT_GROUP
+    if not dist.is_initialized():
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl" if use_cuda else "gloo"
+        if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, init_method="env://")
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                                    world_size=1)
+        _OWNS_DEFAULT_GROUP = True
+
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        create_gloo_process_groups=True,
+    )
+    seed_everything(seed)
+
+
+def destroy_distributed() -> None:
+    """Tear down ``parallel_state``, and the default group when :func:`init_distributed` created it."""
+    global _OWNS_DEFAULT_GROUP
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if _OWNS_DEFAULT_GROUP and dist.is_initialized():
+        dist.destroy_process_group()
+    _OWNS_DEFAULT_GROUP = False

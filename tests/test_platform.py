@@ -1,0 +1,169 @@
+"""Platform layer: the CPU device layer, the Device abstraction, and Megatron-Core's DDP, optimizers
+and schedules running one step on 2 gloo ranks on top of it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from functools import partial
+
+import pytest
+import torch
+
+from tests.utils import run_distributed
+
+TINY = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+            vocab_size=250, max_sequence_length=64)
+
+
+def test_device_layer_not_applied_when_cuda_exists():
+    """With CUDA present (mocked) the layer leaves torch.cuda and the torch-function stack alone."""
+    code = textwrap.dedent("""
+        import torch
+        from unittest import mock
+        before = {n: getattr(torch.cuda, n) for n in ("current_device", "get_rng_state", "synchronize",
+                                                      "Stream", "Event", "current_stream", "manual_seed")}
+        with mock.patch.object(torch.cuda, "is_available", return_value=True):
+            from mcore_engine import platform
+            platform.apply_cpu_device_layer()
+            assert platform.get_device().type == "cuda"
+        assert not platform.cpu_device_layer_active()
+        assert all(getattr(torch.cuda, n) is f for n, f in before.items())
+        assert not torch.overrides._is_torch_function_mode_enabled()
+        print("OK")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_cpu_device_stats():
+    from mcore_engine.platform import get_device
+
+    dev = get_device()
+    assert dev is get_device() and dev.type == "cpu" and dev.torch_device == torch.device("cpu")
+    dev.empty_cache()
+    dev.synchronize()
+    dev.reset_peak_memory_stats()
+    before = dev.max_memory_allocated()
+    x = torch.ones(64 * 2**20 // 8, dtype=torch.float64)  # 64 MiB, touched
+    assert dev.memory_allocated() > 0 and dev.max_memory_allocated() >= before + 32 * 2**20
+    del x
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2-rank launch: the device layer's patches, then one optimizer step through every Megatron path.
+# ----------------------------------------------------------------------------------------------------
+def _check_device_layer() -> None:
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    from mcore_engine.platform import apply_cpu_device_layer, cpu_device_layer_active
+
+    apply_cpu_device_layer()
+    apply_cpu_device_layer()  # idempotent
+    assert cpu_device_layer_active()
+    t = torch.empty(3, device="cuda")
+    assert t.device.type == "cpu"
+    assert torch.zeros(2, device=torch.device("cuda", 0)).device.type == "cpu"
+    assert torch.ones(2, device=0).device.type == "cpu"
+    assert t.cuda() is t and t.to("cuda").device.type == "cpu"
+    assert t.type() == "torch.cuda.FloatTensor" and t.bfloat16().type() == "torch.cuda.BFloat16Tensor"
+    assert t.type(torch.float64).dtype == torch.float64
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ev = torch.cuda.Event()
+        ev.record()
+    torch.cuda.synchronize()
+    # RNG: the CUDA calls drive the CPU default generator, and Megatron's setter really sets it.
+    torch.cuda.manual_seed(7)
+    a = torch.rand(4)
+    torch.manual_seed(7)
+    assert torch.equal(a, torch.rand(4))
+    state = torch.cuda.get_rng_state()
+    b = torch.rand(4)
+    mcore_random._set_cuda_rng_state(state)
+    assert torch.equal(b, torch.rand(4))
+
+
+def _loss_func(output: torch.Tensor):
+    loss = output.float().mean()
+    return loss, {"loss": loss.detach()}
+
+
+def _forward_step(batches, data_iterator, model):
+    ids = next(data_iterator)
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    out = model(ids, pos, None, labels=torch.roll(ids, -1, dims=1))
+    return out, _loss_func
+
+
+def _one_step(parallel: dict, precision: str, distributed_optimizer: bool, num_microbatches: int) -> dict:
+    """Build, wrap in Megatron DDP, get_megatron_optimizer, one get_forward_backward_func step."""
+    import megatron.core.optimizer as mopt
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from mcore_engine.config import EngineConfig, ModelConfig, ParallelConfig
+    from mcore_engine.model import build_model_chunks
+    from mcore_engine.platform import destroy_distributed, init_distributed
+
+    cfg = EngineConfig(model=ModelConfig(**TINY), parallel=ParallelConfig(**parallel), precision=precision)
+    init_distributed(cfg.parallel, cfg.seed)
+    chunks = build_model_chunks(cfg)
+    tf_config = chunks[0].config
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                               use_distributed_optimizer=distributed_optimizer)
+    model = [DistributedDataParallel(config=tf_config, ddp_config=ddp_config, module=c,
+                                     disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+    tf_config.finalize_model_grads_func = finalize_model_grads
+    optimizer = mopt.get_megatron_optimizer(
+        mopt.OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.0, clip_grad=1.0,
+                             bf16=precision == "bf16", params_dtype=tf_config.params_dtype,
+                             use_distributed_optimizer=distributed_optimizer), model)
+    before = [p.detach().clone() for m in model for p in m.parameters()]
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 250, (2, 24), generator=g) for _ in range(num_microbatches)]
+    iters = [iter(data) for _ in model] if len(model) > 1 else iter(data)
+    for m in model:
+        m.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, None), data_iterator=iters, model=model,
+        num_microbatches=num_microbatches, seq_length=24, micro_batch_size=2, forward_only=False)
+    ok, grad_norm, _ = optimizer.step()
+    after = [p.detach() for m in model for p in m.parameters()]
+    changed = [not torch.equal(b, a) for b, a in zip(before, after, strict=True)]
+    destroy_distributed()
+    return dict(ok=ok, grad_norm=grad_norm, losses=losses, changed=changed)
+
+
+def _distributed_smoke(rank: int, world_size: int) -> None:
+    _check_device_layer()
+    cases = {
+        "tp2_fp32_no_pipelining": (dict(tensor_model_parallel_size=2), "fp32", False, 2),
+        "dp2_bf16_distopt": (dict(), "bf16", True, 1),
+        "dp2_fp32_distopt": (dict(), "fp32", True, 1),
+        "pp2_1f1b": (dict(pipeline_model_parallel_size=2), "fp32", False, 3),
+        "pp2_vpp2_interleaved": (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+                                 "fp32", False, 4),
+    }
+    for name, (parallel, precision, distopt, nmb) in cases.items():
+        r = _one_step(parallel, precision, distopt, nmb)
+        assert r["ok"], f"{name}: optimizer step skipped"
+        assert r["grad_norm"] is not None and 0 < r["grad_norm"] < float("inf"), f"{name}: {r['grad_norm']}"
+        assert all(r["changed"]), f"{name}: some parameters did not change: {r['changed']}"
+        last_stage = not parallel.get("pipeline_model_parallel_size") or rank == world_size - 1
+        assert len(r["losses"]) == (nmb if last_stage else 0), f"{name}: {len(r['losses'])} losses"
+        for d in r["losses"]:
+            assert torch.isfinite(d["loss"]), f"{name}: loss {d['loss']}"
+        # grad norm is a global quantity: every rank must report the same one
+        norms = [None] * world_size
+        torch.distributed.all_gather_object(norms, float(r["grad_norm"]))
+        assert max(norms) - min(norms) <= 1e-6 * max(norms), f"{name}: grad norms differ {norms}"
+
+
+@pytest.mark.slow
+def test_megatron_paths_one_step_on_two_ranks():
+    run_distributed(_distributed_smoke, 2)
