@@ -1,0 +1,44 @@
+"""Compile every kernel variant for sm_90: ``python -m tests.kernels._compile_sm90`` (interpreter off).
+
+Prints "compiled" on success; a kernel whose arguments drift from the signatures below fails with KeyError.
+"""
+
+from __future__ import annotations
+
+import triton
+from mcore_engine_kernels import backward, forward
+from mcore_engine_kernels.launch import DEFAULT_CONFIGS, LaunchConfig
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+STATS_PTRS = ("t_ptr", "m_ptr", "inv_s_ptr", "a_ptr", "b_ptr", "mu_ptr", "c2_ptr", "pval_ptr", "part_ptr")
+
+
+def compile_(fn, ptrs: dict[str, str], consts: dict, cfg: LaunchConfig) -> None:
+    """Compile ``fn`` with pointer types ``ptrs`` (other pointers fp32), int32 ints and ``consts``."""
+    types = {**{p: "*fp32" for p in STATS_PTRS}, **ptrs, "t_scalar": "fp32"}
+    consts = {**consts, "BLOCK_V": cfg.block_v}
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+    assert "cubin" in triton.compile(src, target=TARGET, options={"num_warps": cfg.num_warps}).asm
+
+
+def main() -> None:
+    for dt, t_mode, k in (("fp32", 2, 5), ("bf16", 1, 0), ("fp16", 0, 3)):
+        x = {"x_ptr": f"*{dt}"}
+        compile_(forward._row_max_kernel, x, {"T_MODE": t_mode}, DEFAULT_CONFIGS["row_max"])
+        ids = {"ycol_ptr": "*i64", "yin_ptr": "*i1", "tcol_ptr": "*i64", "tin_ptr": "*i1", "out_ptr": "*fp32"}
+        cols = {"COL_A": 1, "COL_B": 2 if k else -1, "COL_Y": 3, "COL_TEACHER": 4, "K": k,
+                "COL_TAIL": 4 + k if k else -1}
+        compile_(forward._chunk_stats_kernel, {**x, **ids}, {**cols, "T_MODE": t_mode},
+                 DEFAULT_CONFIGS["chunk_stats"])
+        flags = {"HAS_B": bool(k), "HAS_C2": not k, "N_PTS": k, "T_MODE": t_mode,
+                 "EMULATE_RTNE": dt == "bf16"}
+        compile_(backward._chunk_grad_kernel, {**x, "pcol_ptr": "*i64", "out_ptr": f"*{dt}"}, flags,
+                 DEFAULT_CONFIGS["chunk_grad"])
+    print("compiled")
+
+
+if __name__ == "__main__":
+    main()
