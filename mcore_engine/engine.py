@@ -1,0 +1,305 @@
+"""MegatronEngine: Megatron-Core GPT training and inference on TensorDict batches (TP / PP / DP).
+
+One step, as ``train_batch`` runs it::
+
+    step = prepare_step(batch)            # flags, validation, micro-batches, packing, global counts
+    zero_grad()                           # only after the batch was accepted on every DP rank
+    get_forward_backward_func()(forward_step, ...)   # no pipelining, 1F1B or interleaved
+        forward_step: logits = GPTModel(input_ids, position_ids, mask, packed_seq_params)  # [b, s, V/tp]
+                      outputs = process_lm_head_logits(logits, labels, temperature, flags...)
+                      loss_i, metrics_i = loss_function(outputs_flat, data_flat, ctx)
+    finalize: DP all-reduce (SUM, no averaging), embedding / layer-norm grad all-reduces
+    optimizer_step()                      # empty_cache iff top-k distillation ran; clip; step or skip
+
+Loss normalisation: ``loss_function`` returns each micro-batch's CONTRIBUTION to the global loss
+(divided by ``ctx.global_num_tokens``, all-reduced over DP before the micro-batch loop), Megatron
+neither divides by the micro-batch count nor averages over DP (``calculate_per_token_loss=True``
+and a finalize that skips the per-token rescale), so the gradient is that of
+``sum_{dp, mb} loss_i`` = the global loss, whatever the split.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict, TensorDictBase
+
+from mcore_engine.config import EngineConfig
+from mcore_engine.platform import apply_cpu_device_layer, get_device, init_distributed
+
+__all__ = ["MegatronEngine"]
+
+LossFunction = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def _finalize_grads_without_token_rescale(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
+    """Megatron's ``finalize_model_grads`` with ``num_tokens=None``: the loss is already globally
+    normalised, so the DP-summed gradients are final."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
+
+class MegatronEngine:
+    """Megatron-Core GPT policy engine (API.md "The engine").
+
+    Attributes after ``initialize()``: ``model`` (list of DDP-wrapped ``GPTModel`` chunks, one per
+    virtual pipeline stage), ``optimizer`` (Megatron optimizer), ``lr_scheduler``
+    (``OptimizerParamScheduler``), ``global_step`` (applied optimizer updates), ``num_skipped_steps``.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model: list[torch.nn.Module] = []
+        self.optimizer = None
+        self.lr_scheduler = None
+        self.global_step = 0
+        self.num_skipped_steps = 0
+        self._last_distillation_use_topk = False
+        self._thd_attention_mask = False
+
+    # ------------------------------------------------------------------ set-up
+    def initialize(self) -> None:
+        """Bring up distributed state, build the model chunks, wrap them in Megatron DDP, build the
+        Megatron optimizer and ``OptimizerParamScheduler``. Config errors raise before any process
+        group work."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        from mcore_engine.model import build_model_chunks
+        from mcore_engine.optim import build_optimizer, build_scheduler
+
+        cfg = self.config
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        cfg.validate_world_size(world)
+        apply_cpu_device_layer()
+        init_distributed(cfg.parallel, cfg.seed)
+
+        chunks = build_model_chunks(cfg)
+        for chunk in chunks:
+            tcfg = chunk.config
+            tcfg.calculate_per_token_loss = True          # no 1/num_microbatches, no DP averaging
+            tcfg.finalize_model_grads_func = _finalize_grads_without_token_rescale
+            tcfg.variable_seq_lengths = cfg.parallel.pipeline_model_parallel_size > 1
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
+        self.model = [DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk,
+                                              disable_bucketing=i > 0)
+                      for i, chunk in enumerate(chunks)]
+        for chunk in self.model:
+            chunk.broadcast_params()
+        no_sync = [chunk.no_sync for chunk in self.model]
+        for chunk in chunks:
+            chunk.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        # The local layer spec's attention has no packed-sequence support: emulate thd with a
+        # block-diagonal causal mask (same math; RoPE only sees relative positions).
+        self._thd_attention_mask = any(type(m) is DotProductAttention for m in chunks[0].modules())
+        self.optimizer = build_optimizer(cfg, self.model)
+        self.lr_scheduler = build_scheduler(cfg, self.optimizer)
+
+    def _require_initialized(self) -> None:
+        if self.optimizer is None:
+            raise RuntimeError("MegatronEngine.initialize() must be called first")
+
+    # ------------------------------------------------------------------ logits -> per-token outputs
+    def _lm_head_logits_processor(self, logits: torch.Tensor, label: torch.Tensor | None, temperature, *,
+                                  calculate_sum_pi_squared: bool, calculate_entropy: bool,
+                                  distillation_use_topk: bool, distillation_only: bool,
+                                  logits_processor_func: Callable | None = None, batch: Any = None,
+                                  data_format: str = "thd") -> dict[str, torch.Tensor]:
+        """Per-token fp32 outputs from this rank's vocab-sharded logits ``[..., V/tp]``; delegates to
+        ``mcore_engine.processor.process_lm_head_logits`` with the true vocab size (padded ids get no
+        mass) and ``config.logits_chunk_size``. Under ``distillation_only`` log-probs are never
+        computed."""
+        from mcore_engine.processor import process_lm_head_logits
+
+        return process_lm_head_logits(
+            logits, label, temperature, calculate_sum_pi_squared=calculate_sum_pi_squared,
+            calculate_entropy=calculate_entropy, distillation_use_topk=distillation_use_topk,
+            distillation_only=distillation_only, logits_processor_func=logits_processor_func,
+            batch=batch, data_format=data_format, vocab_size=self.config.model.vocab_size,
+            chunk_size=self.config.logits_chunk_size)
+
+    # ------------------------------------------------------------------ forward / backward
+    def _prepare(self, batch: TensorDictBase, logits_processor_func: Callable | None):
+        from megatron.core import parallel_state
+
+        from mcore_engine.step import prepare_step
+
+        self._require_initialized()
+        par = self.config.parallel
+        interleaved = (par.virtual_pipeline_model_parallel_size or 1) > 1
+        return prepare_step(
+            batch, vocab_size=self.config.model.vocab_size,
+            max_sequence_length=self.config.model.max_sequence_length, data_format=self.config.data_format,
+            default_micro_batch_size=self.config.micro_batch_size,
+            has_logits_processor_func=logits_processor_func is not None,
+            pad_multiple=par.tensor_model_parallel_size if par.sequence_parallel else 1,
+            thd_attention_mask=self._thd_attention_mask,
+            min_num_micro_batches=par.pipeline_model_parallel_size if interleaved else 1,
+            device=get_device().torch_device, dp_group=parallel_state.get_data_parallel_group())
+
+    def _run(self, step, loss_function: LossFunction | None, forward_only: bool,
+             logits_processor_func: Callable | None) -> TensorDict:
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from mcore_engine.step import collect_outputs, loss_data
+
+        flags, fmt = step.flags, self.config.data_format
+        self._last_distillation_use_topk = flags.distillation_use_topk
+
+        def loss_func(mb, logits: torch.Tensor):
+            inp = mb.inputs
+            teacher = {"teacher_ids": inp.teacher_ids, "teacher_logprobs": inp.teacher_logprobs}
+            outputs = self._lm_head_logits_processor(
+                logits, inp.labels, inp.temperature, calculate_sum_pi_squared=flags.calculate_sum_pi_squared,
+                calculate_entropy=flags.calculate_entropy, distillation_use_topk=flags.distillation_use_topk,
+                distillation_only=flags.distillation_only, logits_processor_func=logits_processor_func,
+                batch=teacher, data_format=fmt)
+            flat = {k: v.reshape(-1) for k, v in outputs.items()}
+            if loss_function is None:
+                loss, metrics = logits.new_zeros((), dtype=torch.float32), {}
+            else:
+                loss, metrics = loss_function(flat, loss_data(mb), step.ctx)
+            num_tokens = inp.loss_mask.sum().to(torch.int)
+            kept = {k: v.detach() for k, v in outputs.items()}
+            return loss, num_tokens, {"index": mb.index, "loss": loss.detach(), "metrics": metrics,
+                                      "outputs": kept}
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            inp = mb.inputs
+            packed = None if self._thd_attention_mask else inp.packed_seq_params
+            logits = model(input_ids=inp.input_ids, position_ids=inp.position_ids,
+                           attention_mask=inp.attention_mask, packed_seq_params=packed)
+            return logits, partial(loss_func, mb)
+
+        from mcore_engine.step import micro_batch_iterator
+
+        iterators = [micro_batch_iterator(step) for _ in self.model]
+        store = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=len(step.micro_batches), seq_length=step.max_seq_len,
+            micro_batch_size=1, forward_only=forward_only)
+
+        out = TensorDict({}, batch_size=[step.batch_size])
+        if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            out.set_non_tensor("metrics", {})
+            return out
+        store = sorted(store, key=lambda r: r["index"])
+        for key, value in collect_outputs(step, [r["outputs"] for r in store]).items():
+            out.set(key, value)
+        loss = torch.stack([r["loss"] for r in store]).sum()
+        dp_group = parallel_state.get_data_parallel_group()
+        if dist.get_world_size(dp_group) > 1:
+            dist.all_reduce(loss, group=dp_group)
+        metrics: dict[str, list[float]] = {}
+        for r in store:
+            for k, v in r["metrics"].items():
+                metrics.setdefault(k, []).append(float(v))
+        out.set_non_tensor("loss", loss)
+        out.set_non_tensor("metrics", metrics)
+        return out
+
+    def forward_backward_batch(self, batch: TensorDictBase, loss_function: LossFunction | None,
+                               forward_only: bool = False, *,
+                               logits_processor_func: Callable | None = None) -> TensorDict:
+        """Forward (and backward unless ``forward_only``) over all micro-batches of ``batch``.
+
+        Gradients ACCUMULATE into the DDP grad buffers (``train_batch`` zeroes them first). Returns,
+        on the last pipeline stage, a TensorDict ``[B]`` with the per-token outputs in the layout of
+        ``input_ids`` plus non-tensor ``loss`` (global, 0-d) and ``metrics`` (key -> list of
+        per-micro-batch values); other stages get only ``metrics``. Records ``distillation_use_topk``
+        for ``optimizer_step``'s ``empty_cache()`` hook.
+        """
+        step = self._prepare(batch, logits_processor_func)
+        return self._run(step, loss_function, forward_only, logits_processor_func)
+
+    def zero_grad(self) -> None:
+        """Zero the DDP grad buffers and the optimizer's main grads."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def train_batch(self, batch: TensorDictBase, loss_function: LossFunction, *,
+                    logits_processor_func: Callable | None = None) -> TensorDict:
+        """Validate -> zero_grad -> forward_backward_batch -> optimizer_step. A bad batch raises
+        ``ValueError`` before any gradient or parameter changes. The metrics gain ``grad_norm``,
+        ``update_skipped`` (1.0 when non-finite gradients skipped the update) and ``lr``."""
+        step = self._prepare(batch, logits_processor_func)
+        for chunk in self.model:
+            chunk.train()
+        self.zero_grad()
+        out = self._run(step, loss_function, False, logits_processor_func)
+        skipped_before = self.num_skipped_steps
+        grad_norm = self.optimizer_step()
+        metrics = dict(out.get_non_tensor("metrics"))
+        metrics["grad_norm"] = grad_norm
+        metrics["update_skipped"] = float(self.num_skipped_steps > skipped_before)
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        out.set_non_tensor("metrics", metrics)
+        return out
+
+    @torch.no_grad()
+    def infer_batch(self, batch: TensorDictBase, loss_function: LossFunction | None = None, *,
+                    logits_processor_func: Callable | None = None) -> TensorDict:
+        """Forward only, under ``no_grad`` and eval mode: per-token outputs in the layout of
+        ``input_ids`` (``log_probs`` unless distillation_only, ``entropy`` ... per the flags)."""
+        step = self._prepare(batch, logits_processor_func)
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            return self._run(step, loss_function, True, logits_processor_func)
+        finally:
+            for chunk in self.model:
+                chunk.train()
+
+    # ------------------------------------------------------------------ optimizer
+    def optimizer_step(self) -> float:
+        """``get_device().empty_cache()`` first iff the last ``forward_backward_batch`` ran with
+        ``distillation_use_topk``; then clip to ``optimizer.clip_grad`` and step. Returns the
+        pre-clip global grad norm. Non-finite gradients skip the update (parameters and optimizer
+        state unchanged) and count in ``num_skipped_steps``."""
+        from mcore_engine.optim import step_optimizer
+
+        self._require_initialized()
+        if self._last_distillation_use_topk:
+            get_device().empty_cache()
+        result = step_optimizer(self.optimizer, self.config.optimizer.clip_grad)
+        if result.skipped:
+            self.num_skipped_steps += 1
+        else:
+            self.global_step += 1
+        return result.grad_norm
+
+    def lr_scheduler_step(self) -> float:
+        """Advance the learning-rate schedule by one step; returns the new learning rate."""
+        self._require_initialized()
+        self.lr_scheduler.step(1)
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: str) -> None:
+        """Collective: write model, optimizer, scheduler, step counters and RNG of every rank to
+        folder ``path`` atomically (see ``mcore_engine.checkpoint``)."""
+        from mcore_engine.checkpoint import save_engine_state
+
+        self._require_initialized()
+        save_engine_state(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Collective: restore what ``save_checkpoint`` wrote; a torn, foreign or differently laid
+        out checkpoint raises ``ValueError`` on every rank and leaves the engine untouched."""
+        from mcore_engine.checkpoint import load_engine_state
+
+        self._require_initialized()
+        load_engine_state(self, path)

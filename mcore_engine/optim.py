@@ -1,0 +1,113 @@
+"""Megatron-Core optimizer, learning-rate schedule and a step that skips non-finite gradients.
+
+``build_optimizer`` maps our ``OptimizerConfig`` onto Megatron's (Adam(W) via ``get_megatron_optimizer``:
+``FP32Optimizer`` in fp32, ``Float16OptimizerWithFloat16Params`` with fp32 main params in bf16, the
+``DistributedOptimizer`` when asked). ``build_scheduler`` gives Megatron's ``OptimizerParamScheduler``
+(linear warm-up, then constant / linear / cosine decay to ``min_lr``).
+
+``step_optimizer`` is Megatron's ``ChainedOptimizer.step`` with one change: the global gradient norm
+is checked BEFORE anything is updated, and a non-finite norm skips the update, so parameters and
+optimizer state (Adam moments and step count) stay bit-identical::
+
+    found_inf = optimizer.prepare_grads()          # model grads -> main grads (+ unscale)
+    norm = ||main grads||_2 over all model-parallel (and, distributed optimizer, DP) ranks
+    if found_inf or not isfinite(norm): skip
+    else: grads *= min(1, clip / (norm + 1e-6)); optimizer.step_with_ready_grads()
+
+Memory: nothing beyond Megatron's optimizer (one fp32 norm all-reduce).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+__all__ = ["StepResult", "build_optimizer", "build_scheduler", "step_optimizer", "sub_optimizers"]
+
+
+def build_optimizer(cfg, model_chunks: list[torch.nn.Module]):
+    """Megatron optimizer for the DDP-wrapped ``model_chunks`` from ``cfg: EngineConfig``."""
+    opt = cfg.optimizer
+    bf16 = cfg.precision == "bf16"
+    mcfg = MegatronOptimizerConfig(
+        optimizer="adam",
+        lr=opt.lr,
+        min_lr=opt.min_lr,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1,
+        adam_beta2=opt.adam_beta2,
+        adam_eps=opt.adam_eps,
+        clip_grad=opt.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=opt.use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(mcfg, model_chunks)
+
+
+def build_scheduler(cfg, optimizer) -> OptimizerParamScheduler:
+    """Megatron's ``OptimizerParamScheduler``: warm-up from 0 to ``lr`` over ``lr_warmup_steps``,
+    then ``lr_decay_style`` down to ``min_lr`` at ``lr_decay_steps``; constant weight decay."""
+    opt = cfg.optimizer
+    warmup = int(opt.lr_warmup_steps or 0)
+    decay = opt.lr_decay_steps if opt.lr_decay_steps is not None else warmup + 1
+    decay = max(int(decay), warmup + 1)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup > 0 else opt.lr,
+        max_lr=opt.lr,
+        min_lr=opt.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=decay,
+        lr_decay_style=opt.lr_decay_style,
+        start_wd=opt.weight_decay,
+        end_wd=opt.weight_decay,
+        wd_incr_steps=decay,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=False,
+    )
+
+
+def sub_optimizers(optimizer) -> list:
+    """The Megatron optimizers inside ``optimizer`` (itself, or the members of a ChainedOptimizer)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Outcome of one optimizer step."""
+
+    grad_norm: float
+    """Global L2 norm of the gradients before clipping (nan / inf when the step was skipped)."""
+    skipped: bool
+    """True when the gradients were not finite and nothing was updated."""
+
+
+@torch.no_grad()
+def step_optimizer(optimizer, clip_grad: float) -> StepResult:
+    """Clip to ``clip_grad`` (0 = no clipping) and step, or skip when the gradients are not finite.
+
+    Every rank takes the same decision: the norm is all-reduced over the gradient-statistics group
+    (the model-parallel group; the whole world for the distributed optimizer), and data-parallel
+    replicas hold identical reduced gradients.
+    """
+    found_inf = bool(optimizer.prepare_grads())
+    if found_inf:
+        return StepResult(grad_norm=float("inf"), skipped=True)
+    grad_norm = float(optimizer.get_grad_norm())
+    if not math.isfinite(grad_norm):
+        return StepResult(grad_norm=grad_norm, skipped=True)
+    clip_coeff = clip_grad / (grad_norm + 1.0e-6)
+    if clip_grad > 0.0 and clip_coeff < 1.0:
+        # Megatron's clip_grad_by_total_norm_fp32, without its CUDA-only type assertion.
+        grads = [p.grad for sub in sub_optimizers(optimizer) if not getattr(sub, "is_stub_optimizer", False)
+                 for p in sub.get_parameters() if p.grad is not None]
+        torch._foreach_mul_(grads, clip_coeff)
+    success = optimizer.step_with_ready_grads()
+    return StepResult(grad_norm=grad_norm, skipped=not success)
