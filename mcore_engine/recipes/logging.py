@@ -1,0 +1,112 @@
+"""Progress and metrics of the main job: a tqdm bar, JSON lines, and a PNG of the learning curves.
+
+Only the logging rank (global rank 0) writes. Each record is one JSON object per line in
+``<run_dir>/metrics.jsonl``, e.g.::
+
+    {"phase": "teacher", "step": 3, "loss": 4.91, "tokens_per_s": 8123.0, "mem_gib": 0.61, ...}
+    {"phase": "student", "step": 3, "distillation_loss": 2.3, "topk_overlap": 0.41, ...}
+
+``plot_curves`` reads that file back and draws the teacher's loss, the student's distillation loss
+and its top-k overlap with the teacher (matplotlib, Agg backend, nothing shown on screen).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RunLogger", "plot_curves", "read_metrics"]
+
+
+class RunLogger:
+    """Rank-0 progress bar per phase plus the JSON-lines metrics file; a no-op on other ranks."""
+
+    def __init__(self, run_dir: str | Path, *, enabled: bool) -> None:
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self._bar = None
+        self._file = None
+        if enabled:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.metrics_path, "w")
+
+    def start_phase(self, description: str, total: int) -> None:
+        """Open a new progress bar (closing the previous one)."""
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        if self._bar is not None:
+            self._bar.close()
+        self._bar = tqdm(total=total, desc=description, dynamic_ncols=True)
+
+    def log(self, record: dict[str, Any], postfix: dict[str, str] | None = None) -> None:
+        """Append ``record`` as one JSON line; advance the bar and show ``postfix`` on it."""
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._bar is not None:
+            if postfix:
+                self._bar.set_postfix(postfix, refresh=False)
+            self._bar.update(1)
+
+    def write(self, line: str) -> None:
+        """Print a line without breaking the bar."""
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        tqdm.write(line)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` file, in order."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_curves(metrics_path: str | Path, png_path: str | Path, *, teacher_floor: float | None = None) -> None:
+    """Three panels: teacher loss, student distillation loss, student top-k overlap (vs step).
+
+    ``teacher_floor``: the corpus' entropy rate, drawn as a dashed line in the teacher panel.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    teacher = [r for r in records if r.get("phase") == "teacher"]
+    student = [r for r in records if r.get("phase") == "student"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    ax = axes[0]
+    ax.plot([r["step"] for r in teacher], [r["loss"] for r in teacher], label="teacher CE")
+    if teacher_floor is not None:
+        ax.axhline(teacher_floor, ls="--", c="gray", label="corpus entropy rate")
+    ax.set(title="teacher: next-token cross-entropy", xlabel="step", ylabel="nats / token")
+    ax.legend()
+    ax = axes[1]
+    ax.plot([r["step"] for r in student], [r["distillation_loss"] for r in student], c="C1")
+    ax.set(title="student: top-k KL to teacher", xlabel="step", ylabel="nats / token")
+    ax = axes[2]
+    ax.plot([r["step"] for r in student], [r["topk_overlap"] for r in student], c="C2", label="top-k overlap")
+    ax.plot([r["step"] for r in student], [r["student_mass"] for r in student], c="C3", ls=":",
+            label="student mass on teacher top-k")
+    ax.set(title="student vs teacher top-k", xlabel="step", ylim=(0, 1.02))
+    ax.legend()
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,109 @@
+"""A plain sampling loop and teacher top-k scoring over vocab-parallel logits, through the engine.
+
+Both run ``MegatronEngine.infer_batch`` with a custom ``logits_processor_func`` (the engine calls it
+on this rank's temperature-scaled vocab shard ``[..., V_local]`` when the batch sets
+``distillation_use_topk``; ``distillation_only`` skips the log-probs):
+
+- rollouts: no KV cache, one full forward per new token. Gumbel-max per shard + MAX-reduce::
+
+      g = -log(-log(U)),  U ~ uniform(0, 1) per (token, vocab id), drawn per TP rank for its shard
+      next = argmax_v (z_v + g_v)  over the GLOBAL vocab   # = one draw from softmax(z)
+  ``vocab_parallel_topk(z + g, 1)`` does the cross-shard argmax (one MAX and one SUM all-reduce of
+  ``[T]`` statistics), so every TP rank gets the same id while each draws noise for its own shard.
+- teacher scoring: ``vocab_parallel_topk(z, k)`` -> the teacher's top-k log-probs and global ids.
+
+Memory per call: one fp32 ``[T, V_local]`` perturbed copy (rollouts only) plus O(T k) outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from mcore_engine.ops import vocab_parallel_topk
+
+__all__ = ["GumbelMaxSampler", "sample_continuations", "teacher_topk", "topk_processor"]
+
+_SEED_STRIDE = 1_000_003
+
+
+def _tp_group() -> dist.ProcessGroup | None:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group() if parallel_state.model_parallel_is_initialized() \
+        else None
+
+
+class GumbelMaxSampler:
+    """``logits_processor_func`` drawing one token per position from ``softmax(student_logits)``.
+
+    Returns ``{"sampled_ids": int64 [...]}`` (shape ``student_logits.shape[:-1]``), identical on all
+    ranks of the tensor-parallel group. Call ``i`` seeds its noise with ``(seed, i, tp_rank)``, so
+    runs are reproducible and shards draw independent noise. ``vocab_size``: the true vocab (padded
+    ids are never sampled).
+    """
+
+    def __init__(self, *, seed: int, vocab_size: int | None) -> None:
+        self.seed = seed
+        self.vocab_size = vocab_size
+        self.calls = 0
+
+    def __call__(self, student_logits: torch.Tensor, data=None, data_format: str = "thd") -> dict[str, torch.Tensor]:
+        group = _tp_group()
+        tp_rank = dist.get_rank(group) if group is not None else 0
+        gen = torch.Generator(device=student_logits.device)
+        gen.manual_seed((self.seed * _SEED_STRIDE + self.calls) * 1009 + tp_rank)
+        self.calls += 1
+        with torch.no_grad():
+            u = torch.rand(student_logits.shape, generator=gen, device=student_logits.device,
+                           dtype=torch.float32)
+            tiny = torch.finfo(torch.float32).tiny
+            perturbed = student_logits.float() - (-u.clamp_min(tiny).log()).clamp_min(tiny).log()
+            _, ids = vocab_parallel_topk(perturbed, 1, group=group, vocab_size=self.vocab_size)
+        return {"sampled_ids": ids[..., 0]}
+
+
+def topk_processor(k: int, *, vocab_size: int | None):
+    """``logits_processor_func`` returning ``{"topk_log_probs": fp32 [..., k], "topk_ids": int64 [..., k]}``:
+    the top-k of ``log_softmax(logits)`` over the global vocab (``vocab_parallel_topk``)."""
+
+    def fn(student_logits: torch.Tensor, data=None, data_format: str = "thd") -> dict[str, torch.Tensor]:
+        log_probs, ids = vocab_parallel_topk(student_logits, k, group=_tp_group(), vocab_size=vocab_size)
+        return {"topk_log_probs": log_probs, "topk_ids": ids}
+
+    return fn
+
+
+def _inference_batch(tokens: torch.Tensor, *, micro_batch_size: int, temperature: float) -> TensorDict:
+    """Padded ``[B, S]`` batch (no padding) that makes the engine call the custom processor only."""
+    batch = TensorDict({"input_ids": tokens, "attention_mask": torch.ones_like(tokens, dtype=torch.bool)},
+                       batch_size=[tokens.shape[0]])
+    batch.set_non_tensor("temperature", temperature)
+    batch.set_non_tensor("distillation_use_topk", True)   # -> logits_processor_func is called
+    batch.set_non_tensor("distillation_only", True)       # -> no log-prob pass
+    batch.set_non_tensor("micro_batch_size_per_gpu", micro_batch_size)
+    return batch
+
+
+def sample_continuations(engine, prompts: torch.Tensor, num_new_tokens: int, *, sampler: GumbelMaxSampler,
+                         temperature: float = 1.0, micro_batch_size: int = 8) -> torch.Tensor:
+    """``[B, P]`` int64 prompts -> ``[B, P + num_new_tokens]``: plain autoregressive sampling from
+    ``softmax(logits / temperature)`` of ``engine``'s model, one full forward per new token."""
+    if prompts.dim() != 2 or prompts.shape[1] < 1 or prompts.dtype != torch.int64:
+        raise ValueError(f"prompts must be int64 [B, P] with P >= 1, got {prompts.dtype} {tuple(prompts.shape)}")
+    tokens = prompts
+    for _ in range(num_new_tokens):
+        batch = _inference_batch(tokens, micro_batch_size=micro_batch_size, temperature=temperature)
+        out = engine.infer_batch(batch, logits_processor_func=sampler)
+        next_ids = out["sampled_ids"][:, -1].to(tokens.device)
+        tokens = torch.cat([tokens, next_ids[:, None]], dim=1)
+    return tokens
+
+
+def teacher_topk(engine, tokens: torch.Tensor, k: int, *, micro_batch_size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher top-k per position of ``tokens [B, S]``: (ids int64 ``[B, S, k]``, log-probs fp32
+    ``[B, S, k]``); position t is about token t + 1 (the engine's output convention)."""
+    batch = _inference_batch(tokens, micro_batch_size=micro_batch_size, temperature=1.0)
+    out = engine.infer_batch(batch, logits_processor_func=topk_processor(k, vocab_size=engine.config.model.vocab_size))
+    return out["topk_ids"].to(tokens.device), out["topk_log_probs"].to(tokens.device)
