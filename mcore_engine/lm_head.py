@@ -1,0 +1,227 @@
+"""Fused lm-head: every per-token RL output from hidden states and the lm-head shard, without the logits.
+
+``fused_lm_head_outputs(hidden, weight, ...)`` equals
+``vocab_parallel_logits_outputs(hidden @ weight.T, ...)`` but computes the logits one row chunk at a
+time (``[chunk, V_local]``), reduces them to the ops' per-token statistics (``ops.stats``: the same
+definitions, the same one MAX + one packed SUM all-reduce per chunk) and drops them. Backward
+recomputes each chunk's logits from the saved ``hidden`` and ``weight`` (no copies) and turns the
+chunk's logit gradient straight into gradients for both.
+
+Memory above the inputs: outputs and O(N (8 + 2k)) fp32 statistics, a chunk workspace of about
+four ``[chunk, V_local]`` buffers, and in backward the two gradients (``grad_weight`` accumulates in
+fp32 when the weight is bf16/fp16: one fp32 ``[V_local, H]`` buffer). Never ``[N, V_local]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mcore_engine.ops import _common
+from mcore_engine.ops import stats as _stats
+from mcore_engine.ops.fused import OUTPUT_KEYS
+from mcore_engine.ops.temperature import Temperature, temperature_rows
+
+_NO_GRAD_KEYS = ("student_mass", "teacher_mass")
+
+
+def _output_keys(layout: _stats.StatLayout) -> tuple[str, ...]:
+    """The requested outputs, in ``OUTPUT_KEYS`` order (the order of the Function's outputs)."""
+    wanted = {"log_probs": layout.label, "entropy": layout.entropy, "sum_pi_squared": layout.sum_pi_squared,
+              "distillation_losses": layout.k > 0, "student_mass": layout.k > 0, "teacher_mass": layout.k > 0}
+    return tuple(key for key in OUTPUT_KEYS if wanted[key])
+
+
+def _shard(weight: torch.Tensor, group: dist.ProcessGroup | None, vocab_size: int | None) -> _common.Shard:
+    """This rank's place in the global vocab, from the weight shard ``[V_local, H]`` (V_local > 0)."""
+    return _common.make_shard(weight.new_empty(0, weight.shape[0], device="meta"), group, vocab_size)
+
+
+def grad_coefficients(fin: _stats.Finalized, layout: _stats.StatLayout, grads: dict[str, torch.Tensor | None],
+                      labels: torch.Tensor | None, ids: torch.Tensor | None):
+    """Per-token coefficients of ``stats.chunk_grad``: ``g = p (a + b (zm - mu) + c2 p) + scatter``.
+
+    ``grads``: upstream gradients ``[N]`` by output key (None: no gradient). Returns
+    ``(a, b, mu, c2, cols, vals)`` with ``cols``/``vals`` ``[N, n]`` global ids and values, or None when
+    nothing needs a gradient. The same mapping as ``ops.fused`` (API.md formulas):
+    d log_prob = e_y - p; d H = -p (z - mu); d s2 = 2 p (p - s2); d KL = p W - P 1[active] (+ tail).
+    """
+    g_lp, g_h, g_s2, g_kl = (grads.get(k) for k in ("log_probs", "entropy", "sum_pi_squared",
+                                                     "distillation_losses"))
+    if g_lp is None and g_h is None and g_s2 is None and g_kl is None:
+        return None
+    n = fin.inv_s.shape[0]
+    a = torch.zeros(n, dtype=torch.float32, device=fin.inv_s.device)
+    b = -g_h.reshape(n).float() if g_h is not None else None
+    c2 = None
+    cols, vals = [], []
+    if g_lp is not None:
+        g_lp = g_lp.reshape(n).float()
+        a -= g_lp
+        cols.append(labels[:, None])
+        vals.append(g_lp[:, None])
+    if g_s2 is not None:
+        c2 = 2 * g_s2.reshape(n).float()
+        a -= c2 * fin.s2
+    if g_kl is not None:
+        g_kl = g_kl.reshape(n).float()
+        a += g_kl * fin.kl_w
+        tv = -fin.kl_p
+        if fin.tail_r is not None:
+            a -= g_kl * fin.tail_r * fin.q_s
+            tv = tv + fin.tail_r[:, None] * fin.q
+        cols.append(ids)
+        vals.append(g_kl[:, None] * tv)
+    mu = fin.mu if b is not None else None
+    return (a, b, mu, c2, torch.cat(cols, 1) if cols else None, torch.cat(vals, 1) if vals else None)
+
+
+class _FusedLMHeadFunction(torch.autograd.Function):
+    """Forward (per chunk of rows; ``x = hidden[r0:r1] @ weight[:V_valid].T``, freed after the chunk):
+
+    1. m = row max of x / t (local) -> ONE all-reduce MAX.
+    2. zm = x / t - m; packed statistics (``stats.chunk_stats``) -> ONE all-reduce SUM.
+    3. After the loop: finalize per token (``stats.finalize``).
+    Backward (per chunk, no collectives but one): recompute x and zm, form the logit gradient
+    ``G = stats.chunk_grad(...) / t`` in the compute dtype, then ``grad_hidden[r0:r1] = G @ W`` and
+    ``grad_weight += G.T @ hidden[r0:r1]``; finally ONE all-reduce SUM of ``grad_hidden`` over the group
+    (``hidden`` is replicated across it, as in Megatron's column-parallel output layer).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None,
+                teacher_ids: torch.Tensor | None, teacher_log_probs: torch.Tensor | None,
+                t_rows: torch.Tensor | None, shard: _common.Shard, rows: int, layout: _stats.StatLayout,
+                clamp: float | None, t_scalar: float | None) -> tuple[torch.Tensor, ...]:
+        h = hidden.reshape(-1, hidden.shape[-1])
+        w = weight[:shard.v_valid]
+        n = h.shape[0]
+        stats = torch.empty(n, layout.width, dtype=torch.float32, device=hidden.device)
+        row_max = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        for r0 in range(0, n, rows):
+            r1 = min(r0 + rows, n)
+            x = h[r0:r1] @ w.T
+            tc = t_rows[r0:r1] if t_rows is not None else t_scalar
+            # --- 1. global row max ---
+            m = _common.all_reduce_(_stats.row_max(x, tc), dist.ReduceOp.MAX, shard)
+            row_max[r0:r1] = m
+            # --- 2. packed local statistics -> one SUM ---
+            label = (_stats.local_columns(labels[r0:r1], shard.offset, shard.v_valid)
+                     if labels is not None else None)
+            teacher = (_stats.local_columns(teacher_ids[r0:r1], shard.offset, shard.v_valid)
+                       if teacher_ids is not None else None)
+            _stats.chunk_stats(_stats.shifted(x, tc, m), layout, stats[r0:r1], label=label, teacher=teacher)
+            _common.all_reduce_(stats[r0:r1], dist.ReduceOp.SUM, shard)
+            del x
+        # --- 3. finalize per token ---
+        fin = _stats.finalize(stats, layout, teacher_log_probs=teacher_log_probs, clamp=clamp)
+        ctx.shard, ctx.rows, ctx.layout, ctx.t_scalar = shard, rows, layout, t_scalar
+        ctx.keys = _output_keys(layout)
+        ctx.fin = fin  # per-token fp32 tensors only
+        ctx.save_for_backward(hidden, weight, labels, teacher_ids, t_rows, row_max)
+        ctx.set_materialize_grads(False)
+        outs = tuple(fin.outputs[k].clone() for k in ctx.keys)
+        ctx.mark_non_differentiable(*(o for k, o in zip(ctx.keys, outs, strict=True) if k in _NO_GRAD_KEYS))
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        hidden, weight, labels, ids, t_rows, row_max = ctx.saved_tensors
+        shard: _common.Shard = ctx.shard
+        none = (None,) * 9
+        coef = grad_coefficients(ctx.fin, ctx.layout, dict(zip(ctx.keys, grads, strict=True)), labels, ids)
+        if coef is None:
+            return (None, None) + none
+        a, b, mu, c2, cols_all, vals_all = coef
+        h = hidden.reshape(-1, hidden.shape[-1])
+        w = weight[:shard.v_valid]
+        n = h.shape[0]
+        grad_h = torch.empty_like(h)
+        # bf16/fp16 weights accumulate their gradient over the chunks in fp32.
+        acc_dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
+        grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)  # padded rows stay 0
+        gw = grad_w[:shard.v_valid]
+        for r0 in range(0, n, ctx.rows):
+            r1 = min(r0 + ctx.rows, n)
+            x = h[r0:r1] @ w.T
+            tc = t_rows[r0:r1] if t_rows is not None else ctx.t_scalar
+            cc = vc = None
+            if cols_all is not None:
+                cc, inside = _stats.local_columns(cols_all[r0:r1], shard.offset, shard.v_valid)
+                vc = vals_all[r0:r1] * inside
+            gz = _stats.chunk_grad(_stats.shifted(x, tc, row_max[r0:r1]), ctx.fin.inv_s[r0:r1], a[r0:r1],
+                                   b[r0:r1] if b is not None else None, mu[r0:r1] if mu is not None else None,
+                                   c2[r0:r1] if c2 is not None else None, cc, vc)
+            if tc is not None:
+                gz.div_(tc[:, None] if isinstance(tc, torch.Tensor) else tc)
+            g = gz.to(x.dtype)  # the logit gradient in the compute dtype, as the logits path has it
+            del x, gz
+            torch.matmul(g, w, out=grad_h[r0:r1])
+            gw.addmm_(g.T.to(acc_dtype), h[r0:r1].to(acc_dtype))
+        _common.all_reduce_(grad_h, dist.ReduceOp.SUM, shard)
+        return (grad_h.view(hidden.shape), grad_w.to(weight.dtype)) + none
+
+
+def fused_lm_head_outputs(
+    hidden: torch.Tensor, weight: torch.Tensor, *, labels: torch.Tensor | None = None,
+    teacher_ids: torch.Tensor | None = None, teacher_log_probs: torch.Tensor | None = None,
+    entropy: bool = False, sum_pi_squared: bool = False, kl_tail: bool = False,
+    log_prob_min_clamp: float | None = None, temperature: Temperature = 1.0,
+    group: dist.ProcessGroup | None = None, chunk_size: int | None = None, vocab_size: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """``vocab_parallel_logits_outputs(hidden @ weight.T, ...)`` without ever holding ``[N, V_local]``.
+
+    Equivalent torch math (``L`` the gathered logits ``hidden @ W_full.T``, padded ids dropped)::
+
+        z = L / t; lse = z.logsumexp(-1); p = z.softmax(-1)
+        "log_probs" = z.gather(-1, labels[..., None])[..., 0] - lse; "entropy" = lse - (p * z).sum(-1)
+        "sum_pi_squared" = (p ** 2).sum(-1); top-k forward KL, student/teacher mass as in ops.fused
+
+    Shapes: ``hidden [..., H]`` (identical on every rank of ``group``), ``weight [V_local, H]`` this
+    rank's lm-head (or tied embedding) shard holding global ids ``[rank V_local, (rank + 1) V_local)``;
+    labels ``[...]``, teacher_* ``[..., k]``; outputs fp32 ``[...]``. Differentiable w.r.t. ``hidden``
+    (gradient all-reduced over ``group``) and ``weight``. Arguments as ``vocab_parallel_logits_outputs``.
+    Memory: see the module docstring; ``chunk_size`` rows per chunk (default ~2**21 / V_local).
+    """
+    if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
+        raise ValueError(f"hidden must be a floating tensor [..., H], got "
+                         f"{getattr(hidden, 'dtype', type(hidden).__name__)}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] \
+            or weight.dtype != hidden.dtype or weight.shape[0] == 0:
+        raise ValueError(f"weight must be [V_local > 0, H = {hidden.shape[-1]}] of dtype {hidden.dtype}, got "
+                         f"{getattr(weight, 'dtype', type(weight))} {tuple(getattr(weight, 'shape', ()))}")
+    group = _common.resolve_group(group)
+    shard = _shard(weight, group, vocab_size)
+    lead = tuple(hidden.shape[:-1])
+    n = hidden[..., 0].numel()
+    if labels is not None:
+        _common.check_ids(labels, "labels", lead, shard.vocab_size)
+        labels = labels.reshape(n).long()
+    if (teacher_ids is None) != (teacher_log_probs is None):
+        raise ValueError("teacher_ids and teacher_log_probs must be given together (shape [..., k])")
+    k = 0
+    if teacher_ids is not None:
+        if teacher_ids.dim() != len(lead) + 1 or teacher_ids.shape[-1] == 0:
+            raise ValueError(f"teacher_ids must have shape hidden.shape[:-1] + (k,) = {lead} + (k,) with "
+                             f"k >= 1, got {tuple(teacher_ids.shape)}")
+        k = teacher_ids.shape[-1]
+        _common.check_ids(teacher_ids, "teacher_ids", lead + (k,), shard.vocab_size)
+        if not isinstance(teacher_log_probs, torch.Tensor) or not teacher_log_probs.is_floating_point() \
+                or tuple(teacher_log_probs.shape) != lead + (k,):
+            raise ValueError(f"teacher_log_probs must be a floating tensor of shape {lead + (k,)}")
+        teacher_ids = teacher_ids.reshape(n, k).long()
+        teacher_log_probs = teacher_log_probs.detach().reshape(n, k)
+    if kl_tail and not k:
+        raise ValueError("kl_tail=True requires teacher_ids and teacher_log_probs")
+    clamp = _common.check_clamp(log_prob_min_clamp)
+    rows = _common.check_chunk_size(chunk_size, shard.v_local)
+    t = temperature_rows(temperature, lead, hidden.device)
+    layout = _stats.StatLayout(entropy=bool(entropy), sum_pi_squared=bool(sum_pi_squared),
+                               label=labels is not None, k=k, tail=bool(kl_tail))
+    keys = _output_keys(layout)
+    if not keys:
+        return {}
+    outs = _FusedLMHeadFunction.apply(hidden, weight, labels, teacher_ids, teacher_log_probs,
+                                      t if isinstance(t, torch.Tensor) else None, shard, rows, layout, clamp,
+                                      t if isinstance(t, float) else None)
+    return {key: o.view(lead) for key, o in zip(keys, outs, strict=True)}
