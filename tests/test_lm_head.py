@@ -1,0 +1,170 @@
+"""Fused lm-head vs the logits path (``hidden @ weight.T`` + ops) and a float64 reference, 1 and 2 ranks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mcore_engine.lm_head import fused_lm_head_outputs
+from mcore_engine.ops import vocab_parallel_logits_outputs
+from tests.utils import REL_TOL, assert_rel_close, reference_logits_outputs, run_distributed
+
+F32, BF16 = torch.float32, torch.bfloat16
+KEYS = ("log_probs", "entropy", "sum_pi_squared", "distillation_losses")
+
+
+@dataclass(frozen=True)
+class LMCase:
+    """One configuration; every rank rebuilds the same full hidden states and weight from ``seed``."""
+
+    seed: int
+    lead: tuple[int, ...]
+    hidden: int
+    v_local: int
+    dtype: torch.dtype = F32
+    pad: int = 0
+    temperature: str = "1"  # "1", "0.7", "0d", "tok"
+    chunk_size: int | None = None
+    k: int = 4
+    clamp: float | None = None
+    kl_tail: bool = False
+
+
+CASES = [
+    LMCase(1, (13,), 24, 61, chunk_size=4, k=5, kl_tail=True),
+    LMCase(2, (2, 7), 17, 53, pad=6, temperature="tok", chunk_size=3, clamp=-3.0, kl_tail=True),
+    LMCase(3, (1, 9), 32, 47, temperature="0.7", chunk_size=None, k=3),
+    LMCase(4, (3, 4), 20, 44, BF16, pad=5, temperature="0d", chunk_size=5, clamp=-2.5, kl_tail=True),
+    LMCase(5, (11,), 16, 39, BF16, temperature="1", chunk_size=2, k=2),
+]
+
+
+def _inputs(case: LMCase, world: int) -> dict:
+    g = torch.Generator().manual_seed(case.seed)
+    v = case.v_local * world
+    vocab = v - case.pad
+    hidden = torch.randn(case.lead + (case.hidden,), generator=g, dtype=torch.float64).to(case.dtype)
+    weight = (torch.randn(v, case.hidden, generator=g, dtype=torch.float64) * 2 / math.sqrt(case.hidden))
+    ids = torch.rand(case.lead + (vocab,), generator=g).argsort(-1)[..., :case.k]
+    temperature = {"1": 1.0, "0.7": 0.7, "0d": torch.tensor(1.3),
+                   "tok": torch.rand(case.lead, generator=g) + 0.5}[case.temperature]
+    return dict(
+        hidden=hidden, weight=weight.to(case.dtype),
+        upstream={k: torch.randn(case.lead, generator=g) for k in KEYS},
+        kwargs=dict(labels=torch.randint(0, vocab, case.lead, generator=g), teacher_ids=ids,
+                    teacher_log_probs=torch.randn(case.lead + (case.k,), generator=g).log_softmax(-1) - 0.15,
+                    entropy=True, sum_pi_squared=True, kl_tail=case.kl_tail, log_prob_min_clamp=case.clamp,
+                    temperature=temperature, vocab_size=vocab if case.pad else None))
+
+
+def _loss(out: dict, upstream: dict) -> torch.Tensor:
+    return sum((out[k].double() * upstream[k].double()).sum() for k in KEYS)
+
+
+def _check(case: LMCase, rank: int, world: int) -> None:
+    inp = _inputs(case, world)
+    group = dist.group.WORLD if world > 1 else None
+    rows = slice(rank * case.v_local, (rank + 1) * case.v_local)
+    tol = REL_TOL[case.dtype]
+    name = f"{case} rank {rank}/{world}"
+
+    # Float64 reference on the full weight (same rounded inputs).
+    h64 = inp["hidden"].double().requires_grad_()
+    w64 = inp["weight"].double().requires_grad_()
+    ref = reference_logits_outputs(h64 @ w64.T, **inp["kwargs"])
+    _loss(ref, inp["upstream"]).backward()
+
+    # The logits path on this rank's shard (hidden's grad all-reduced as the column-parallel layer does).
+    h_l = inp["hidden"].clone().requires_grad_()
+    w_l = inp["weight"][rows].clone().requires_grad_()
+    out_l = vocab_parallel_logits_outputs(h_l @ w_l.T, group=group, chunk_size=case.chunk_size,
+                                          **inp["kwargs"])
+    _loss(out_l, inp["upstream"]).backward()
+    if world > 1:
+        dist.all_reduce(h_l.grad, group=group)
+
+    # The fused path.
+    h = inp["hidden"].clone().requires_grad_()
+    w = inp["weight"][rows].clone().requires_grad_()
+    h_before, w_before = h.detach().clone(), w.detach().clone()
+    out = fused_lm_head_outputs(h, w, group=group, chunk_size=case.chunk_size, **inp["kwargs"])
+    assert set(out) == set(ref), name
+    _loss(out, inp["upstream"]).backward()
+    assert torch.equal(h.detach(), h_before) and torch.equal(w.detach(), w_before), f"{name}: inputs modified"
+
+    for key in ref:
+        assert out[key].dtype == F32 and out[key].shape == case.lead, (name, key)
+        assert_rel_close(out[key], ref[key], tol, f"{name} {key} vs float64")
+        assert_rel_close(out[key], out_l[key], tol, f"{name} {key} vs logits path")
+    assert h.grad.dtype == case.dtype and w.grad.dtype == case.dtype
+    assert_rel_close(h.grad, h64.grad, tol, f"{name} grad hidden vs float64")
+    assert_rel_close(w.grad, w64.grad[rows], tol, f"{name} grad weight vs float64")
+    assert_rel_close(h.grad, h_l.grad, tol, f"{name} grad hidden vs logits path")
+    assert_rel_close(w.grad, w_l.grad, tol, f"{name} grad weight vs logits path")
+    if case.pad and rank == world - 1:
+        v_valid = case.v_local - case.pad
+        assert not w.grad[v_valid:].any(), f"{name}: padded vocab rows got a gradient"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"case{c.seed}" for c in CASES])
+def test_fused_lm_head_one_rank(case):
+    _check(case, 0, 1)
+
+
+def _two_rank_checks(rank: int, world: int) -> None:
+    for case in CASES:
+        _check(case, rank, world)
+
+
+def test_fused_lm_head_two_ranks():
+    run_distributed(_two_rank_checks, 2)
+
+
+def test_saves_only_inputs_and_per_token_tensors():
+    n, h_dim, v = 29, 12, 40
+    hidden = torch.randn(n, h_dim, requires_grad=True)
+    weight = torch.randn(v, h_dim, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fused_lm_head_outputs(hidden, weight, labels=torch.randint(0, v, (n,)), entropy=True,
+                                    temperature=0.7, chunk_size=4)
+    big = [tuple(t.shape) for t in saved if t.numel() >= n * v // 2
+           and t.untyped_storage().data_ptr() not in (hidden.untyped_storage().data_ptr(),
+                                                        weight.untyped_storage().data_ptr())]
+    assert not big, f"saved logits-sized tensors: {big}"
+    (out["log_probs"].sum() + out["entropy"].sum()).backward()
+
+
+def test_zero_tokens_and_no_outputs():
+    hidden = torch.randn(0, 8, requires_grad=True)
+    weight = torch.randn(10, 8, requires_grad=True)
+    out = fused_lm_head_outputs(hidden, weight, labels=torch.zeros(0, dtype=torch.long), entropy=True)
+    assert out["log_probs"].shape == (0,) and out["entropy"].shape == (0,)
+    (out["log_probs"].sum() + out["entropy"].sum()).backward()
+    assert hidden.grad.shape == (0, 8) and torch.equal(weight.grad, torch.zeros_like(weight))
+    assert fused_lm_head_outputs(torch.randn(3, 8), weight) == {}
+
+
+def test_bad_input_raises_value_error_naming_argument():
+    hidden, weight = torch.randn(4, 8), torch.randn(10, 8)
+    with pytest.raises(ValueError, match="hidden"):
+        fused_lm_head_outputs(torch.ones(4, 8, dtype=torch.long), weight, entropy=True)
+    with pytest.raises(ValueError, match="weight"):
+        fused_lm_head_outputs(hidden, torch.randn(10, 7), entropy=True)
+    with pytest.raises(ValueError, match="weight"):
+        fused_lm_head_outputs(hidden, weight.double(), entropy=True)
+    with pytest.raises(ValueError, match="labels"):
+        fused_lm_head_outputs(hidden, weight, labels=torch.full((4,), 10))
+    with pytest.raises(ValueError, match="teacher_ids"):
+        fused_lm_head_outputs(hidden, weight, teacher_ids=torch.zeros(4, dtype=torch.long),
+                              teacher_log_probs=torch.zeros(4))
+    with pytest.raises(ValueError, match="vocab_size"):
+        fused_lm_head_outputs(hidden, weight, entropy=True, vocab_size=11)
+    with pytest.raises(ValueError, match="temperature"):
+        fused_lm_head_outputs(hidden, weight, entropy=True, temperature=0.0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        fused_lm_head_outputs(hidden, weight, entropy=True, chunk_size=0)
