@@ -28,6 +28,7 @@ CASES = [
     Case(5, (9,), 45, BF16, temperature="0.7", chunk_size=2, kl_tail=True),
     Case(6, (2, 3), 31, BF16, pad=3, temperature="tok", chunk_size=4, clamp=-3.0),
     Case(7, (1, 6), 26, BF16, temperature="1", chunk_size=1),
+    Case(9, (4, 3), 27, torch.float16, pad=2, temperature="0.7", chunk_size=5, clamp=-3.0, kl_tail=True),
 ]
 FLAGS = dict(entropy=True, sum_pi_squared=True)
 
