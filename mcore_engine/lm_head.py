@@ -14,6 +14,9 @@ fp32 when the weight is bf16/fp16: one fp32 ``[V_local, H]`` buffer). Never ``[N
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -21,6 +24,7 @@ from mcore_engine.ops import _common
 from mcore_engine.ops import stats as _stats
 from mcore_engine.ops.fused import OUTPUT_KEYS
 from mcore_engine.ops.temperature import Temperature, temperature_rows
+from mcore_engine.processor import _log_prob_labels, _teacher_tensors
 
 _NO_GRAD_KEYS = ("student_mass", "teacher_mass")
 
@@ -180,16 +184,20 @@ def fused_lm_head_outputs(
     Shapes: ``hidden [..., H]`` (identical on every rank of ``group``), ``weight [V_local, H]`` this
     rank's lm-head (or tied embedding) shard holding global ids ``[rank V_local, (rank + 1) V_local)``;
     labels ``[...]``, teacher_* ``[..., k]``; outputs fp32 ``[...]``. Differentiable w.r.t. ``hidden``
-    (gradient all-reduced over ``group``) and ``weight``. Arguments as ``vocab_parallel_logits_outputs``.
+    (gradient all-reduced over ``group``) and ``weight``; the logits are computed in ``weight.dtype``.
+    Other arguments as ``vocab_parallel_logits_outputs``.
     Memory: see the module docstring; ``chunk_size`` rows per chunk (default ~2**21 / V_local).
     """
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
         raise ValueError(f"hidden must be a floating tensor [..., H], got "
                          f"{getattr(hidden, 'dtype', type(hidden).__name__)}")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] \
-            or weight.dtype != hidden.dtype or weight.shape[0] == 0:
-        raise ValueError(f"weight must be [V_local > 0, H = {hidden.shape[-1]}] of dtype {hidden.dtype}, got "
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 2 \
+            or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(f"weight must be a floating tensor [V_local > 0, H = {hidden.shape[-1]}], got "
                          f"{getattr(weight, 'dtype', type(weight))} {tuple(getattr(weight, 'shape', ()))}")
+    # The logits are computed in the weight's dtype, as the output layer would (e.g. fp32 hidden states
+    # from Megatron's Float16Module with a bf16 weight); the cast is differentiable.
+    hidden = hidden.to(weight.dtype)
     group = _common.resolve_group(group)
     shard = _shard(weight, group, vocab_size)
     lead = tuple(hidden.shape[:-1])
@@ -225,3 +233,32 @@ def fused_lm_head_outputs(
                                       t if isinstance(t, torch.Tensor) else None, shard, rows, layout, clamp,
                                       t if isinstance(t, float) else None)
     return {key: o.view(lead) for key, o in zip(keys, outs, strict=True)}
+
+
+def process_lm_head_hidden(
+    hidden: torch.Tensor, weight: torch.Tensor, label: torch.Tensor | None, temperature: Temperature, *,
+    calculate_sum_pi_squared: bool, calculate_entropy: bool, distillation_use_topk: bool,
+    distillation_only: bool, logits_processor_func: Callable[..., dict[str, torch.Tensor]] | None = None,
+    batch: Mapping[str, Any] | None = None, data_format: str = "thd", vocab_size: int | None = None,
+    chunk_size: int | None = None, group: dist.ProcessGroup | None = None,
+    log_prob_min_clamp: float | None = None,
+) -> dict[str, torch.Tensor]:
+    """``process_lm_head_logits(hidden @ weight.T, ...)`` on the fused path: same flags, keys and contract.
+
+    "log_probs" unless ``distillation_only`` (labels never reach the pass then); "entropy" iff
+    ``calculate_entropy``; "sum_pi_squared" iff ``calculate_sum_pi_squared``; with
+    ``distillation_use_topk`` the built-in top-k forward KL on ``batch["teacher_ids"]`` /
+    ``batch["teacher_logprobs"]``. A custom ``logits_processor_func`` needs the logits, which this path
+    never builds: ValueError (use the logits path for it). ``data_format`` is accepted for symmetry.
+    """
+    if distillation_only and not distillation_use_topk:
+        raise ValueError("distillation_only=True requires distillation_use_topk=True")
+    if logits_processor_func is not None:
+        raise ValueError("logits_processor_func needs the logits; the fused lm-head never builds them "
+                         "(set fused_lm_head: false to use a custom logits processor)")
+    teacher_ids, teacher_log_probs = _teacher_tensors(batch) if distillation_use_topk else (None, None)
+    return fused_lm_head_outputs(
+        hidden, weight, labels=_log_prob_labels(label, distillation_only), teacher_ids=teacher_ids,
+        teacher_log_probs=teacher_log_probs, entropy=calculate_entropy,
+        sum_pi_squared=calculate_sum_pi_squared, log_prob_min_clamp=log_prob_min_clamp,
+        temperature=temperature, group=group, chunk_size=chunk_size, vocab_size=vocab_size)

@@ -156,7 +156,7 @@ def test_bad_input_raises_value_error_naming_argument():
     with pytest.raises(ValueError, match="weight"):
         fused_lm_head_outputs(hidden, torch.randn(10, 7), entropy=True)
     with pytest.raises(ValueError, match="weight"):
-        fused_lm_head_outputs(hidden, weight.double(), entropy=True)
+        fused_lm_head_outputs(hidden, weight.long(), entropy=True)
     with pytest.raises(ValueError, match="labels"):
         fused_lm_head_outputs(hidden, weight, labels=torch.full((4,), 10))
     with pytest.raises(ValueError, match="teacher_ids"):
@@ -168,3 +168,46 @@ def test_bad_input_raises_value_error_naming_argument():
         fused_lm_head_outputs(hidden, weight, entropy=True, temperature=0.0)
     with pytest.raises(ValueError, match="chunk_size"):
         fused_lm_head_outputs(hidden, weight, entropy=True, chunk_size=0)
+
+
+def test_process_lm_head_hidden_matches_processor_on_logits():
+    from mcore_engine.lm_head import process_lm_head_hidden
+    from mcore_engine.processor import process_lm_head_logits
+
+    g = torch.Generator().manual_seed(7)
+    n, h_dim, v, k = 19, 10, 33, 3
+    hidden, weight = torch.randn(n, h_dim, generator=g), torch.randn(v, h_dim, generator=g)
+    label = torch.randint(0, v, (n,), generator=g)
+    batch = {"teacher_ids": torch.rand(n, v, generator=g).argsort(-1)[:, :k],
+             "teacher_logprobs": torch.randn(n, k, generator=g).log_softmax(-1) - 0.1}
+    for flags in (dict(calculate_sum_pi_squared=True, calculate_entropy=False, distillation_use_topk=True,
+                       distillation_only=False),
+                  dict(calculate_sum_pi_squared=False, calculate_entropy=True, distillation_use_topk=True,
+                       distillation_only=True),
+                  dict(calculate_sum_pi_squared=False, calculate_entropy=True, distillation_use_topk=False,
+                       distillation_only=False)):
+        fused = process_lm_head_hidden(hidden, weight, label, 0.7, **flags, batch=batch, chunk_size=4)
+        ref = process_lm_head_logits(hidden @ weight.T, label, 0.7, **flags, batch=batch)
+        assert set(fused) == set(ref), flags
+        assert ("log_probs" in fused) != flags["distillation_only"]
+        for key in ref:
+            assert_rel_close(fused[key], ref[key], REL_TOL[F32], f"{flags} {key}")
+    off = dict(calculate_sum_pi_squared=False, calculate_entropy=False)
+    with pytest.raises(ValueError, match="logits_processor_func"):
+        process_lm_head_hidden(hidden, weight, label, 1.0, **off, distillation_use_topk=True,
+                               distillation_only=False, logits_processor_func=lambda **kw: {})
+    with pytest.raises(ValueError, match="distillation_only"):
+        process_lm_head_hidden(hidden, weight, label, 1.0, **off, distillation_use_topk=False,
+                               distillation_only=True)
+
+
+def test_fp32_hidden_with_bf16_weight_computes_in_bf16():
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(9, 8, generator=g, requires_grad=True)
+    weight = torch.randn(21, 8, generator=g).bfloat16()
+    label = torch.randint(0, 21, (9,), generator=g)
+    out = fused_lm_head_outputs(hidden, weight, labels=label)
+    ref = vocab_parallel_logits_outputs(hidden.bfloat16() @ weight.T, labels=label)
+    assert_rel_close(out["log_probs"], ref["log_probs"], 1e-6, "log_probs")
+    out["log_probs"].sum().backward()
+    assert hidden.grad.dtype == torch.float32
