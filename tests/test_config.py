@@ -1,0 +1,130 @@
+"""Configs: every invalid combination is a ValueError naming its fields; YAML round trip; shipped configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mcore_engine.config import EngineConfig, ModelConfig, OptimizerConfig, ParallelConfig
+
+CONFIG_DIR = Path(__file__).parent.parent / "configs"
+# The EngineConfig files (other YAMLs in configs/, e.g. the demo job's, have their own schema).
+CONFIGS = [CONFIG_DIR / n for n in ("tiny_cpu_tp2.yaml", "tiny_cpu_pp2.yaml", "qwen2_0p5b_tp2.yaml")]
+MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=250,
+             max_sequence_length=128)
+
+
+def _engine(model=None, parallel=None, optimizer=None, **kw) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(**(MODEL | (model or {}))),
+                        parallel=ParallelConfig(**(parallel or {})),
+                        optimizer=OptimizerConfig(**(optimizer or {})), **kw)
+
+
+@pytest.mark.parametrize("kwargs,fields", [
+    # the issue's list
+    (dict(parallel=dict(tensor_model_parallel_size=8)),
+     ["num_attention_heads", "tensor_model_parallel_size"]),
+    (dict(model=dict(num_attention_heads=8, num_query_groups=2), parallel=dict(tensor_model_parallel_size=4)),
+     ["num_query_groups", "tensor_model_parallel_size"]),
+    (dict(model=dict(num_layers=3), parallel=dict(pipeline_model_parallel_size=2)),
+     ["num_layers", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"]),
+    (dict(model=dict(num_layers=6), parallel=dict(pipeline_model_parallel_size=2,
+                                                  virtual_pipeline_model_parallel_size=2)),
+     ["num_layers", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"]),
+    (dict(parallel=dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                        batch_p2p_comm=True)), ["batch_p2p_comm", "virtual_pipeline_model_parallel_size"]),
+    # the rest of the cross-field checks
+    (dict(model=dict(ffn_hidden_size=99), parallel=dict(tensor_model_parallel_size=2)),
+     ["ffn_hidden_size", "tensor_model_parallel_size"]),
+    (dict(parallel=dict(virtual_pipeline_model_parallel_size=2)),
+     ["virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size"]),
+    (dict(parallel=dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=1)),
+     ["virtual_pipeline_model_parallel_size"]),
+    (dict(parallel=dict(sequence_parallel=True)), ["sequence_parallel", "tensor_model_parallel_size"]),
+    (dict(parallel=dict(tensor_model_parallel_size=0)), ["tensor_model_parallel_size"]),
+    (dict(model=dict(hidden_size=66)), ["hidden_size", "num_attention_heads"]),
+    (dict(model=dict(num_query_groups=3)), ["num_attention_heads", "num_query_groups"]),
+    (dict(model=dict(normalization="BatchNorm")), ["normalization"]),
+    (dict(model=dict(vocab_size=0)), ["vocab_size"]),
+    (dict(model=dict(num_layers=True)), ["num_layers"]),
+    (dict(optimizer=dict(lr=0.0)), ["lr"]),
+    (dict(optimizer=dict(min_lr=1.0, lr=0.1)), ["min_lr"]),
+    (dict(optimizer=dict(adam_beta2=1.0)), ["adam_beta2"]),
+    (dict(optimizer=dict(weight_decay=-1.0)), ["weight_decay"]),
+    (dict(optimizer=dict(clip_grad=-1.0)), ["clip_grad"]),
+    (dict(optimizer=dict(lr_decay_style="step")), ["lr_decay_style"]),
+    (dict(optimizer=dict(lr_decay_style="cosine", lr_warmup_steps=10, lr_decay_steps=10)),
+     ["lr_decay_steps", "lr_warmup_steps"]),
+    (dict(precision="fp16"), ["precision"]),
+    (dict(data_format="sbhd"), ["data_format"]),
+    (dict(micro_batch_size=0), ["micro_batch_size"]),
+    (dict(logits_chunk_size=-4), ["logits_chunk_size"]),
+])
+def test_invalid_combinations_name_their_fields(kwargs, fields):
+    with pytest.raises(ValueError) as err:
+        _engine(**kwargs)
+    for f in fields:
+        assert f in str(err.value), f"{f!r} not named in: {err.value}"
+
+
+def test_world_size_checked_without_process_groups():
+    cfg = _engine(parallel=dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
+    assert cfg.validate_world_size(8) == 2 and cfg.parallel.data_parallel_size(4) == 1
+    for world in (2, 6, 0):
+        with pytest.raises(ValueError, match="tensor_model_parallel_size.*pipeline_model_parallel_size"):
+            cfg.validate_world_size(world)
+
+
+def test_init_distributed_rejects_world_size_before_group_work(monkeypatch):
+    import torch.distributed as dist
+
+    from mcore_engine import platform
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("group work started"))
+    if dist.is_initialized():
+        pytest.skip("a default process group exists in this process")
+    with pytest.raises(ValueError, match="world_size \\(3\\)"):
+        platform.init_distributed(ParallelConfig(tensor_model_parallel_size=2), seed=0)
+
+
+def test_defaults_resolve():
+    m = ModelConfig(**(MODEL | dict(num_query_groups=None)))
+    assert m.query_groups == 4 and m.ffn_size == 256
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_load_and_round_trip(path, tmp_path):
+    cfg = EngineConfig.from_yaml(path)
+    assert EngineConfig.from_dict(cfg.to_dict()) == cfg
+    cfg.to_yaml(tmp_path / "c.yaml")
+    assert EngineConfig.from_yaml(tmp_path / "c.yaml") == cfg
+    assert yaml.safe_load((tmp_path / "c.yaml").read_text()) == cfg.to_dict()
+
+
+def test_required_configs():
+    from mcore_engine.model import padded_vocab_size
+
+    tiny = EngineConfig.from_yaml(CONFIG_DIR / "tiny_cpu_tp2.yaml")
+    assert tiny.parallel.tensor_model_parallel_size == 2 and tiny.precision == "fp32"
+    assert tiny.model.vocab_size % 128 != 0
+    assert padded_vocab_size(tiny.model.vocab_size, 128, 2) == 256
+    qwen = EngineConfig.from_yaml(CONFIG_DIR / "qwen2_0p5b_tp2.yaml")
+    assert qwen.precision == "bf16" and qwen.parallel.tensor_model_parallel_size == 2
+    assert padded_vocab_size(qwen.model.vocab_size, 128, 2) == 152064
+    pp = EngineConfig.from_yaml(CONFIG_DIR / "tiny_cpu_pp2.yaml")
+    assert pp.parallel.pipeline_model_parallel_size == 2
+
+
+def test_unknown_and_missing_keys():
+    d = _engine().to_dict()
+    with pytest.raises(ValueError, match="unknown field.*'hiden_size'"):
+        EngineConfig.from_dict(d | {"model": d["model"] | {"hiden_size": 3}})
+    with pytest.raises(ValueError, match="unknown field.*'tp'"):
+        EngineConfig.from_dict(d | {"tp": 2})
+    with pytest.raises(ValueError, match="EngineConfig.model"):
+        EngineConfig.from_dict({k: v for k, v in d.items() if k != "model"})
+    with pytest.raises(ValueError, match="EngineConfig.parallel"):
+        EngineConfig.from_dict(d | {"parallel": 2})

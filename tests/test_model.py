@@ -1,0 +1,166 @@
+"""GPTModel from config: Megatron's padded-vocab rule, TP=2 vs TP=1 on identical weights (values and
+gradients, fp32 and bf16, several architecture options), packed ``thd`` vs padded ``bshd``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.utils import REL_TOL, assert_rel_close, run_distributed
+
+
+@pytest.mark.parametrize("vocab,div,tp,expected", [(250, 128, 1, 256), (250, 128, 2, 256), (257, 128, 2, 512),
+                                                    (256, 128, 2, 256), (151936, 128, 2, 152064),
+                                                    (151936, 128, 4, 152064), (50257, 128, 8, 51200),
+                                                    (7, 1, 3, 9)])
+def test_padded_vocab_size(vocab, div, tp, expected):
+    from mcore_engine.model import padded_vocab_size
+
+    assert padded_vocab_size(vocab, div, tp) == expected
+
+
+@pytest.mark.parametrize("bad", [dict(vocab_size=0), dict(divisible_by=-1), dict(tp=1.5)])
+def test_padded_vocab_size_rejects(bad):
+    from mcore_engine.model import padded_vocab_size
+
+    args = dict(vocab_size=250, divisible_by=128, tp=2) | bad
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        padded_vocab_size(**args)
+
+
+def test_build_model_chunks_needs_parallel_state():
+    from megatron.core import parallel_state
+
+    from mcore_engine.config import EngineConfig
+    from mcore_engine.model import build_model_chunks
+
+    if parallel_state.model_parallel_is_initialized():
+        pytest.skip("parallel_state initialised by another test in this process")
+    with pytest.raises(ValueError, match="init_distributed"):
+        build_model_chunks(EngineConfig.from_yaml("configs/tiny_cpu_tp2.yaml"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2-rank launch
+# ----------------------------------------------------------------------------------------------------
+BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+            vocab_size=250, max_sequence_length=64, add_qkv_bias=True)
+VARIANTS = {
+    "rmsnorm_swiglu_gqa_qkvbias": ({}, "fp32"),
+    "layernorm_gelu_mha_tied_qknorm": (dict(normalization="LayerNorm", swiglu=False, num_query_groups=None,
+                                            tie_word_embeddings=True, qk_layernorm=True, add_qkv_bias=False),
+                                       "fp32"),
+    "bf16": ({}, "bf16"),
+}
+
+
+def _shard(full: torch.Tensor, param: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's TP shard of a full tensor, by Megatron's partition attributes (dim, stride)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim, stride = param.partition_dim, param.partition_stride
+    pieces = torch.split(full, full.shape[dim] // (stride * world), dim=dim)
+    return torch.cat(pieces[rank::world], dim=dim)
+
+
+def _build(model_kwargs: dict, precision: str, tp: int):
+    from mcore_engine.config import EngineConfig, ModelConfig, ParallelConfig
+    from mcore_engine.model import build_model_chunks
+    from mcore_engine.platform import init_distributed
+
+    cfg = EngineConfig(model=ModelConfig(**(BASE | model_kwargs)),
+                       parallel=ParallelConfig(tensor_model_parallel_size=tp), precision=precision)
+    init_distributed(cfg.parallel, cfg.seed)
+    chunks = build_model_chunks(cfg)
+    assert len(chunks) == 1
+    return chunks[0]
+
+
+def _run(model, ids, pos, w, mask=None, packed=None):
+    model.zero_grad()
+    logits = model(ids, pos, mask, packed_seq_params=packed)
+    (logits.float() * w).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return logits.detach(), grads
+
+
+def _compare_tp(rank: int, world: int, name: str, model_kwargs: dict, precision: str) -> None:
+    from mcore_engine.platform import destroy_distributed
+
+    tol = REL_TOL[torch.bfloat16 if precision == "bf16" else torch.float32]
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 250, (3, 19), generator=g)
+    pos = torch.arange(19).expand(3, 19)
+    w_full = torch.randn(3, 19, 256, generator=g)
+
+    ref = _build(model_kwargs, precision, tp=1)
+    assert ref.share_embeddings_and_output_weights == bool(model_kwargs.get("tie_word_embeddings"))
+    ref_params = dict(ref.named_parameters())
+    ref_logits, ref_grads = _run(ref, ids, pos, w_full)
+    assert ref_logits.shape == (3, 19, 256)
+    destroy_distributed()
+
+    model = _build(model_kwargs, precision, tp=2)
+    v_local = 256 // world
+    vocab_slice = slice(rank * v_local, (rank + 1) * v_local)
+    logits, grads = _run(model, ids, pos, w_full[..., vocab_slice])
+    assert logits.shape == (3, 19, v_local) and logits.dtype == ref_logits.dtype
+    assert_rel_close(logits.float(), ref_logits[..., vocab_slice].float(), tol, f"{name}: logits")
+    for pname, p in model.named_parameters():
+        if "q_layernorm" in pname or "k_layernorm" in pname:
+            # per-head norms see only this rank's heads: partial grads that Megatron's
+            # finalize_model_grads sums over the TP group
+            from megatron.core import parallel_state
+
+            torch.distributed.all_reduce(grads[pname], group=parallel_state.get_tensor_model_parallel_group())
+        assert torch.equal(p.detach(), _shard(ref_params[pname].detach(), p, rank, world)), \
+            f"{name}: {pname} is not the TP slice of the TP=1 weight"
+        assert_rel_close(grads[pname].float(), _shard(ref_grads[pname], p, rank, world).float(), tol,
+                         f"{name}: grad {pname}")
+    destroy_distributed()
+
+
+def _compare_thd_bshd(rank: int, world: int) -> None:
+    """Packed thd (PackedDotProductAttention) equals padded bshd per real token, values and grads."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from mcore_engine.platform import destroy_distributed
+
+    lengths = [7, 12, 1]
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 250, (n,), generator=g) for n in lengths]
+    v_local = 256 // world
+    w_seqs = [torch.randn(n, 256, generator=g)[:, rank * v_local:(rank + 1) * v_local] for n in lengths]
+    model = _build({}, "fp32", tp=2)
+
+    s = max(lengths)
+    ids = torch.zeros(len(seqs), s, dtype=torch.long)
+    w = torch.zeros(len(seqs), s, v_local)
+    for i, (q, ws) in enumerate(zip(seqs, w_seqs, strict=True)):
+        ids[i, :len(q)] = q
+        w[i, :len(q)] = ws
+    pos = torch.arange(s).expand(len(seqs), s)
+    ref_logits, ref_grads = _run(model, ids, pos, w)
+
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=s,
+                             max_seqlen_kv=s)
+    thd_ids = torch.cat(seqs)[None]
+    thd_pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    logits, grads = _run(model, thd_ids, thd_pos, torch.cat(w_seqs)[None], packed=packed)
+    expected = torch.cat([ref_logits[i, :n] for i, n in enumerate(lengths)])[None]
+    assert_rel_close(logits, expected, REL_TOL[torch.float32], "thd logits")
+    for pname, gr in grads.items():
+        assert_rel_close(gr, ref_grads[pname], REL_TOL[torch.float32], f"thd grad {pname}")
+    destroy_distributed()
+
+
+def _model_checks(rank: int, world: int) -> None:
+    for name, (kwargs, precision) in VARIANTS.items():
+        _compare_tp(rank, world, name, kwargs, precision)
+    _compare_thd_bshd(rank, world)
+
+
+@pytest.mark.slow
+def test_tp2_matches_tp1_and_thd_matches_bshd():
+    run_distributed(_model_checks, 2)
