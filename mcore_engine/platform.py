@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from mcore_engine.config import ParallelConfig
 
 __all__ = ["Device", "apply_cpu_device_layer", "cpu_device_layer_active", "destroy_distributed",
-           "get_device", "init_distributed"]
+           "get_device", "init_distributed", "seed_everything"]
 
 _CPU_LAYER_MODE: _CudaToCpuMode | None = None
 _OWNS_DEFAULT_GROUP = False

@@ -86,6 +86,25 @@ def _check_device_layer() -> None:
     assert torch.equal(b, torch.rand(4))
 
 
+def _check_seed_layout(rank: int, world_size: int) -> None:
+    """Megatron's layout on the CPU generator: default stream ``seed`` on every TP rank, the tracker's
+    tensor-parallel stream ``seed + 2718 + tp_rank``; forking restores the default stream."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from mcore_engine.config import ParallelConfig
+    from mcore_engine.platform import destroy_distributed, init_distributed
+
+    init_distributed(ParallelConfig(tensor_model_parallel_size=2), seed=5)
+    default = torch.Generator().manual_seed(5)
+    a = torch.rand(3)
+    with get_cuda_rng_tracker().fork():
+        b = torch.rand(3)
+    c = torch.rand(3)
+    assert torch.equal(a, torch.rand(3, generator=default)) and torch.equal(c, torch.rand(3, generator=default))
+    assert torch.equal(b, torch.rand(3, generator=torch.Generator().manual_seed(5 + 2718 + rank)))
+    destroy_distributed()
+
+
 def _loss_func(output: torch.Tensor):
     loss = output.float().mean()
     return loss, {"loss": loss.detach()}
@@ -141,8 +160,10 @@ def _one_step(parallel: dict, precision: str, distributed_optimizer: bool, num_m
 
 def _distributed_smoke(rank: int, world_size: int) -> None:
     _check_device_layer()
+    _check_seed_layout(rank, world_size)
     cases = {
         "tp2_fp32_no_pipelining": (dict(tensor_model_parallel_size=2), "fp32", False, 2),
+        "tp2_bf16_float16_optimizer": (dict(tensor_model_parallel_size=2), "bf16", False, 1),
         "dp2_bf16_distopt": (dict(), "bf16", True, 1),
         "dp2_fp32_distopt": (dict(), "fp32", True, 1),
         "pp2_1f1b": (dict(pipeline_model_parallel_size=2), "fp32", False, 3),
