@@ -209,8 +209,10 @@ def run_job(cfg: JobConfig) -> JobSummary:
         # Re-initialises parallel_state (same layout) and seeds the student's streams.
         student = MegatronEngine(cfg.student)
         student.initialize()
-        sampler = GumbelMaxSampler(seed=cfg.student.seed * 7919 + dp_rank, vocab_size=cfg.student.model.vocab_size)
-        history = distill_student(student, teacher, corpus, cfg.distillation, logger, generator, sampler, dp_size)
+        sampler = GumbelMaxSampler(seed=cfg.student.seed * 7919 + dp_rank,
+                                   vocab_size=cfg.student.model.vocab_size)
+        history = distill_student(student, teacher, corpus, cfg.distillation, logger, generator, sampler,
+                                  dp_size)
         student.save_checkpoint(str(cfg.run_dir / "checkpoints" / "student"))
     finally:
         logger.close()
@@ -224,5 +226,6 @@ def run_job(cfg: JobConfig) -> JobSummary:
         overlap_first=_mean(overlaps[:n_s]), overlap_last=_mean(overlaps[-n_s:]),
         seconds=time.perf_counter() - start, run_dir=str(cfg.run_dir))
     if logger.enabled:
-        plot_curves(logger.metrics_path, cfg.run_dir / "curves.png", teacher_floor=summary.corpus_entropy_rate)
+        plot_curves(logger.metrics_path, cfg.run_dir / "curves.png",
+                    teacher_floor=summary.corpus_entropy_rate)
     return summary

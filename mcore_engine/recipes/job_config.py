@@ -6,7 +6,8 @@ One dataclass per phase (house habit 7); YAML only fills them. The job file has 
 
     cfg = JobConfig.from_yaml("configs/demo_tiny_tp2.yaml", overrides=["distillation.steps=10"])
 
-Overrides are ``dotted.key=value`` strings; the value is parsed as YAML (``3``, ``1e-3``, ``true``).
+Overrides are ``dotted.key=value`` strings; the value is parsed as YAML (``3``, ``true``, ``null``) and
+numbers such as ``1e-3`` (a string to YAML 1.1) become floats.
 """
 
 from __future__ import annotations
@@ -168,7 +169,8 @@ class JobConfig:
                 _require(isinstance(value, dict), f"JobConfig.{key} must be a mapping, got {value!r}")
                 names = {f.name for f in dataclasses.fields(sub)}
                 bad = sorted(set(value) - names)
-                _require(not bad, f"JobConfig.{key}: unknown field(s) {bad}; expected some of {sorted(names)}")
+                _require(not bad, f"JobConfig.{key}: unknown field(s) {bad}; expected some of "
+                         f"{sorted(names)}")
                 kwargs[key] = sub(**value)
         return cls(**kwargs)
 
@@ -197,5 +199,16 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             _require(isinstance(node, dict), f"override {item!r}: {part!r} is not a mapping")
-        node[parts[-1]] = yaml.safe_load(raw)
+        node[parts[-1]] = _parse_value(raw)
     return out
+
+
+def _parse_value(raw: str) -> Any:
+    """YAML scalar, plus the ``1e-3`` floats that YAML 1.1 leaves as strings."""
+    value = yaml.safe_load(raw)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value

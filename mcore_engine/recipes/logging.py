@@ -76,7 +76,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_curves(metrics_path: str | Path, png_path: str | Path, *, teacher_floor: float | None = None) -> None:
+def plot_curves(metrics_path: str | Path, png_path: str | Path, *,
+                teacher_floor: float | None = None) -> None:
     """Three panels: teacher loss, student distillation loss, student top-k overlap (vs step).
 
     ``teacher_floor``: the corpus' entropy rate, drawn as a dashed line in the teacher panel.
@@ -103,6 +104,8 @@ def plot_curves(metrics_path: str | Path, png_path: str | Path, *, teacher_floor
     ax.plot([r["step"] for r in student], [r["topk_overlap"] for r in student], c="C2", label="top-k overlap")
     ax.plot([r["step"] for r in student], [r["student_mass"] for r in student], c="C3", ls=":",
             label="student mass on teacher top-k")
+    ax.plot([r["step"] for r in student], [r["teacher_mass"] for r in student], c="gray", ls="--",
+            label="teacher mass on its top-k")
     ax.set(title="student vs teacher top-k", xlabel="step", ylim=(0, 1.02))
     ax.legend()
     for ax in axes:

@@ -28,11 +28,15 @@ __all__ = ["GumbelMaxSampler", "sample_continuations", "teacher_topk", "topk_pro
 _SEED_STRIDE = 1_000_003
 
 
-def _tp_group() -> dist.ProcessGroup | None:
+def _tp_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """``group`` if given, else Megatron's tensor-parallel group when initialised, else None (one shard)."""
+    if group is not None:
+        return group
     from megatron.core import parallel_state
 
-    return parallel_state.get_tensor_model_parallel_group() if parallel_state.model_parallel_is_initialized() \
-        else None
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_tensor_model_parallel_group()
 
 
 class GumbelMaxSampler:
@@ -41,16 +45,18 @@ class GumbelMaxSampler:
     Returns ``{"sampled_ids": int64 [...]}`` (shape ``student_logits.shape[:-1]``), identical on all
     ranks of the tensor-parallel group. Call ``i`` seeds its noise with ``(seed, i, tp_rank)``, so
     runs are reproducible and shards draw independent noise. ``vocab_size``: the true vocab (padded
-    ids are never sampled).
+    ids are never sampled). ``group``: the vocab-parallel group (None: Megatron's TP group).
     """
 
-    def __init__(self, *, seed: int, vocab_size: int | None) -> None:
+    def __init__(self, *, seed: int, vocab_size: int | None, group: dist.ProcessGroup | None = None) -> None:
         self.seed = seed
         self.vocab_size = vocab_size
+        self.group = group
         self.calls = 0
 
-    def __call__(self, student_logits: torch.Tensor, data=None, data_format: str = "thd") -> dict[str, torch.Tensor]:
-        group = _tp_group()
+    def __call__(self, student_logits: torch.Tensor, data=None,
+                 data_format: str = "thd") -> dict[str, torch.Tensor]:
+        group = _tp_group(self.group)
         tp_rank = dist.get_rank(group) if group is not None else 0
         gen = torch.Generator(device=student_logits.device)
         gen.manual_seed((self.seed * _SEED_STRIDE + self.calls) * 1009 + tp_rank)
@@ -64,12 +70,12 @@ class GumbelMaxSampler:
         return {"sampled_ids": ids[..., 0]}
 
 
-def topk_processor(k: int, *, vocab_size: int | None):
+def topk_processor(k: int, *, vocab_size: int | None, group: dist.ProcessGroup | None = None):
     """``logits_processor_func`` returning ``{"topk_log_probs": fp32 [..., k], "topk_ids": int64 [..., k]}``:
     the top-k of ``log_softmax(logits)`` over the global vocab (``vocab_parallel_topk``)."""
 
     def fn(student_logits: torch.Tensor, data=None, data_format: str = "thd") -> dict[str, torch.Tensor]:
-        log_probs, ids = vocab_parallel_topk(student_logits, k, group=_tp_group(), vocab_size=vocab_size)
+        log_probs, ids = vocab_parallel_topk(student_logits, k, group=_tp_group(group), vocab_size=vocab_size)
         return {"topk_log_probs": log_probs, "topk_ids": ids}
 
     return fn
@@ -91,7 +97,8 @@ def sample_continuations(engine, prompts: torch.Tensor, num_new_tokens: int, *, 
     """``[B, P]`` int64 prompts -> ``[B, P + num_new_tokens]``: plain autoregressive sampling from
     ``softmax(logits / temperature)`` of ``engine``'s model, one full forward per new token."""
     if prompts.dim() != 2 or prompts.shape[1] < 1 or prompts.dtype != torch.int64:
-        raise ValueError(f"prompts must be int64 [B, P] with P >= 1, got {prompts.dtype} {tuple(prompts.shape)}")
+        raise ValueError(f"prompts must be int64 [B, P] with P >= 1, got {prompts.dtype} "
+                         f"{tuple(prompts.shape)}")
     tokens = prompts
     for _ in range(num_new_tokens):
         batch = _inference_batch(tokens, micro_batch_size=micro_batch_size, temperature=temperature)
@@ -101,9 +108,11 @@ def sample_continuations(engine, prompts: torch.Tensor, num_new_tokens: int, *, 
     return tokens
 
 
-def teacher_topk(engine, tokens: torch.Tensor, k: int, *, micro_batch_size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_topk(engine, tokens: torch.Tensor, k: int, *,
+                 micro_batch_size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher top-k per position of ``tokens [B, S]``: (ids int64 ``[B, S, k]``, log-probs fp32
     ``[B, S, k]``); position t is about token t + 1 (the engine's output convention)."""
     batch = _inference_batch(tokens, micro_batch_size=micro_batch_size, temperature=1.0)
-    out = engine.infer_batch(batch, logits_processor_func=topk_processor(k, vocab_size=engine.config.model.vocab_size))
+    processor = topk_processor(k, vocab_size=engine.config.model.vocab_size)
+    out = engine.infer_batch(batch, logits_processor_func=processor)
     return out["topk_ids"].to(tokens.device), out["topk_log_probs"].to(tokens.device)
