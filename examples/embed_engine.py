@@ -1,0 +1,26 @@
+"""How an RL framework embeds the engine: one PPO update on a TensorDict batch of variable-length
+sequences. Run: torchrun --standalone --nproc_per_node=2 examples/embed_engine.py"""
+
+import torch
+from tensordict import TensorDict
+
+from mcore_engine import EngineConfig, MegatronEngine
+from mcore_engine.losses import distillation_ppo_loss
+
+engine = MegatronEngine(EngineConfig.from_yaml("configs/tiny_cpu_tp2.yaml"))  # TP=2, vocab 250
+engine.initialize()                                                  # torch.distributed + Megatron model/optim
+
+g = torch.Generator().manual_seed(0)                                 # same rollouts on both TP ranks
+seqs = [torch.randint(0, 250, (n,), generator=g) for n in (9, 14, 5, 11)]   # prompts + responses
+jagged = lambda ts: torch.nested.as_nested_tensor(ts, layout=torch.jagged)  # noqa: E731
+batch = TensorDict({"input_ids": jagged(seqs),
+                    "advantages": jagged([torch.randn(len(s), generator=g) for s in seqs])}, batch_size=[4])
+batch.set_non_tensor("temperature", 1.0)
+batch.set_non_tensor("micro_batch_size_per_gpu", 2)
+
+old = engine.infer_batch(batch)["log_probs"]                         # behaviour log-probs, jagged [4, j]
+batch["old_log_probs"] = old
+out = engine.train_batch(batch, distillation_ppo_loss(loss_agg_mode="token-mean", clip_ratio_c=3.0))
+engine.lr_scheduler_step()
+if torch.distributed.get_rank() == 0:
+    print("loss", float(out.get_non_tensor("loss")), "grad_norm", out.get_non_tensor("metrics")["grad_norm"])
