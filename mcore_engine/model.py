@@ -126,6 +126,8 @@ def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
         sequence_parallel=p.sequence_parallel,
         batch_p2p_comm=p.batch_p2p_comm,
+        # free each stage's sent activations right after the send (Megatron's training default)
+        deallocate_pipeline_outputs=p.pipeline_model_parallel_size > 1,
         variable_seq_lengths=True,  # pipeline p2p sends shapes: micro-batches differ in length
         moe_token_dispatcher_type="alltoall",  # unused (no MoE); the default rejects variable lengths
         bf16=cfg.precision == "bf16",
