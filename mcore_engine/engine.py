@@ -62,6 +62,7 @@ class MegatronEngine:
         self.num_skipped_steps = 0
         self._last_distillation_use_topk = False
         self._thd_attention_mask = False
+        self._interleaved = (config.parallel.virtual_pipeline_model_parallel_size or 1) > 1
 
     # ------------------------------------------------------------------ set-up
     def initialize(self) -> None:
@@ -85,7 +86,10 @@ class MegatronEngine:
             tcfg = chunk.config
             tcfg.calculate_per_token_loss = True          # no 1/num_microbatches, no DP averaging
             tcfg.finalize_model_grads_func = _finalize_grads_without_token_rescale
-            tcfg.variable_seq_lengths = cfg.parallel.pipeline_model_parallel_size > 1
+            # 1F1B exchanges each micro-batch's shape; the interleaved schedule gets padded,
+            # equally shaped micro-batches instead (see mcore_engine.step).
+            pipelined = cfg.parallel.pipeline_model_parallel_size > 1
+            tcfg.variable_seq_lengths = pipelined and not self._interleaved
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
@@ -134,7 +138,6 @@ class MegatronEngine:
 
         self._require_initialized()
         par = self.config.parallel
-        interleaved = (par.virtual_pipeline_model_parallel_size or 1) > 1
         return prepare_step(
             batch, vocab_size=self.config.model.vocab_size,
             max_sequence_length=self.config.model.max_sequence_length, data_format=self.config.data_format,
@@ -142,8 +145,9 @@ class MegatronEngine:
             has_logits_processor_func=logits_processor_func is not None,
             pad_multiple=par.tensor_model_parallel_size if par.sequence_parallel else 1,
             thd_attention_mask=self._thd_attention_mask,
-            min_num_micro_batches=par.pipeline_model_parallel_size if interleaved else 1,
-            device=get_device().torch_device, dp_group=parallel_state.get_data_parallel_group())
+            min_num_micro_batches=par.pipeline_model_parallel_size if self._interleaved else 1,
+            device=get_device().torch_device, dp_group=parallel_state.get_data_parallel_group(),
+            common_shape=self._interleaved)
 
     def _run(self, step, loss_function: LossFunction | None, forward_only: bool,
              logits_processor_func: Callable | None) -> TensorDict:
@@ -189,7 +193,7 @@ class MegatronEngine:
             data_iterator=iterators if len(iterators) > 1 else iterators[0],
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=len(step.micro_batches), seq_length=step.max_seq_len,
-            micro_batch_size=1, forward_only=forward_only)
+            micro_batch_size=step.max_rows, forward_only=forward_only)
 
         out = TensorDict({}, batch_size=[step.batch_size])
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):

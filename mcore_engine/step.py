@@ -11,6 +11,12 @@
 The failure flag rides on the same all-reduce, so a bad batch on one data-parallel rank raises
 ``ValueError`` on every rank (no rank is left waiting in a collective) and nothing has been touched.
 
+Fixed shapes: Megatron's interleaved schedule exchanges activation shapes with one batched
+send/recv per step; with PP=2 both directions go to the same peer and gloo pairs them the wrong way
+round. Under the interleaved schedule every micro-batch is therefore padded to ONE model shape
+(``common_shape=True``; thd: a longer last block, bshd: more columns and empty rows, all with
+``loss_mask`` 0) and the schedule runs with ``variable_seq_lengths=False``.
+
 ``micro_batch_iterator`` yields what the forward step consumes; ``collect_outputs`` puts the
 per-token outputs of every micro-batch back into the layout and order of the input batch.
 Memory: the packed inputs of all micro-batches (O(tokens) ints/floats; bshd masks O(b S^2) bools).
@@ -18,6 +24,7 @@ Memory: the packed inputs of all micro-batches (O(tokens) ints/floats; bshd mask
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -68,14 +75,17 @@ class PreparedStep:
     batch_size: int
     max_seq_len: int
     """Largest model-layout length over the micro-batches (T for thd, S for bshd)."""
+    max_rows: int
+    """Largest model-layout row count over the micro-batches (1 for thd, b for bshd)."""
 
 
 def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length: int, data_format: str,
                  default_micro_batch_size: int, has_logits_processor_func: bool, pad_multiple: int,
                  thd_attention_mask: bool, min_num_micro_batches: int, device: torch.device,
-                 dp_group: Any) -> PreparedStep:
+                 dp_group: Any, common_shape: bool = False) -> PreparedStep:
     """Validate and pack ``batch`` for one step; ``ValueError`` on every DP rank if any rank's batch
-    is bad (see the module docstring). Teacher tensors are required under ``distillation_use_topk``
+    is bad (see the module docstring); ``common_shape`` pads every micro-batch to one model shape
+    (module docstring). Teacher tensors are required under ``distillation_use_topk``
     unless a custom logits processor brings its own. ``min_num_micro_batches``: the interleaved
     schedule needs at least ``pp`` micro-batches."""
     error: ValueError | None = None
@@ -88,10 +98,14 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
                        require_teacher=flags.distillation_use_topk and not has_logits_processor_func)
         mbs, order = split_micro_batches(batch, flags, default_micro_batch_size=default_micro_batch_size,
                                          min_num_micro_batches=1)
-        if len(mbs) < min_num_micro_batches:
-            raise ValueError(f"the interleaved pipeline schedule needs at least {min_num_micro_batches} "
-                             f"micro-batches, the batch gives {len(mbs)}: lower micro_batch_size_per_gpu "
-                             "(or max_token_len_per_gpu) or send more sequences")
+        if len(mbs) % min_num_micro_batches:
+            raise ValueError(f"the interleaved pipeline schedule needs a multiple of {min_num_micro_batches} "
+                             f"(pipeline_model_parallel_size) micro-batches, the batch gives {len(mbs)}: "
+                             "change micro_batch_size_per_gpu or the number of sequences")
+        if min_num_micro_batches > 1 and len(mbs) % min_num_micro_batches and flags.use_dynamic_bsz:
+            parts = -(-len(mbs) // min_num_micro_batches) * min_num_micro_batches
+            mbs, order = split_micro_batches(batch, flags, default_micro_batch_size=default_micro_batch_size,
+                                             min_num_micro_batches=parts)
         micro_batches, start = [], 0
         for i, mb in enumerate(mbs):
             inputs = pack_micro_batch(mb, data_format=data_format, temperature=flags.temperature,
@@ -102,6 +116,10 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
             start += b
             micro_batches.append(MicroBatch(index=i, data=mb, inputs=inputs, sample_ids=sample_ids))
             local_tokens = local_tokens + inputs.loss_mask.sum().float().cpu()
+        if common_shape:
+            shape = tuple(max(int(mb.inputs.input_ids.shape[d]) for mb in micro_batches) for d in (0, 1))
+            micro_batches = [dataclasses.replace(mb, inputs=pad_inputs(mb.inputs, shape))
+                             for mb in micro_batches]
         local_seqs = batch.batch_size[0]
         prepared = (flags, micro_batches, order)
     except ValueError as exc:
@@ -121,8 +139,67 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
                       dp_size=dist.get_world_size(dp_group) if dp_group is not None else 1,
                       distillation_only=flags.distillation_only)
     max_len = max(int(mb.inputs.input_ids.shape[1]) for mb in micro_batches)
+    max_rows = max(int(mb.inputs.input_ids.shape[0]) for mb in micro_batches)
     return PreparedStep(flags=flags, micro_batches=micro_batches, order=order, ctx=ctx,
-                        batch_size=batch.batch_size[0], max_seq_len=max_len)
+                        batch_size=batch.batch_size[0], max_seq_len=max_len, max_rows=max_rows)
+
+
+def _pad(t: torch.Tensor, shape: tuple[int, int], fill: float | int = 0) -> torch.Tensor:
+    out = t.new_full((*shape, *t.shape[2:]), fill)
+    out[: t.shape[0], : t.shape[1]] = t
+    return out
+
+
+def pad_inputs(inputs: ModelInputs, shape: tuple[int, int]) -> ModelInputs:
+    """``inputs`` padded to model shape ``shape`` (``[1, T']`` thd, ``[b', S']`` bshd); the new slots
+    have ``loss_mask`` 0, label 0 and temperature 1 and never change the real tokens' outputs:
+
+    - thd: the last sequence's block grows to ``T'`` (padding attends only inside that block, after
+      its real tokens), so ``cu_seqlens_padded[-1] = T'``;
+    - bshd: more columns (masked keys) and empty rows (every key masked).
+    """
+    rows, cols = inputs.input_ids.shape
+    if (rows, cols) == tuple(shape):
+        return inputs
+    device = inputs.input_ids.device
+    new_rows, new_cols = shape
+    temperature = inputs.temperature
+    if isinstance(temperature, torch.Tensor) and temperature.dim() == 2:
+        temperature = _pad(temperature, shape, 1.0)
+    teacher = {k: None if getattr(inputs, k) is None else _pad(getattr(inputs, k), shape)
+               for k in ("teacher_ids", "teacher_logprobs")}
+    slot = torch.arange(new_rows * new_cols, device=device)
+    if inputs.data_format == "thd":
+        starts = inputs.cu_seqlens_padded.clone()
+        starts[-1] = new_cols
+        seq = torch.cat([inputs.slot_sequence, inputs.slot_sequence[-1:].expand(new_cols - cols)])
+        positions = (slot - starts.to(device, torch.int64)[seq]).reshape(shape)
+        packed, mask = inputs.packed_seq_params, inputs.attention_mask
+        cu = starts.to(device=packed.cu_seqlens_q.device)
+        max_len = int((starts[1:] - starts[:-1]).max())
+        packed = dataclasses.replace(packed, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                                     cu_seqlens_kv_padded=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len)
+        if mask is not None:
+            mask = ((seq[:, None] != seq[None, :]) | (slot[None, :] > slot[:, None]))[None, None]
+        token_index = inputs.token_index
+    else:
+        starts = torch.arange(inputs.lengths.numel() + 1, dtype=torch.int32) * new_cols
+        row_seq = torch.arange(new_rows, device=device).clamp_max(inputs.lengths.numel() - 1)
+        seq = row_seq.repeat_interleave(new_cols)
+        positions = torch.arange(new_cols, device=device).expand(new_rows, new_cols).clone()
+        positions[:rows, :cols] = inputs.position_ids
+        lengths = torch.zeros(new_rows, dtype=torch.int64, device=device)
+        lengths[:rows] = inputs.lengths.to(device)
+        pos = torch.arange(new_cols, device=device)
+        causal, key_padding = pos[None, :] > pos[:, None], pos[None, :] >= lengths[:, None]
+        mask = causal[None, None] | key_padding[:, None, None, :]
+        packed = None
+        token_index = inputs.token_index // cols * new_cols + inputs.token_index % cols
+    return dataclasses.replace(
+        inputs, input_ids=_pad(inputs.input_ids, shape), position_ids=positions,
+        labels=_pad(inputs.labels, shape), loss_mask=_pad(inputs.loss_mask, shape), attention_mask=mask,
+        packed_seq_params=packed, temperature=temperature, cu_seqlens_padded=starts, token_index=token_index,
+        slot_sequence=seq, **teacher)
 
 
 def micro_batch_iterator(step: PreparedStep) -> Iterator[MicroBatch]:

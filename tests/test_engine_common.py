@@ -1,0 +1,163 @@
+"""Shared pieces of the engine tests (no tests here): a tiny config, batches, a loss, and moving one
+TP=1 / PP=1 state dict onto any TP / PP / VPP layout so that layouts are compared on identical
+weights.
+
+Megatron's CPU initialisation makes TP shards contiguous slices of one master weight, which is NOT
+the TP=1 model for the SwiGLU ``linear_fc1`` (TP=1 stores ``[gate; up]``, TP rank r needs
+``[gate_r; up_r]``) and pipeline stages seed differently; so every layout loads the reference
+weights through :func:`load_full_state` instead of relying on the seed.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+VOCAB = 250
+
+
+def tiny_config(*, tp: int = 1, pp: int = 1, vpp: int | None = None, data_format: str = "thd",
+                micro_batch_size: int = 2, precision: str = "fp32", seed: int = 1234,
+                use_distributed_optimizer: bool = False, clip_grad: float = 1.0, lr: float = 1e-3):
+    """A 4-layer GQA / SwiGLU / QKV-bias GPT with a padded vocab (250 -> 256), fp32, no warm-up.
+
+    ``adam_eps=1e-4``: the key bias gets a gradient that is zero in exact arithmetic (softmax is
+    shift-invariant) and rounding noise of ~1e-9 in practice; Adam's first step ``g / (|g| + eps)``
+    would blow that noise up to ``lr`` with eps 1e-8 and make "weights after one step" compare noise.
+    """
+    from mcore_engine.config import EngineConfig, ModelConfig, OptimizerConfig, ParallelConfig
+
+    return EngineConfig(
+        model=ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                          ffn_hidden_size=96, vocab_size=VOCAB, max_sequence_length=64, swiglu=True,
+                          add_qkv_bias=True, normalization="RMSNorm", init_method_std=0.05),
+        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                virtual_pipeline_model_parallel_size=vpp),
+        optimizer=OptimizerConfig(lr=lr, min_lr=0.0, weight_decay=0.01, clip_grad=clip_grad,
+                                  lr_warmup_steps=0, lr_decay_style="constant", adam_eps=1e-4,
+                                  use_distributed_optimizer=use_distributed_optimizer),
+        precision=precision, seed=seed, micro_batch_size=micro_batch_size, data_format=data_format,
+        logits_chunk_size=7)
+
+
+def _nested(rows: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nested.nested_tensor(rows, layout=torch.jagged)
+
+
+def make_batch(seed: int, num_seqs: int = 6, *, min_len: int = 3, max_len: int = 17,
+               teacher_k: int | None = None, **flags) -> TensorDict:
+    """Jagged batch: ``input_ids``, ``advantages``, ``loss_mask`` (a few zeros), optional teacher
+    top-k (``teacher_ids`` distinct ids, ``teacher_logprobs`` < 0), and the given non-tensor flags."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (num_seqs,), generator=g).tolist()
+    fields = {
+        "input_ids": [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths],
+        "advantages": [torch.randn(n, generator=g) for n in lengths],
+        "loss_mask": [(torch.rand(n, generator=g) > 0.15).to(torch.int64) for n in lengths],
+    }
+    if teacher_k is not None:
+        fields["teacher_ids"] = [
+            torch.stack([torch.randperm(VOCAB, generator=g)[:teacher_k] for _ in range(n)]) for n in lengths]
+        fields["teacher_logprobs"] = [torch.log_softmax(torch.randn(n, teacher_k, generator=g), -1) - 0.5
+                                      for n in lengths]
+    batch = TensorDict({k: _nested(v) for k, v in fields.items()}, batch_size=[num_seqs])
+    for key, value in flags.items():
+        batch.set_non_tensor(key, value)
+    return batch
+
+
+def to_padded(batch: TensorDict) -> TensorDict:
+    """The same sequences as a right-padded ``[B, S]`` batch with ``attention_mask`` (flags kept)."""
+    lengths = [int(n) for n in batch["input_ids"].offsets().diff()]
+    size, width = len(lengths), max(lengths)
+    out = TensorDict({}, batch_size=[size])
+    for key in batch.keys():
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            rows = value.unbind()
+            padded = rows[0].new_zeros((size, width, *rows[0].shape[1:]))
+            for i, row in enumerate(rows):
+                padded[i, : row.shape[0]] = row
+            out.set(key, padded)
+        elif isinstance(value, torch.Tensor):
+            out.set(key, value)
+        else:
+            out.set_non_tensor(key, batch.get_non_tensor(key))
+    mask = torch.zeros(size, width, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = True
+    out.set("attention_mask", mask)
+    return out
+
+
+def policy_loss(outputs: dict, data, ctx):
+    """Token-mean of ``-adv * log_prob + 0.05 * entropy`` (entropy when present), as a contribution."""
+    mask = data["loss_mask"]
+    per_token = -data["advantages"] * outputs["log_probs"]
+    if "entropy" in outputs:
+        per_token = per_token + 0.05 * outputs["entropy"]
+    loss = (per_token * mask).sum() / ctx.global_num_tokens
+    return loss, {"tokens": mask.sum().detach()}
+
+
+def distill_loss(outputs: dict, data, ctx):
+    """Token-mean of the top-k distillation loss, as a contribution."""
+    mask = data["loss_mask"]
+    return (outputs["distillation_losses"] * mask).sum() / ctx.global_num_tokens, {}
+
+
+def flat_values(t: torch.Tensor) -> torch.Tensor:
+    """Real-token values of a jagged nested output ``[B, j]`` as one ``[N]`` tensor."""
+    return torch.cat(t.unbind()) if t.is_nested else t.reshape(-1)
+
+
+# ----------------------------------------------------------------------------- weights across layouts
+def full_state(engine) -> dict[str, torch.Tensor]:
+    """Clone of the parameters of a TP=1, PP=1 engine (the reference layout)."""
+    (chunk,) = engine.model
+    state = chunk.module.state_dict()
+    return {k: v.detach().clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def _global_key(module, key: str) -> str:
+    parts = key.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(module.decoder.layers[int(parts[2])].layer_number - 1)
+    return ".".join(parts)
+
+
+def _shard(full: torch.Tensor, key: str, param, tp_rank: int, tp: int) -> torch.Tensor:
+    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
+        return full
+    if key.endswith("mlp.linear_fc1.weight"):  # SwiGLU: [gate; up] -> [gate_r; up_r]
+        return torch.cat([half.chunk(tp, 0)[tp_rank] for half in full.chunk(2, 0)])
+    return full.chunk(tp, param.partition_dim)[tp_rank]
+
+
+def local_reference(engine, full: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """``full`` cut to this rank's layout: one dict per model chunk, keyed like its state dict."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    out = []
+    for chunk in engine.model:
+        module = chunk.module
+        params = dict(module.named_parameters())
+        out.append({key: _shard(full[_global_key(module, key)], key, params[key], tp_rank, tp)
+                    for key in params})
+    return out
+
+
+def load_full_state(engine, full: dict[str, torch.Tensor]) -> None:
+    """Load the TP=1 / PP=1 state ``full`` into any layout (and refresh the optimizer's main params)."""
+    for chunk, local in zip(engine.model, local_reference(engine, full), strict=True):
+        state = chunk.module.state_dict()
+        state.update({k: v.to(state[k].dtype) for k, v in local.items()})
+        chunk.module.load_state_dict(state, strict=True)
+    engine.optimizer.reload_model_params()
+
+
+def local_params(engine) -> list[dict[str, torch.Tensor]]:
+    """This rank's parameters, one dict per model chunk."""
+    return [{k: v.detach().clone() for k, v in chunk.module.named_parameters()} for chunk in engine.model]
