@@ -1,0 +1,209 @@
+"""One benchmark measurement in a fresh process: ``python tools/bench_worker.py '<json spec>'``.
+
+``tools/bench.py`` starts this script once per (configuration, implementation, TP rank, mode) and
+reads the last stdout line, a JSON object. The spec holds ``impl`` ("ours" | "naive"), ``config``
+(a key of ``CONFIGS``), ``tokens``, ``vocab`` (V_local), ``dtype``, ``tp``, ``k``, ``temperature``,
+``mode`` ("both" | "memory" | "time"), ``repeats``, ``seed``; the rank comes from ``RANK`` / ``WORLD_SIZE`` /
+``MASTER_ADDR`` / ``MASTER_PORT`` in the environment.
+
+Both implementations see bit-identical inputs (same seeds): this rank's logits shard
+``[tokens, V_local]`` (requires grad), global labels ``[tokens]``, teacher top-k ids (distinct,
+spread over every rank's shard) and log-probs ``[tokens, k]``, and one random upstream gradient
+``[tokens]`` per differentiable output. One step is ``out = f(inputs)`` followed by
+``torch.autograd.backward(outputs, upstream_grads)``, which leaves ``logits.grad``.
+
+Memory (one step, ``mode`` "memory" or "both"):
+  CPU:  the worker first sets glibc's ``mallopt(M_MMAP_THRESHOLD, 64 KiB)`` and
+        ``mallopt(M_TRIM_THRESHOLD, 0)`` (the same as ``MALLOC_MMAP_THRESHOLD_=65536
+        MALLOC_TRIM_THRESHOLD_=0``): every buffer above 64 KiB is then its own mmap, returned to the OS
+        when freed, so RSS tracks live bytes and the high-water mark is the peak of live tensors
+        (pages actually touched), not allocator slack. After the inputs are built and touched, VmHWM
+        is reset (``echo 5 > /proc/self/clear_refs``) and VmRSS read as the baseline; peak above
+        inputs = VmHWM after the step - baseline.
+  CUDA: ``torch.cuda.max_memory_allocated() - memory_allocated()`` at the baseline.
+Time (``mode`` "time" or "both"): median wall time of ``repeats`` steps after a warm-up step
+(``perf_counter``; CUDA synchronised; ranks aligned by a barrier). In "both" the memory step is the
+warm-up, and the allocator is first put back in glibc's steady state for large buffers
+(``M_MMAP_THRESHOLD`` 32 MiB, ``M_TRIM_THRESHOLD`` 64 MiB: where the default dynamic threshold ends
+up once such buffers were freed), so per-chunk workspaces are reused instead of page-faulted
+afresh. "time" alone (a fresh process, allocator untouched) is the cross-check of that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+CONFIGS: dict[str, dict] = {
+    "A": dict(desc="log-probs", calculate_entropy=False, calculate_sum_pi_squared=False,
+              distillation_use_topk=False, distillation_only=False),
+    "B": dict(desc="+ entropy", calculate_entropy=True, calculate_sum_pi_squared=False,
+              distillation_use_topk=False, distillation_only=False),
+    "C": dict(desc="+ sum-pi^2", calculate_entropy=True, calculate_sum_pi_squared=True,
+              distillation_use_topk=False, distillation_only=False),
+    "D": dict(desc="top-k KL, distillation_only", calculate_entropy=False, calculate_sum_pi_squared=False,
+              distillation_use_topk=True, distillation_only=True),
+    "E": dict(desc="top-k KL + log-probs + entropy", calculate_entropy=True, calculate_sum_pi_squared=False,
+              distillation_use_topk=True, distillation_only=False),
+}
+GRAD_KEYS = ("log_probs", "entropy", "sum_pi_squared", "distillation_losses")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+
+
+def set_malloc_thresholds(mmap_threshold: int, trim_threshold: int) -> bool:
+    """glibc ``mallopt``; False where there is no glibc (the CPU peak then includes allocator slack)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(libc.mallopt(M_TRIM_THRESHOLD,
+                                                                                      trim_threshold))
+
+
+def _proc_status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0
+    raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+def make_inputs(spec: dict, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Seeded inputs of one rank; logits differ per rank, everything else is shared by all ranks."""
+    n, v_local, k, tp = spec["tokens"], spec["vocab"], spec["k"], spec["tp"]
+    v_global = v_local * tp
+    shared = torch.Generator(device=device).manual_seed(spec["seed"])
+    own = torch.Generator(device=device).manual_seed(spec["seed"] * 1009 + rank + 1)
+    logits = torch.randn(n, v_local, generator=own, device=device).mul_(2.0)
+    logits = logits.to(DTYPES[spec["dtype"]]).requires_grad_()
+    labels = torch.randint(0, v_global, (n,), generator=shared, device=device)
+    perm = torch.randperm(v_global, generator=shared, device=device)
+    offset = torch.randint(0, v_global, (n, 1), generator=shared, device=device)
+    teacher_ids = perm[(offset + torch.arange(k, device=device)) % v_global]
+    teacher_log_probs = (torch.log_softmax(2.0 * torch.randn(n, k, generator=shared, device=device), -1)
+                         + math.log(0.9))
+    grads = {key: torch.randn(n, generator=shared, device=device) for key in GRAD_KEYS}
+    return dict(logits=logits, labels=labels, teacher_ids=teacher_ids, teacher_log_probs=teacher_log_probs,
+                **{"grad_" + key: g for key, g in grads.items()})
+
+
+def make_step(spec: dict, inputs: dict[str, torch.Tensor], group):
+    """The function that runs one forward + backward of ``spec['impl']`` for ``spec['config']``."""
+    flags = {key: val for key, val in CONFIGS[spec["config"]].items() if key != "desc"}
+    logits, temperature = inputs["logits"], spec["temperature"]
+    if spec["impl"] == "ours":
+        from mcore_engine.processor import process_lm_head_logits
+
+        batch = {"teacher_ids": inputs["teacher_ids"], "teacher_logprobs": inputs["teacher_log_probs"]}
+
+        def forward():
+            return process_lm_head_logits(logits, inputs["labels"], temperature, batch=batch, group=group,
+                                          **flags)
+    else:
+        from bench_naive import naive_process_lm_head_logits
+
+        def forward():
+            return naive_process_lm_head_logits(logits, inputs["labels"], temperature,
+                                                teacher_ids=inputs["teacher_ids"],
+                                                teacher_log_probs=inputs["teacher_log_probs"], **flags)
+
+    def step():
+        logits.grad = None
+        out = forward()
+        keys = [key for key in GRAD_KEYS if key in out]
+        torch.autograd.backward([out[key] for key in keys], [inputs["grad_" + key] for key in keys])
+        return out
+
+    return step
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_memory(step, inputs: dict, device: torch.device) -> dict:
+    """Peak bytes above the inputs over one step, plus checksums of the outputs and the gradient."""
+    for t in inputs.values():  # touch every input page
+        t.detach().sum().item()
+    gc.collect()
+    if device.type == "cuda":
+        _sync(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = step()
+        _sync(device)
+        peak_mb = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = _proc_status_mb("VmRSS")
+        out = step()
+        peak_mb = _proc_status_mb("VmHWM") - base
+    checks = {key: float(val.detach().double().sum()) for key, val in out.items()}
+    checks["grad_norm"] = float(inputs["logits"].grad.float().norm())
+    return {"peak_mb": peak_mb, "checks": checks}
+
+
+def measure_time(step, device: torch.device, repeats: int, distributed: bool, warm: bool = False) -> dict:
+    """Median wall time of ``repeats`` steps, after one warm-up step unless ``warm``."""
+    if not warm:
+        step()
+    times = []
+    for _ in range(repeats):
+        if distributed:
+            dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return {"time_ms": 1e3 * statistics.median(times), "times_ms": [1e3 * t for t in times]}
+
+
+def main(spec: dict) -> dict:
+    torch.set_num_threads(spec.get("threads", 1))
+    rank, tp, mode = int(os.environ.get("RANK", "0")), spec["tp"], spec["mode"]
+    device = torch.device(spec["device"])
+    exact_rss = device.type == "cpu" and mode != "time" and set_malloc_thresholds(64 * 2**10, 0)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    # Ours gets the group explicitly (no Megatron import); the naive path needs Megatron's
+    # parallel_state, also at TP=1, because its cross entropy reads the TP group from there.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=tp)
+    group = dist.group.WORLD
+    if spec["impl"] == "naive":
+        from megatron.core import parallel_state
+
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    # A tiny step first: lazy imports and one-time set-up must not count as the step's memory.
+    make_step(spec, make_inputs({**spec, "tokens": 3}, rank, device), group)()
+    inputs = make_inputs(spec, rank, device)
+    step = make_step(spec, inputs, group)
+    result = {"rank": rank, "exact_rss": exact_rss}
+    if mode in ("memory", "both"):
+        result.update(measure_memory(step, inputs, device))
+    if mode in ("time", "both"):
+        if exact_rss:
+            set_malloc_thresholds(32 * 2**20, 64 * 2**20)
+        result.update(measure_time(step, device, spec["repeats"], tp > 1, warm=mode == "both"))
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(json.loads(sys.argv[1]))), flush=True)
