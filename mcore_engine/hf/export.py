@@ -40,6 +40,11 @@ from mcore_engine.hf.mapping import (
 )
 
 
+def precision_dtype(cfg: EngineConfig) -> torch.dtype:
+    """The parameter dtype of ``cfg.precision`` (the default dtype of exported tensors)."""
+    return torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+
+
 def _gather_tp(t: torch.Tensor, dim: int | None, group, size: int) -> torch.Tensor:
     if dim is None or size == 1:
         return t
@@ -62,10 +67,12 @@ def iter_hf_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, 
                     dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream ``(hf_name, tensor)`` for the whole model, in Hugging Face checkpoint order.
 
-    Collective over the TP and PP groups (see the module docstring); ``dtype`` casts each tensor
-    (None: the parameters' dtype). Tensors live on the parameters' device.
+    Collective over the TP and PP groups (see the module docstring). Every tensor comes in
+    ``dtype`` (None: the training precision, ``cfg.precision``; parameters kept in another dtype,
+    such as fp32 norms of a bf16 model, are cast). Tensors live on the parameters' device.
     """
     model_cfg = cfg.model
+    dtype = dtype or precision_dtype(cfg)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
@@ -106,7 +113,7 @@ def iter_hf_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, 
                 else:
                     t = t.contiguous()
                 dist.broadcast(t, src=dist.get_global_rank(pp_group, src), group=pp_group)
-            yield name, (t if dtype is None else t.to(dtype))
+            yield name, t.to(dtype)
 
 
 def _copy_side_files(src: Path, dst: Path) -> None:
@@ -124,21 +131,21 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, out_di
     Call on every rank. Data-parallel rank 0's model-parallel group streams the tensors
     (``iter_hf_tensors``); global rank 0 writes them in shards of at most ``max_shard_bytes``.
     When ``cfg.model.hf_path`` is set, its config fields (token ids, ...) and tokenizer files are
-    carried over. Ends with a barrier. Memory on rank 0: one shard.
+    carried over. ``dtype``: as in ``iter_hf_tensors``. Ends with a barrier. Memory on rank 0: one
+    shard.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     writer = ShardedSafetensorsWriter(out_dir, max_shard_bytes) if rank == 0 else None
-    out_dtype = dtype
+    dtype = dtype or precision_dtype(cfg)
     if parallel_state.get_data_parallel_rank() == 0:
         for name, tensor in iter_hf_tensors(model_chunks, cfg, dtype=dtype):
-            out_dtype = tensor.dtype
             if writer is not None:
                 writer.add(name, tensor)
     if writer is not None:
         writer.close()
         hf_path = cfg.model.hf_path
         base = read_hf_config(hf_path) if hf_path else None
-        config = to_hf_config(cfg.model, dtype=out_dtype or torch.float32, base=base)
+        config = to_hf_config(cfg.model, dtype=dtype, base=base)
         (Path(out_dir) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if hf_path:
             _copy_side_files(Path(hf_path), Path(out_dir))

@@ -36,8 +36,9 @@ def hf_config_dict(family: str) -> dict[str, Any]:
     return hf_config(family).to_dict()
 
 
-def save_tiny_model(family: str, path: Path, seed: int = 0) -> torch.nn.Module:
-    """Random fp32 model of ``family`` saved (safetensors) to ``path``; returns it in eval mode.
+def save_tiny_model(family: str, path: Path, seed: int = 0,
+                    dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Random model of ``family`` in ``dtype`` saved (safetensors) to ``path``; returns it in eval mode.
 
     Weights are drawn with std 0.2 (not HF's 0.02, which would make every logit ~0 and hide layout
     errors) and norm weights around 1, so every tensor matters for the logits.
@@ -52,5 +53,6 @@ def save_tiny_model(family: str, path: Path, seed: int = 0) -> torch.nn.Module:
         for name, p in model.named_parameters():
             noise = torch.randn_like(p)
             p.copy_(1 + 0.3 * noise if name.endswith("norm.weight") else 0.2 * noise)
+    model = model.to(dtype)
     model.save_pretrained(path)
     return model

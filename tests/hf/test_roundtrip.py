@@ -2,11 +2,13 @@
 
 One launch runs every family at TP=1 (DP=2), TP=2 and PP=2: import, logits and log-probs against
 the ``transformers`` forward (fp32, rel 1e-4), the streamed tensors and the exported folder bit for
-bit against the original safetensors, and a corrupt folder refused before any parameter changes.
+bit against the original safetensors, and a corrupt folder refused before any parameter changes;
+then a bf16 checkpoint into a bf16 model at TP=2.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from mcore_engine.config import EngineConfig, ParallelConfig
 from mcore_engine.hf import from_hf_config, load_hf_weights, read_hf_config
 from tests.hf.models import FAMILIES, VOCAB, save_tiny_model
-from tests.utils import assert_rel_close, run_distributed
+from tests.utils import assert_rel_close, rel_err, run_distributed
 
 LAYOUTS = ((1, 1), (2, 1), (1, 2))  # (tp, pp) on 2 ranks
 TOL = 1e-4
@@ -43,6 +45,10 @@ def saved(tmp_path_factory) -> Path:
         model = save_tiny_model(family, root / family, seed=i)
         with torch.no_grad():
             logits[family] = model(ids).logits
+    model = save_tiny_model("qwen2", root / "qwen2_bf16", seed=5, dtype=torch.bfloat16)
+    with torch.no_grad():  # bf16 budget: the fp32 forward of the bf16 weights vs transformers' bf16 one
+        logits["qwen2_bf16"] = model(ids).logits.float()
+        logits["qwen2_bf16_fp32"] = model.float()(ids).logits
     torch.save({"ids": ids, "logits": logits}, root / "reference.pt")
     return root
 
@@ -104,6 +110,22 @@ def _check_all_layouts(rank: int, world_size: int, root: Path) -> None:
             for name, t in original.items():
                 assert streamed[name].dtype == t.dtype and torch.equal(streamed[name], t), f"{name} {what}"
             export_hf(chunks, cfg, _export_dir(root, family, tp, pp))
+            if (tp, pp) == (1, 2) and family == "llama":  # export dtype cast
+                for name, t in iter_hf_tensors(chunks, cfg, dtype=torch.bfloat16):
+                    assert torch.equal(t, original[name].to(torch.bfloat16)), f"{name} bf16 {what}"
+
+    # bf16 checkpoint into a bf16 model at TP=2: logits within the bf16 budget, export bit for bit
+    folder = root / "qwen2_bf16"
+    cfg = dataclasses.replace(_engine_config(folder, 2, 1), precision="bf16")
+    init_distributed(cfg.parallel, seed=123)
+    chunks = build_model_chunks(cfg)
+    load_hf_weights(chunks, folder, cfg)
+    logits = _forward(chunks[0], ids)
+    assert logits.dtype == torch.bfloat16
+    exact = ref["logits"]["qwen2_bf16_fp32"]
+    budget = 2 * rel_err(ref["logits"]["qwen2_bf16"], exact) + 1e-3  # within 2x transformers' bf16 error
+    assert_rel_close(logits[..., :VOCAB].float(), exact, budget, f"bf16 logits rank={rank}")
+    export_hf(chunks, cfg, _export_dir(root, "qwen2_bf16", 2, 1))
 
 
 def test_import_logits_and_export_bit_exact(saved):
@@ -133,6 +155,13 @@ def test_import_logits_and_export_bit_exact(saved):
             config = json.loads((out / "config.json").read_text())
             assert from_hf_config(config) == from_hf_config(source_config)
             assert config["architectures"] == source_config["architectures"]
-        model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()  # the exported folder loads
+        # the exported folder loads in transformers and gives the same logits
+        model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
         with torch.no_grad():
             assert torch.equal(model(ids).logits, torch.load(saved / "reference.pt")["logits"][family])
+    original = load_file(saved / "qwen2_bf16" / "model.safetensors")
+    exported = load_file(_export_dir(saved, "qwen2_bf16", 2, 1) / "model.safetensors")
+    assert sorted(exported) == sorted(original)
+    for name, t in original.items():
+        assert exported[name].dtype == torch.bfloat16 and torch.equal(exported[name], t), name
+    assert read_hf_config(_export_dir(saved, "qwen2_bf16", 2, 1))["dtype"] == "bfloat16"
