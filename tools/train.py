@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 from pathlib import Path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo_tiny_tp2.yaml"
@@ -29,6 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Megatron-Core's import-time notes that it falls back to torch norms / optimizers without Apex or TE.
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed",
+                            category=UserWarning)
     from mcore_engine.platform import destroy_distributed
     from mcore_engine.recipes import JobConfig, run_job
 

@@ -135,9 +135,10 @@ def distill_student(student, teacher, corpus: MarkovCorpus, cfg: DistillationCon
     for step in range(cfg.steps):
         t0 = time.perf_counter()
         prompts = corpus.sample(cfg.batch_size, cfg.prompt_len, generator)
+        infer_mbs = cfg.inference_micro_batch_size
         seqs = sample_continuations(student, prompts, cfg.gen_len, sampler=sampler,
-                                    temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size)
-        ids, log_probs = teacher_topk(teacher, seqs, cfg.top_k, micro_batch_size=cfg.micro_batch_size)
+                                    temperature=cfg.temperature, micro_batch_size=infer_mbs)
+        ids, log_probs = teacher_topk(teacher, seqs, cfg.top_k, micro_batch_size=infer_mbs)
         t1 = time.perf_counter()
         batch = distillation_batch(seqs, ids, log_probs, prompt_len=cfg.prompt_len,
                                    micro_batch_size=cfg.micro_batch_size)

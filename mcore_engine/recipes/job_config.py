@@ -92,10 +92,13 @@ class DistillationConfig:
     kl_tail: bool = True
     """Use the k+1-bucket top-k KL (adds the tail term; a proper KL >= 0) instead of the plain top-k sum."""
     micro_batch_size: int = 8
-    """Sequences per micro-batch for rollouts, teacher scoring and the student update."""
+    """Sequences per micro-batch of the student update."""
+    inference_micro_batch_size: int = 16
+    """Sequences per micro-batch of the forward-only passes (rollouts and teacher scoring)."""
 
     def __post_init__(self) -> None:
-        _positive_ints(self, "steps", "batch_size", "prompt_len", "gen_len", "top_k", "micro_batch_size")
+        _positive_ints(self, "steps", "batch_size", "prompt_len", "gen_len", "top_k", "micro_batch_size",
+                       "inference_micro_batch_size")
         _require(isinstance(self.temperature, int | float) and 0 < self.temperature < float("inf"),
                  f"DistillationConfig.temperature must be a finite number > 0, got {self.temperature!r}")
 
