@@ -11,7 +11,7 @@ the saved global row statistics ``m, inv_s = 1 / S`` and per-row coefficients ``
 
 Grid ``(c, splits)``; each program streams its column range in ``block_v`` tiles and writes ``out``
 directly (a view into the caller's preallocated gradient, in the logits' dtype). Point terms are
-matched per tile against the ``n`` point columns (``n`` compares per element). Memory: nothing
+added in the tiles that hold them (a scalar range test per point and tile). Memory: nothing
 beyond ``out``; reads ``x`` once, writes ``out`` once.
 """
 
@@ -79,8 +79,8 @@ def _chunk_grad_kernel(
         g = tl.where(p > 0, p * inner, 0.0)  # guards 0 * inf for -inf logits
         for i in tl.static_range(N_PTS):
             col_i = tl.load(pcol_ptr + row * stride_pr + i * stride_pk)
-            val_i = tl.load(pval_ptr + row * stride_vr + i * stride_vk)
-            g += tl.where(cols == col_i, val_i, 0.0)
+            if (col_i >= start) & (col_i < start + BLOCK_V):  # scalar test: most tiles skip the compare
+                g += tl.where(cols == col_i, tl.load(pval_ptr + row * stride_vr + i * stride_vk), 0.0)
         g = divide_by_temperature(g, t_ptr, row, t_scalar, T_MODE)
         if EMULATE_RTNE:
             g = round_to_bf16_rtne(g)

@@ -122,7 +122,8 @@ def _chunk_stats_kernel(
             for i in tl.static_range(K):
                 col_i = tl.load(tcol_ptr + row * stride_tr + i * stride_tk)
                 in_i = tl.load(tin_ptr + row * stride_tr + i * stride_tk) != 0
-                in_teacher = in_teacher | ((cols == col_i) & in_i)
+                if in_i & (col_i >= start) & (col_i < start + BLOCK_V):  # scalar test: most tiles skip
+                    in_teacher = in_teacher | (cols == col_i)
             tail_acc += tl.where(in_teacher, 0.0, e)
     # --- 2. write this program's partial statistics ---
     out_row = out_ptr + row * stride_or + split * stride_os

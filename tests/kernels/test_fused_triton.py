@@ -121,7 +121,7 @@ def test_fused_outputs_with_triton_chunk_math_one_rank(entry):
 
 
 def _two_rank_checks(rank: int, world: int) -> None:
-    for entry in CASES[1:3]:
+    for entry in CASES[1:2]:  # padded vocab, per-token temperature, clamp, tail, splits
         _check(*entry, rank=rank, world=world)
 
 
