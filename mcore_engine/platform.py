@@ -16,8 +16,9 @@ raise. :func:`apply_cpu_device_layer` makes them run on the CPU, and only when C
    and forks the generator that CPU dropout really draws from.
 3. Streams, events, ``synchronize``, ``set_stream`` and NVTX ranges become no-ops.
 4. A ``TorchFunctionMode`` rewrites ``device='cuda'`` / ``device=<int>`` keyword arguments and
-   ``Tensor.to('cuda')`` to the CPU, makes ``Tensor.cuda()`` return the tensor itself, and reports
-   ``Tensor.type()`` with the ``torch.cuda.`` prefix that Megatron's optimizers assert on.
+   ``Tensor.to('cuda')`` to the CPU, drops ``pin_memory`` (no pinned allocator without CUDA), makes
+   ``Tensor.cuda()`` / ``Tensor.pin_memory()`` return the tensor itself, and reports ``Tensor.type()``
+   with the ``torch.cuda.`` prefix that Megatron's optimizers and ``clip_grads`` assert on.
    Cost: one Python call per torch function (~2% on the tiny test models).
 """
 
@@ -59,15 +60,16 @@ class _CudaToCpuMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
-            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         if _is_cuda_device(kwargs.get("device")):
             kwargs = {**kwargs, "device": "cpu"}
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]) \
-                and not isinstance(args[1], int):
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
 

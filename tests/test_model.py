@@ -40,6 +40,24 @@ def test_build_model_chunks_needs_parallel_state():
         build_model_chunks(EngineConfig.from_yaml("configs/tiny_cpu_tp2.yaml"))
 
 
+def test_transformer_config_from_engine_config():
+    from mcore_engine.config import EngineConfig, ParallelConfig
+    from mcore_engine.model import build_transformer_config, has_te
+
+    cfg = EngineConfig.from_yaml("configs/qwen2_0p5b_tp2.yaml")
+    tc = build_transformer_config(cfg)
+    sizes = (tc.num_layers, tc.hidden_size, tc.num_attention_heads, tc.num_query_groups, tc.ffn_hidden_size)
+    assert sizes == (24, 896, 14, 2, 4864)
+    assert tc.params_dtype == torch.bfloat16 and tc.bf16 and tc.gated_linear_unit and tc.add_qkv_bias
+    assert not tc.add_bias_linear and tc.normalization == "RMSNorm" and tc.layernorm_epsilon == 1e-6
+    assert tc.hidden_dropout == 0.0 and tc.attention_dropout == 0.0
+    assert tc.tensor_model_parallel_size == 2 and tc.use_cpu_initialization == (not torch.cuda.is_available())
+    if not has_te():
+        cfg.parallel = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+        with pytest.raises(ValueError, match="sequence_parallel"):
+            build_transformer_config(cfg)
+
+
 # ----------------------------------------------------------------------------------------------------
 # 2-rank launch
 # ----------------------------------------------------------------------------------------------------

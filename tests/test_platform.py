@@ -66,7 +66,9 @@ def _check_device_layer() -> None:
     assert t.device.type == "cpu"
     assert torch.zeros(2, device=torch.device("cuda", 0)).device.type == "cpu"
     assert torch.ones(2, device=0).device.type == "cpu"
-    assert t.cuda() is t and t.to("cuda").device.type == "cpu"
+    assert t.cuda() is t and t.to("cuda").device.type == "cpu" and t.to(0).device.type == "cpu"
+    assert t.pin_memory() is t and not torch.empty(2, pin_memory=True).is_pinned()
+    assert t.to(torch.float64).dtype == torch.float64 and t.to("cuda", torch.float16).dtype == torch.float16
     assert t.type() == "torch.cuda.FloatTensor" and t.bfloat16().type() == "torch.cuda.BFloat16Tensor"
     assert t.type(torch.float64).dtype == torch.float64
     s = torch.cuda.Stream()
@@ -100,7 +102,8 @@ def _check_seed_layout(rank: int, world_size: int) -> None:
     with get_cuda_rng_tracker().fork():
         b = torch.rand(3)
     c = torch.rand(3)
-    assert torch.equal(a, torch.rand(3, generator=default)) and torch.equal(c, torch.rand(3, generator=default))
+    assert torch.equal(a, torch.rand(3, generator=default))
+    assert torch.equal(c, torch.rand(3, generator=default))
     assert torch.equal(b, torch.rand(3, generator=torch.Generator().manual_seed(5 + 2718 + rank)))
     destroy_distributed()
 
