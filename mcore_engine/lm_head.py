@@ -158,10 +158,12 @@ class _FusedLMHeadFunction(torch.autograd.Function):
                                    c2[r0:r1] if c2 is not None else None, cc, vc)
             if tc is not None:
                 gz.div_(tc[:, None] if isinstance(tc, torch.Tensor) else tc)
-            g = gz.to(x.dtype)  # the logit gradient in the compute dtype, as the logits path has it
-            del x, gz
-            torch.matmul(g, w, out=grad_h[r0:r1])
-            gw.addmm_(g.T.to(acc_dtype), h[r0:r1].to(acc_dtype))
+            del x
+            # grad_hidden from the logit gradient in the compute dtype (as the logits path has it);
+            # grad_weight accumulates from the fp32 one (no extra rounding, no extra copy).
+            torch.matmul(gz.to(w.dtype), w, out=grad_h[r0:r1])
+            gw.addmm_(gz.T.to(acc_dtype), h[r0:r1].to(acc_dtype))
+            del gz
         _common.all_reduce_(grad_h, dist.ReduceOp.SUM, shard)
         return (grad_h.view(hidden.shape), grad_w.to(weight.dtype)) + none
 
