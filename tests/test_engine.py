@@ -1,0 +1,271 @@
+"""MegatronEngine contracts on one rank.
+
+In-process (patched primitives, no model, upstream ``*_on_cpu`` style): the lm-head processor is a
+delegation with the true vocab and the configured chunk size; ``distillation_only`` never starts
+the log-prob computation; ``optimizer_step`` calls ``empty_cache()`` exactly when the last
+forward-backward ran top-k distillation, and before the step.
+
+One gloo rank with a real tiny GPT (one launch, many checks): thd vs bshd vs padded input,
+micro-batch count / token-budget invariance, per-sample vs scalar temperature, the flag contract
+end to end, non-finite gradients skipping the update with parameters and Adam state untouched, and
+bad batches rejected with ``ValueError`` before any parameter or gradient changes.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from unittest import mock
+
+import pytest
+import torch
+
+from tests.test_engine_common import (
+    distill_loss,
+    flat_values,
+    full_state,
+    make_batch,
+    policy_loss,
+    tiny_config,
+    to_padded,
+)
+from tests.utils import REL_TOL, assert_rel_close, run_distributed
+
+TOL = REL_TOL[torch.float32]
+
+
+# ------------------------------------------------------------------ in-process contract tests
+def _bare_engine():
+    from mcore_engine.engine import MegatronEngine
+
+    engine = MegatronEngine.__new__(MegatronEngine)  # upstream style: no initialize(), no model
+    engine.config = tiny_config()
+    return engine
+
+
+def test_lm_head_processor_delegates_with_true_vocab_and_chunk_size():
+    engine = _bare_engine()
+    logits, labels = torch.randn(1, 5, 256), torch.randint(0, 250, (1, 5))
+    with mock.patch("mcore_engine.processor.process_lm_head_logits", return_value={"x": 1}) as spy:
+        out = engine._lm_head_logits_processor(
+            logits, labels, 0.5, calculate_sum_pi_squared=True, calculate_entropy=False,
+            distillation_use_topk=False, distillation_only=False, data_format="bshd")
+    assert out == {"x": 1}
+    (args, kwargs), = spy.call_args_list
+    assert args[0] is logits and args[1] is labels and args[2] == 0.5
+    assert kwargs["vocab_size"] == 250 and kwargs["chunk_size"] == 7 and kwargs["data_format"] == "bshd"
+    assert kwargs["calculate_sum_pi_squared"] is True and kwargs["calculate_entropy"] is False
+
+
+def test_distillation_only_never_starts_log_probs():
+    import mcore_engine.processor as processor
+
+    engine = _bare_engine()
+    logits = torch.randn(1, 9, 256)
+    batch = {"teacher_ids": torch.randint(0, 250, (1, 9, 3)),
+             "teacher_logprobs": -torch.rand(1, 9, 3) - 0.1}
+    real = processor.vocab_parallel_logits_outputs
+    with mock.patch.object(processor, "vocab_parallel_logits_outputs", wraps=real) as fused, \
+            mock.patch("mcore_engine.ops.log_probs.vocab_parallel_log_probs") as log_probs:
+        out = engine._lm_head_logits_processor(
+            logits, torch.randint(0, 250, (1, 9)), 1.0, calculate_sum_pi_squared=False,
+            calculate_entropy=True, distillation_use_topk=True, distillation_only=True, batch=batch)
+        assert fused.call_args.kwargs["labels"] is None
+        full = engine._lm_head_logits_processor(
+            logits, torch.randint(0, 250, (1, 9)), 1.0, calculate_sum_pi_squared=False,
+            calculate_entropy=True, distillation_use_topk=True, distillation_only=False, batch=batch)
+    log_probs.assert_not_called()
+    assert "log_probs" not in out and {"entropy", "distillation_losses"} <= out.keys()
+    assert "log_probs" in full and torch.isfinite(full["log_probs"]).all()
+
+
+@pytest.mark.parametrize("topk", [True, False])
+def test_optimizer_step_empties_cache_exactly_after_topk(topk):
+    from mcore_engine.optim import StepResult
+    from mcore_engine.platform import get_device
+
+    engine = _bare_engine()
+    engine.optimizer, engine.global_step, engine.num_skipped_steps = object(), 0, 0
+    engine._last_distillation_use_topk = topk
+    calls = []
+    device_cls = type(get_device())
+    with mock.patch.object(device_cls, "empty_cache", side_effect=lambda: calls.append("empty_cache")), \
+            mock.patch("mcore_engine.optim.step_optimizer",
+                       side_effect=lambda opt, clip: calls.append("step") or StepResult(2.5, False)):
+        assert engine.optimizer_step() == 2.5
+    assert calls == (["empty_cache", "step"] if topk else ["step"])
+    assert engine.global_step == 1
+
+
+# ------------------------------------------------------------------ one real rank
+def _expect_value_error(fn, what: str) -> str:
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    raise AssertionError(f"{what}: no ValueError")
+
+
+def _state(engine):
+    """Parameters, gradients and Adam state, cloned."""
+    from mcore_engine.optim import sub_optimizers
+
+    params = {k: v.detach().clone() for k, v in engine.model[0].module.named_parameters()}
+    grads = {k: v.main_grad.clone() for k, v in engine.model[0].module.named_parameters()}
+    adam = [{k: t.clone() for k, t in s.items()} for sub in sub_optimizers(engine.optimizer)
+            for s in sub.optimizer.state.values()]
+    return params, grads, adam
+
+
+def _assert_same_state(a, b, what: str, *, grads: bool = True) -> None:
+    for x, y in zip(a[:2] if grads else a[:1], b[:2] if grads else b[:1], strict=True):
+        for key in x:
+            assert torch.equal(x[key], y[key]), f"{what}: {key} changed"
+    assert len(a[2]) == len(b[2]), f"{what}: optimizer state entries changed"
+    for x, y in zip(a[2], b[2], strict=True):
+        assert all(torch.equal(x[k], y[k]) for k in x), f"{what}: Adam state changed"
+
+
+def _single_rank(rank: int, world_size: int, tmp: str) -> None:
+    from mcore_engine.engine import MegatronEngine
+    from mcore_engine.platform import get_device
+
+    def fresh(**kwargs):
+        engine = MegatronEngine(tiny_config(**kwargs))
+        engine.initialize()
+        return engine
+
+    # --- 1. reference: thd, 2 sequences per micro-batch, scalar temperature ---
+    flags = dict(calculate_entropy=True, temperature=0.7)
+    engine = fresh()
+    init = full_state(engine)
+    engine.save_checkpoint(f"{tmp}/init")
+    batch = make_batch(5, 7, **flags)
+    out = engine.train_batch(batch, policy_loss)
+    ref = dict(lp=flat_values(out["log_probs"]), ent=flat_values(out["entropy"]),
+               loss=out.get_non_tensor("loss"), norm=out.get_non_tensor("metrics")["grad_norm"],
+               weights=full_state(engine))
+    assert all(not torch.equal(ref["weights"][k], init[k]) for k in ("output_layer.weight",
+                                                                      "decoder.layers.3.mlp.linear_fc2.weight"))
+
+    def same_step(name, out, engine, mask=None):
+        for key, want in (("log_probs", ref["lp"]), ("entropy", ref["ent"])):
+            got = out[key][mask] if mask is not None else flat_values(out[key])
+            assert_rel_close(got, want, TOL, f"{name}: {key}")
+        assert_rel_close(out.get_non_tensor("loss"), ref["loss"], TOL, f"{name}: loss")
+        norm = out.get_non_tensor("metrics")["grad_norm"]
+        assert abs(norm - ref["norm"]) <= TOL * ref["norm"], f"{name}: grad norm {norm} vs {ref['norm']}"
+        for key, value in full_state(engine).items():
+            assert_rel_close(value, ref["weights"][key], TOL, f"{name}: {key} after the step")
+
+    # --- 2. same step, other splits / layouts / temperature forms (state restored from the checkpoint) ---
+    temps = torch.full((7,), 0.7)
+    variants = {
+        "one sequence per micro-batch": make_batch(5, 7, micro_batch_size_per_gpu=1, **flags),
+        "one micro-batch": make_batch(5, 7, micro_batch_size_per_gpu=7, **flags),
+        "token budget": make_batch(5, 7, use_dynamic_bsz=True, max_token_len_per_gpu=24, **flags),
+        "padded input": to_padded(make_batch(5, 7, **flags)),
+    }
+    per_sample = make_batch(5, 7, calculate_entropy=True)
+    per_sample.set("temperature", temps)
+    variants["per-sample temperature"] = per_sample
+    for name, variant in variants.items():
+        engine.load_checkpoint(f"{tmp}/init")
+        mask = variant["attention_mask"] if "attention_mask" in variant.keys() else None
+        same_step(name, engine.train_batch(variant, policy_loss), engine, mask)
+    padded_out = engine.infer_batch(to_padded(batch))
+    assert padded_out["log_probs"].shape == to_padded(batch)["input_ids"].shape
+    bshd = fresh(data_format="bshd")
+    bshd.load_checkpoint(f"{tmp}/init")
+    same_step("bshd", bshd.train_batch(batch, policy_loss), bshd)
+    del bshd
+
+    # --- 3. flag contract end to end: empty_cache iff top-k distillation ran; no log_probs under
+    #        distillation_only; infer_batch leaves parameters and gradients alone ---
+    engine.load_checkpoint(f"{tmp}/init")
+    calls = []
+    with mock.patch.object(type(get_device()), "empty_cache", side_effect=lambda: calls.append(1)):
+        engine.train_batch(make_batch(6, 4, **flags), policy_loss)
+        assert calls == [], "empty_cache without top-k distillation"
+        distill = make_batch(6, 4, teacher_k=3, distillation_use_topk=True, distillation_only=True)
+        before = _state(engine)
+        inferred = engine.infer_batch(distill)
+        _assert_same_state(before, _state(engine), "infer_batch")
+        assert "log_probs" not in inferred.keys() and "distillation_losses" in inferred.keys()
+        assert not inferred["distillation_losses"].requires_grad
+        assert (flat_values(inferred["distillation_losses"]) >= -1e-6).all()
+        out = engine.train_batch(distill, distill_loss)
+        assert calls == [1], f"empty_cache calls after top-k distillation: {calls}"
+        assert "log_probs" not in out.keys() and out.get_non_tensor("metrics")["update_skipped"] == 0.0
+        engine.train_batch(make_batch(7, 4, **flags), policy_loss)
+        assert calls == [1], "empty_cache after a step without top-k distillation"
+
+    # --- 4. non-finite gradients: update skipped, parameters and Adam state bit-identical ---
+    def nan_loss(outputs, data, ctx):
+        loss, metrics = policy_loss(outputs, data, ctx)
+        return loss * float("nan"), metrics
+
+    step, skipped = engine.global_step, engine.num_skipped_steps
+    engine.zero_grad()
+    before = _state(engine)
+    out = engine.train_batch(make_batch(8, 4, **flags), nan_loss)
+    metrics = out.get_non_tensor("metrics")
+    assert metrics["update_skipped"] == 1.0 and not math.isfinite(metrics["grad_norm"])
+    after = _state(engine)
+    _assert_same_state(before, after, "skipped step", grads=False)
+    assert (engine.global_step, engine.num_skipped_steps) == (step, skipped + 1)
+    out = engine.train_batch(make_batch(8, 4, **flags), policy_loss)
+    assert out.get_non_tensor("metrics")["update_skipped"] == 0.0 and engine.global_step == step + 1
+
+    # --- 5. bad batches: ValueError naming the problem, before any parameter or gradient change ---
+    def with_key(key, value, base=None):
+        b = (base if base is not None else make_batch(9, 3, **flags)).clone()
+        b.set(key, value)
+        return b
+
+    good = make_batch(9, 3, **flags)
+    ids = good["input_ids"]
+    nested = lambda rows: torch.nested.nested_tensor(rows, layout=torch.jagged)  # noqa: E731
+    missing = good.clone()
+    del missing["input_ids"]
+    teacher = make_batch(9, 3, teacher_k=2, distillation_use_topk=True)
+    short_teacher = nested([t[:-1] for t in teacher["teacher_ids"].unbind()])
+    bad = {
+        "input_ids missing": (missing, "input_ids"),
+        "float input_ids": (with_key("input_ids", nested([t.float() for t in ids.unbind()])), "input_ids"),
+        "id outside vocab": (with_key("input_ids", nested([t.clamp_max(0) + 250 for t in ids.unbind()])),
+                             "input_ids"),
+        "negative id": (with_key("input_ids", nested([t - 300 for t in ids.unbind()])), "input_ids"),
+        "too long": (make_batch(9, 2, min_len=65, max_len=70, **flags), "max_sequence_length"),
+        "teacher too short": (with_key("teacher_ids", short_teacher, teacher), "teacher_ids"),
+        "teacher K mismatch": (with_key("teacher_logprobs", nested(
+            [t[:, :1] for t in teacher["teacher_logprobs"].unbind()]), teacher), "teacher_logprobs"),
+        "no teacher": (make_batch(9, 3, distillation_use_topk=True), "teacher_ids"),
+        "padded without mask": (to_padded(good).exclude("attention_mask"), "attention_mask"),
+        "flag of wrong type": (make_batch(9, 3, calculate_entropy="yes"), "calculate_entropy"),
+        "bad temperature": (make_batch(9, 3, temperature=0.0), "temperature"),
+        "loss_mask of wrong length": (
+            with_key("loss_mask", nested([t[1:] for t in good["loss_mask"].unbind()])), "loss_mask"),
+    }
+    engine.train_batch(good, policy_loss)  # non-zero gradients in the buffers
+    before = _state(engine)
+    for name, (batch_, key) in bad.items():
+        for call in (partial(engine.train_batch, batch_, policy_loss),
+                     partial(engine.forward_backward_batch, batch_, policy_loss),
+                     partial(engine.infer_batch, batch_)):
+            message = _expect_value_error(call, name)
+            assert key in message, f"{name}: error does not name {key!r}: {message}"
+        _assert_same_state(before, _state(engine), name)
+
+    # --- 6. learning-rate schedule: Megatron warm-up from 0 ---
+    warm = MegatronEngine(tiny_config())
+    warm.config.optimizer.lr_warmup_steps, warm.config.optimizer.lr_decay_steps = 2, 10
+    warm.config.optimizer.lr_decay_style = "cosine"
+    warm.initialize()
+    lrs = [warm.optimizer.param_groups[0]["lr"]] + [warm.lr_scheduler_step() for _ in range(3)]
+    expected = [0.0, 5e-4, 1e-3, 0.5 * (1 + math.cos(math.pi / 8)) * 1e-3]
+    assert all(abs(a - b) < 1e-12 for a, b in zip(lrs, expected, strict=True)), lrs
+
+
+def test_single_rank_engine(tmp_path):
+    run_distributed(_single_rank, 1, str(tmp_path))
