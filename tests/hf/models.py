@@ -36,9 +36,10 @@ def hf_config_dict(family: str) -> dict[str, Any]:
     return hf_config(family).to_dict()
 
 
-def save_tiny_model(family: str, path: Path, seed: int = 0,
-                    dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """Random model of ``family`` in ``dtype`` saved (safetensors) to ``path``; returns it in eval mode.
+def save_tiny_model(family: str, path: Path, seed: int = 0, dtype: torch.dtype = torch.float32,
+                    max_shard_size: str | None = None) -> torch.nn.Module:
+    """Random model of ``family`` in ``dtype`` saved (safetensors, sharded when ``max_shard_size`` is
+    given, e.g. ``"100KB"``) to ``path``; returns it in eval mode.
 
     Weights are drawn with std 0.2 (not HF's 0.02, which would make every logit ~0 and hide layout
     errors) and norm weights around 1, so every tensor matters for the logits.
@@ -54,5 +55,15 @@ def save_tiny_model(family: str, path: Path, seed: int = 0,
             noise = torch.randn_like(p)
             p.copy_(1 + 0.3 * noise if name.endswith("norm.weight") else 0.2 * noise)
     model = model.to(dtype)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return model
+
+
+def load_folder(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of every ``*.safetensors`` file in ``path`` (sharded or not)."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors

@@ -1,9 +1,9 @@
 """Tiny random Llama / Qwen2 / Qwen3 through the engine's GPTModel and back, on 2 gloo ranks.
 
-One launch runs every family at TP=1 (DP=2), TP=2 and PP=2: import, logits and log-probs against
-the ``transformers`` forward (fp32, rel 1e-4), the streamed tensors and the exported folder bit for
-bit against the original safetensors, and a corrupt folder refused before any parameter changes;
-then a bf16 checkpoint into a bf16 model at TP=2.
+One launch runs every family (Llama sharded in and out) at TP=1 (DP=2), TP=2 and PP=2: import,
+logits and log-probs against the ``transformers`` forward (fp32, rel 1e-4), the streamed tensors and
+the exported folder bit for bit against the original safetensors, and a corrupt folder refused
+before any parameter changes; then a bf16 checkpoint into a bf16 model at TP=2.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from mcore_engine.config import EngineConfig, ParallelConfig
 from mcore_engine.hf import from_hf_config, load_hf_weights, read_hf_config
-from tests.hf.models import FAMILIES, VOCAB, save_tiny_model
+from tests.hf.models import FAMILIES, VOCAB, load_folder, save_tiny_model
 from tests.utils import assert_rel_close, rel_err, run_distributed
 
 LAYOUTS = ((1, 1), (2, 1), (1, 2))  # (tp, pp) on 2 ranks
@@ -42,9 +42,11 @@ def saved(tmp_path_factory) -> Path:
     ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(7))
     logits = {}
     for i, family in enumerate(FAMILIES):
-        model = save_tiny_model(family, root / family, seed=i)
+        model = save_tiny_model(family, root / family, seed=i,
+                                max_shard_size="100KB" if family == "llama" else None)
         with torch.no_grad():
             logits[family] = model(ids).logits
+    assert (root / "llama" / "model.safetensors.index.json").is_file()  # sharded source
     model = save_tiny_model("qwen2", root / "qwen2_bf16", seed=5, dtype=torch.bfloat16)
     with torch.no_grad():  # bf16 budget: the fp32 forward of the bf16 weights vs transformers' bf16 one
         logits["qwen2_bf16"] = model(ids).logits.float()
@@ -104,12 +106,13 @@ def _check_all_layouts(rank: int, world_size: int, root: Path) -> None:
                 assert_rel_close(log_probs, expected[:, :-1].log_softmax(-1).gather(-1, labels), TOL,
                                  f"log-probs {what}")
 
-            original = load_file(root / family / "model.safetensors")
+            original = load_folder(root / family)
             streamed = {name: t.clone() for name, t in iter_hf_tensors(chunks, cfg)}
             assert sorted(streamed) == sorted(original), what
             for name, t in original.items():
                 assert streamed[name].dtype == t.dtype and torch.equal(streamed[name], t), f"{name} {what}"
-            export_hf(chunks, cfg, _export_dir(root, family, tp, pp))
+            export_hf(chunks, cfg, _export_dir(root, family, tp, pp),
+                      max_shard_bytes=100_000 if family == "llama" else 5 * 2**30)
             if (tp, pp) == (1, 2) and family == "llama":  # export dtype cast
                 for name, t in iter_hf_tensors(chunks, cfg, dtype=torch.bfloat16):
                     assert torch.equal(t, original[name].to(torch.bfloat16)), f"{name} bf16 {what}"
@@ -143,11 +146,12 @@ def test_import_logits_and_export_bit_exact(saved):
 
     ids = torch.load(saved / "reference.pt")["ids"]
     for family in FAMILIES:
-        original = load_file(saved / family / "model.safetensors")
+        original = load_folder(saved / family)
         source_config = read_hf_config(saved / family)
         for tp, pp in LAYOUTS:
             out = _export_dir(saved, family, tp, pp)
-            exported = load_file(out / "model.safetensors")
+            exported = load_folder(out)
+            assert (family == "llama") == (out / "model.safetensors.index.json").is_file()
             assert sorted(exported) == sorted(original)
             for name, t in original.items():
                 same = exported[name].dtype == t.dtype and torch.equal(exported[name], t)
