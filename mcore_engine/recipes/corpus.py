@@ -3,12 +3,13 @@
 Token ``i`` is followed by one of ``branching`` successors (a seeded random subset of the vocab)
 with Zipf probabilities; every other transition has probability 0::
 
-    succ = torch.randperm(V, generator=g)[:branching]          # per row i
-    P[i, succ] = w / w.sum(),  w = arange(1, branching + 1) ** -zipf_exponent
-    x_0 ~ uniform(V);  x_{t+1} ~ P[x_t]
+    successors[i] = torch.randperm(V, generator=g)[:branching]        # [V, b] int64
+    weights = w / w.sum(),  w = arange(1, b + 1) ** -zipf_exponent      # [b], the same for every row
+    x_0 ~ uniform(V);  x_{t+1} = successors[x_t, j],  j ~ weights
 
-A model that learns the chain reaches a next-token cross-entropy of ``entropy_rate`` nats (the
-floor); an untrained one sits near ``log(V)``. Memory: the dense ``[V, V]`` float64 table.
+Every row is a permutation of ``weights``, so the entropy rate (the cross-entropy floor of a perfect
+model) is exactly ``H(weights)``; an untrained model sits near ``log(V)``. Memory: ``V * b`` int64
+(the dense ``[V, V]`` table is built only on request, for small vocabularies).
 """
 
 from __future__ import annotations
@@ -32,13 +33,12 @@ class MarkovCorpus:
             raise ValueError(f"zipf_exponent must be >= 0, got {zipf_exponent!r}")
         g = torch.Generator().manual_seed(seed)
         weights = torch.arange(1, branching + 1, dtype=torch.float64) ** -float(zipf_exponent)
-        weights = weights / weights.sum()
-        table = torch.zeros(vocab_size, vocab_size, dtype=torch.float64)
-        for i in range(vocab_size):
-            table[i, torch.randperm(vocab_size, generator=g)[:branching]] = weights
         self.vocab_size = vocab_size
-        self.transitions = table
-        """float64 ``[V, V]``: row i is the distribution of the token after token i."""
+        self.weights = weights / weights.sum()
+        """float64 ``[b]``: probability of the j-th successor (the same for every token)."""
+        self.successors = torch.stack([torch.randperm(vocab_size, generator=g)[:branching]
+                                       for _ in range(vocab_size)])
+        """int64 ``[V, b]``: the successors of every token, distinct within a row."""
 
     def sample(self, num_sequences: int, length: int, generator: torch.Generator) -> torch.Tensor:
         """int64 ``[num_sequences, length]``: chains started uniformly at random."""
@@ -46,23 +46,22 @@ class MarkovCorpus:
             raise ValueError(f"num_sequences and length must be >= 1, got {num_sequences} and {length}")
         tokens = torch.empty(num_sequences, length, dtype=torch.int64)
         tokens[:, 0] = torch.randint(0, self.vocab_size, (num_sequences,), generator=generator)
-        for t in range(1, length):
-            rows = self.transitions[tokens[:, t - 1]]
-            tokens[:, t] = torch.multinomial(rows, 1, generator=generator)[:, 0]
+        if length > 1:
+            choice = torch.multinomial(self.weights, num_sequences * (length - 1), replacement=True,
+                                       generator=generator).view(num_sequences, length - 1)
+            for t in range(1, length):
+                tokens[:, t] = self.successors[tokens[:, t - 1], choice[:, t - 1]]
         return tokens
 
-    def stationary_distribution(self, iterations: int = 1000) -> torch.Tensor:
-        """float64 ``[V]``: ``pi = pi @ P`` by power iteration from the uniform start."""
-        pi = torch.full((self.vocab_size,), 1.0 / self.vocab_size, dtype=torch.float64)
-        for _ in range(iterations):
-            pi = pi @ self.transitions
-        return pi
+    def transition_matrix(self) -> torch.Tensor:
+        """float64 ``[V, V]`` dense table (row i: distribution of the token after i). O(V^2) memory."""
+        table = torch.zeros(self.vocab_size, self.vocab_size, dtype=torch.float64)
+        return table.scatter_(1, self.successors, self.weights.expand_as(self.successors).contiguous())
 
     def entropy_rate(self) -> float:
-        """Nats per token: ``sum_i pi_i H(P[i])``, the cross-entropy floor of a perfect model."""
-        p = self.transitions
-        row_entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
-        return float(self.stationary_distribution() @ row_entropy)
+        """Nats per token, ``-(weights * weights.log()).sum()``: the floor of a perfect model."""
+        w = self.weights[self.weights > 0]
+        return float(-(w * w.log()).sum())
 
     @property
     def uniform_entropy(self) -> float:
