@@ -18,16 +18,18 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=88, num_hidde
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
 
 
-def hf_config(family: str):
+def hf_config(family: str, num_layers: int = 2):
     """A transformers config object of the tiny model."""
     import transformers
 
+    common = _COMMON | {"num_hidden_layers": num_layers}
+
     if family == "llama":
-        return transformers.LlamaConfig(**_COMMON, rope_theta=5000.0, architectures=["LlamaForCausalLM"])
+        return transformers.LlamaConfig(**common, rope_theta=5000.0, architectures=["LlamaForCausalLM"])
     if family == "qwen2":
-        return transformers.Qwen2Config(**_COMMON, rope_theta=20000.0, tie_word_embeddings=True,
+        return transformers.Qwen2Config(**common, rope_theta=20000.0, tie_word_embeddings=True,
                                         architectures=["Qwen2ForCausalLM"])
-    return transformers.Qwen3Config(**_COMMON, head_dim=16, rope_theta=1e6,
+    return transformers.Qwen3Config(**common, head_dim=16, rope_theta=1e6,
                                     architectures=["Qwen3ForCausalLM"])
 
 
@@ -37,7 +39,7 @@ def hf_config_dict(family: str) -> dict[str, Any]:
 
 
 def save_tiny_model(family: str, path: Path, seed: int = 0, dtype: torch.dtype = torch.float32,
-                    max_shard_size: str | None = None) -> torch.nn.Module:
+                    max_shard_size: str | None = None, num_layers: int = 2) -> torch.nn.Module:
     """Random model of ``family`` in ``dtype`` saved (safetensors, sharded when ``max_shard_size`` is
     given, e.g. ``"100KB"``) to ``path``; returns it in eval mode.
 
@@ -49,7 +51,7 @@ def save_tiny_model(family: str, path: Path, seed: int = 0, dtype: torch.dtype =
     torch.manual_seed(seed)
     cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
            "qwen3": transformers.Qwen3ForCausalLM}[family]
-    model = cls(hf_config(family)).eval()
+    model = cls(hf_config(family, num_layers)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn_like(p)
