@@ -8,13 +8,15 @@ from mcore_engine import EngineConfig, MegatronEngine
 from mcore_engine.losses import distillation_ppo_loss
 
 engine = MegatronEngine(EngineConfig.from_yaml("configs/tiny_cpu_tp2.yaml"))  # TP=2, vocab 250
-engine.initialize()                                                  # torch.distributed + Megatron model/optim
+engine.initialize()                                                  # torch.distributed, model, optimizer
 
 g = torch.Generator().manual_seed(0)                                 # same rollouts on both TP ranks
-seqs = [torch.randint(0, 250, (n,), generator=g) for n in (9, 14, 5, 11)]   # prompts + responses
-jagged = lambda ts: torch.nested.as_nested_tensor(ts, layout=torch.jagged)  # noqa: E731
-batch = TensorDict({"input_ids": jagged(seqs),
-                    "advantages": jagged([torch.randn(len(s), generator=g) for s in seqs])}, batch_size=[4])
+lengths = (9, 14, 5, 11)                                             # prompt + response tokens
+ids = [torch.randint(0, 250, (n,), generator=g) for n in lengths]
+advantages = [torch.randn(n, generator=g) for n in lengths]
+batch = TensorDict({"input_ids": torch.nested.as_nested_tensor(ids, layout=torch.jagged),
+                    "advantages": torch.nested.as_nested_tensor(advantages, layout=torch.jagged)},
+                   batch_size=[len(lengths)])
 batch.set_non_tensor("temperature", 1.0)
 batch.set_non_tensor("micro_batch_size_per_gpu", 2)
 
