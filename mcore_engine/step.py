@@ -6,7 +6,8 @@
     micro_batches, order = split_micro_batches(batch, flags, ...)
     inputs = [pack_micro_batch(mb, ...) for mb in micro_batches]
     counts = all_reduce_sum([sum(loss_mask), num_seqs, failed], group=dp)    # one fused collective
-    ctx = LossContext(global_num_tokens=counts[0], global_num_seqs=counts[1], ...)
+    # A batch without any loss token gives zero contributions, not 0 / 0.
+    ctx = LossContext(global_num_tokens=counts[0].clamp_min(1.0), global_num_seqs=counts[1], ...)
 
 The failure flag rides on the same all-reduce, so a bad batch on one data-parallel rank raises
 ``ValueError`` on every rank (no rank is left waiting in a collective) and nothing has been touched.
@@ -135,7 +136,8 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
         raise ValueError("the batch on another data-parallel rank was rejected (see that rank's error); "
                          "nothing was run")
     flags, micro_batches, order = prepared
-    ctx = LossContext(global_num_tokens=counts[0], global_num_seqs=counts[1],
+    # A batch without any loss token gives zero contributions, not 0 / 0.
+    ctx = LossContext(global_num_tokens=counts[0].clamp_min(1.0), global_num_seqs=counts[1],
                       dp_size=dist.get_world_size(dp_group) if dp_group is not None else 1,
                       distillation_only=flags.distillation_only)
     max_len = max(int(mb.inputs.input_ids.shape[1]) for mb in micro_batches)
