@@ -264,3 +264,48 @@ def process_lm_head_hidden(
         teacher_log_probs=teacher_log_probs, entropy=calculate_entropy,
         sum_pi_squared=calculate_sum_pi_squared, log_prob_min_clamp=log_prob_min_clamp,
         temperature=temperature, group=group, chunk_size=chunk_size, vocab_size=vocab_size)
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The ``GPTModel`` inside Megatron's DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
+    """The lm-head weight shard ``[V_local, H]`` a Megatron ``GPTModel`` (last stage) multiplies by.
+
+    The tied word embedding (``shared_embedding_or_output_weight()``) when embeddings are shared,
+    else ``output_layer.weight``; wrappers (DDP, Float16Module) are looked through.
+    """
+    gpt = _unwrap(model)
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight
+
+
+def output_hidden_states(model: torch.nn.Module, enable: bool = True) -> None:
+    """Make a Megatron ``GPTModel`` (last stage) return its final hidden states instead of logits.
+
+    The output layer's forward becomes ``(hidden, None)``, so the model returns ``[b, s, H]`` (the
+    final norm applied) where it returned ``[b, s, V_local]``; parameters, state dict and every other
+    stage are untouched. Feed the result and :func:`lm_head_weight` to :func:`fused_lm_head_outputs`
+    (it all-reduces the hidden gradient over the TP group, the output layer's backward job).
+    ``enable=False`` restores the logits. Sequence parallelism (sharded hidden states) is refused.
+    """
+    gpt = _unwrap(model)
+    layer = getattr(gpt, "output_layer", None)
+    if layer is None:
+        raise ValueError("model must be a GPTModel on the last pipeline stage (it has no output_layer)")
+    if not enable:
+        layer.__dict__.pop("forward", None)
+        return
+    if getattr(layer, "sequence_parallel", False):
+        raise ValueError("output_hidden_states does not support sequence_parallel=True (sharded hidden)")
+
+    def hidden_passthrough(input_: torch.Tensor, weight: torch.Tensor | None = None,
+                           runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        return input_, None
+
+    layer.forward = hidden_passthrough
