@@ -140,11 +140,12 @@ class _FusedLMHeadFunction(torch.autograd.Function):
         h = hidden.reshape(-1, hidden.shape[-1])
         w = weight[:shard.v_valid]
         n = h.shape[0]
-        grad_h = torch.empty_like(h)
+        need_h, need_w = ctx.needs_input_grad[:2]
+        grad_h = torch.empty_like(h) if need_h else None
         # bf16/fp16 weights accumulate their gradient over the chunks in fp32.
         acc_dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
-        grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)  # padded rows stay 0
-        gw = grad_w[:shard.v_valid]
+        grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
+        gw = grad_w[:shard.v_valid] if need_w else None  # padded rows stay 0
         for r0 in range(0, n, ctx.rows):
             r1 = min(r0 + ctx.rows, n)
             x = h[r0:r1] @ w.T
@@ -161,11 +162,15 @@ class _FusedLMHeadFunction(torch.autograd.Function):
             del x
             # grad_hidden from the logit gradient in the compute dtype (as the logits path has it);
             # grad_weight accumulates from the fp32 one (no extra rounding, no extra copy).
-            torch.matmul(gz.to(w.dtype), w, out=grad_h[r0:r1])
-            gw.addmm_(gz.T.to(acc_dtype), h[r0:r1].to(acc_dtype))
+            if need_h:
+                torch.matmul(gz.to(w.dtype), w, out=grad_h[r0:r1])
+            if need_w:
+                gw.addmm_(gz.T.to(acc_dtype), h[r0:r1].to(acc_dtype))
             del gz
-        _common.all_reduce_(grad_h, dist.ReduceOp.SUM, shard)
-        return (grad_h.view(hidden.shape), grad_w.to(weight.dtype)) + none
+        if need_h:
+            _common.all_reduce_(grad_h, dist.ReduceOp.SUM, shard)
+            grad_h = grad_h.view(hidden.shape)
+        return (grad_h, grad_w.to(weight.dtype) if need_w else None) + none
 
 
 def fused_lm_head_outputs(

@@ -263,3 +263,17 @@ def _gpt_checks(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_gpt_model_fused_lm_head_matches_logits_path_tp2():
     run_distributed(_gpt_checks, 2)
+
+
+def test_frozen_weight_or_hidden_gets_no_gradient_work():
+    g = torch.Generator().manual_seed(4)
+    hidden, weight = torch.randn(6, 8, generator=g), torch.randn(15, 8, generator=g)
+    label = torch.randint(0, 15, (6,), generator=g)
+    ref_h, ref_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    fused_lm_head_outputs(ref_h, ref_w, labels=label, entropy=True)["entropy"].sum().backward()
+    h, w = hidden.clone().requires_grad_(), weight.clone()
+    fused_lm_head_outputs(h, w, labels=label, entropy=True)["entropy"].sum().backward()
+    assert w.grad is None and torch.equal(h.grad, ref_h.grad)
+    h, w = hidden.clone(), weight.clone().requires_grad_()
+    fused_lm_head_outputs(h, w, labels=label, entropy=True)["entropy"].sum().backward()
+    assert h.grad is None and torch.equal(w.grad, ref_w.grad)
