@@ -68,6 +68,7 @@ class PackedDotProductAttention(DotProductAttention):
         masked[i, j] = (seq[i] != seq[j]) | (j > i)                         # [t, t] bool
         out = softmax(q k^T / sqrt(hn) masked by -10000) v                  # [t, 1, np * hn]
 
+    ``attention_mask`` is ignored for ``thd`` (the mask comes from the sequence boundaries).
     Memory: the ``[np, t, t]`` score matrix of all packed tokens (quadratic in the pack, not in the
     longest sequence); meant for CPU tests and GPUs without Transformer Engine.
     """
@@ -162,6 +163,10 @@ def build_model_chunks(cfg: EngineConfig) -> list[GPTModel]:
     the output layer iff the last of the last. Logits: ``[b, s, padded_vocab / tp]`` in the
     parameters' dtype. Memory: the parameters, plus on CPU one full fp32 master copy of the largest
     weight while it is initialised.
+
+    Gradients of ``q_layernorm`` / ``k_layernorm`` weights are partial per TP rank (each rank sees its
+    own heads) and tied embeddings live on the first and last stage: Megatron's
+    ``finalize_model_grads`` (set as ``config.finalize_model_grads_func``) all-reduces both.
     """
     if not parallel_state.model_parallel_is_initialized():
         raise ValueError("build_model_chunks: parallel_state is not initialised; call "

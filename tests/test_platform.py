@@ -120,7 +120,17 @@ def _forward_step(batches, data_iterator, model):
     return out, _loss_func
 
 
-def _one_step(parallel: dict, precision: str, distributed_optimizer: bool, num_microbatches: int) -> dict:
+def _tied_weights(model: list) -> list[torch.Tensor]:
+    """The shared embedding / output weight of every pipeline rank (first and last stage hold one)."""
+    local = [c.module.shared_embedding_or_output_weight() for c in model]
+    local = [w.detach().clone() for w in local if w is not None]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, local)
+    return [w for ws in out for w in ws]
+
+
+def _one_step(parallel: dict, precision: str, distributed_optimizer: bool, num_microbatches: int,
+              tied: bool = False) -> dict:
     """Build, wrap in Megatron DDP, get_megatron_optimizer, one get_forward_backward_func step."""
     import megatron.core.optimizer as mopt
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -131,7 +141,8 @@ def _one_step(parallel: dict, precision: str, distributed_optimizer: bool, num_m
     from mcore_engine.model import build_model_chunks
     from mcore_engine.platform import destroy_distributed, init_distributed
 
-    cfg = EngineConfig(model=ModelConfig(**TINY), parallel=ParallelConfig(**parallel), precision=precision)
+    cfg = EngineConfig(model=ModelConfig(**TINY, tie_word_embeddings=tied),
+                       parallel=ParallelConfig(**parallel), precision=precision)
     init_distributed(cfg.parallel, cfg.seed)
     chunks = build_model_chunks(cfg)
     tf_config = chunks[0].config
@@ -144,6 +155,7 @@ def _one_step(parallel: dict, precision: str, distributed_optimizer: bool, num_m
         mopt.OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.0, clip_grad=1.0,
                              bf16=precision == "bf16", params_dtype=tf_config.params_dtype,
                              use_distributed_optimizer=distributed_optimizer), model)
+    tied_before = _tied_weights(model) if tied else []
     before = [p.detach().clone() for m in model for p in m.parameters()]
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, 250, (2, 24), generator=g) for _ in range(num_microbatches)]
@@ -157,7 +169,11 @@ def _one_step(parallel: dict, precision: str, distributed_optimizer: bool, num_m
     ok, grad_norm, _ = optimizer.step()
     after = [p.detach() for m in model for p in m.parameters()]
     changed = [not torch.equal(b, a) for b, a in zip(before, after, strict=True)]
+    tied_after = _tied_weights(model) if tied else []
     destroy_distributed()
+    if tied:  # first and last stage start equal and stay equal (embedding-group grad all-reduce)
+        assert len(tied_before) == 2 and torch.equal(*tied_before), "tied weights differ at init"
+        assert torch.equal(*tied_after) and not torch.equal(tied_before[0], tied_after[0]), "tied after step"
     return dict(ok=ok, grad_norm=grad_norm, losses=losses, changed=changed)
 
 
@@ -170,11 +186,12 @@ def _distributed_smoke(rank: int, world_size: int) -> None:
         "dp2_bf16_distopt": (dict(), "bf16", True, 1),
         "dp2_fp32_distopt": (dict(), "fp32", True, 1),
         "pp2_1f1b": (dict(pipeline_model_parallel_size=2), "fp32", False, 3),
+        "pp2_1f1b_tied_embeddings": (dict(pipeline_model_parallel_size=2), "fp32", False, 2, True),
         "pp2_vpp2_interleaved": (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
                                  "fp32", False, 4),
     }
-    for name, (parallel, precision, distopt, nmb) in cases.items():
-        r = _one_step(parallel, precision, distopt, nmb)
+    for name, (parallel, precision, distopt, nmb, *tied) in cases.items():
+        r = _one_step(parallel, precision, distopt, nmb, *tied)
         assert r["ok"], f"{name}: optimizer step skipped"
         assert r["grad_norm"] is not None and 0 < r["grad_norm"] < float("inf"), f"{name}: {r['grad_norm']}"
         assert all(r["changed"]), f"{name}: some parameters did not change: {r['changed']}"
