@@ -18,7 +18,7 @@ import torch
 
 from mcore_engine.checkpoint import CheckpointLayout, load_shard, save_shard
 from tests.test_engine_common import make_batch, policy_loss, tiny_config
-from tests.utils import run_distributed
+from tests.utils import run_distributed_retrying
 
 LAYOUT = CheckpointLayout(world_size=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                           virtual_pipeline_model_parallel_size=None, data_parallel_size=1, precision="fp32",
@@ -156,4 +156,4 @@ def _resume(rank: int, world_size: int, tmp: str) -> None:
 
 
 def test_resume_is_bit_identical_and_bad_checkpoints_are_refused(tmp_path):
-    run_distributed(_resume, 2, str(tmp_path))
+    run_distributed_retrying(_resume, 2, str(tmp_path))

@@ -29,7 +29,7 @@ from tests.test_engine_common import (
     tiny_config,
     to_padded,
 )
-from tests.utils import REL_TOL, assert_rel_close, run_distributed
+from tests.utils import REL_TOL, assert_rel_close, run_distributed_retrying
 
 TOL = REL_TOL[torch.float32]
 
@@ -268,4 +268,4 @@ def _single_rank(rank: int, world_size: int, tmp: str) -> None:
 
 
 def test_single_rank_engine(tmp_path):
-    run_distributed(_single_rank, 1, str(tmp_path))
+    run_distributed_retrying(_single_rank, 1, str(tmp_path))

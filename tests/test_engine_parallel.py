@@ -23,7 +23,7 @@ from tests.test_engine_common import (
     policy_loss,
     tiny_config,
 )
-from tests.utils import REL_TOL, assert_rel_close, run_distributed
+from tests.utils import REL_TOL, assert_rel_close, run_distributed_retrying
 
 TOL = REL_TOL[torch.float32]
 SEED = 11
@@ -107,5 +107,5 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
 
 def test_layouts_match_single_rank(tmp_path):
     path = str(tmp_path / "reference.pt")
-    run_distributed(_reference, 1, path)
-    run_distributed(_layouts, 2, path)
+    run_distributed_retrying(_reference, 1, path)
+    run_distributed_retrying(_layouts, 2, path)

@@ -131,3 +131,15 @@ def reference_logits_outputs(
         out["student_mass"] = log_q.exp().sum(-1).detach()
         out["teacher_mass"] = big_p.sum(-1)
     return out
+
+
+def run_distributed_retrying(fn: Callable[..., Any], world_size: int, *args: Any, attempts: int = 3) -> None:
+    """``run_distributed``, relaunched when the ranks failed before ``fn`` started (no rank reported a
+    traceback): typically ``EADDRINUSE``, another process took the free port before rank 0 bound it."""
+    for attempt in range(attempts):
+        try:
+            run_distributed(fn, world_size, *args)
+            return
+        except AssertionError as exc:
+            if "--- rank" in str(exc) or attempt == attempts - 1:
+                raise
