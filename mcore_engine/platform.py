@@ -199,13 +199,14 @@ def _rss_bytes(field: str) -> int:
     return 0
 
 
-@dataclass(frozen=True)
+@dataclass
 class Device:
     """The compute device of this process: ``type`` is ``"cuda"`` or ``"cpu"``.
 
     On CUDA the methods forward to ``torch.cuda``; on the CPU the memory statistics are the process's
     resident set size (``VmRSS``; peak ``VmHWM``, reset through ``/proc/self/clear_refs``) and
     ``empty_cache`` / ``synchronize`` do nothing (they exist so callers and tests can rely on them).
+    Not frozen: tests may spy on one method of the process-wide instance or of the class.
     """
 
     type: str

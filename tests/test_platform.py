@@ -37,13 +37,17 @@ def test_device_layer_not_applied_when_cuda_exists():
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
 
 
-def test_cpu_device_stats():
+def test_cpu_device_stats(monkeypatch):
     from mcore_engine.platform import get_device
 
     dev = get_device()
     assert dev is get_device() and dev.type == "cpu" and dev.torch_device == torch.device("cpu")
     dev.empty_cache()
     dev.synchronize()
+    calls = []
+    monkeypatch.setattr(dev, "empty_cache", lambda: calls.append(1))
+    get_device().empty_cache()
+    assert calls == [1]
     dev.reset_peak_memory_stats()
     before = dev.max_memory_allocated()
     x = torch.ones(64 * 2**20 // 8, dtype=torch.float64)  # 64 MiB, touched
