@@ -1,10 +1,11 @@
 """The ops' one-pass function with its chunk math on the Triton kernels: values and gradients, 1 and 2 ranks.
 
-``mcore_engine.ops.fused`` calls ``stats.row_max``, ``stats.chunk_stats(stats.shifted(...))`` and
-``stats.chunk_grad(stats.shifted(...))`` per chunk. ``TritonStats`` stands in for that module and
-runs those three on the kernels (``shifted`` just defers ``(x, t, m)``), so the ops' own chunk loop,
-collectives, finalisation and gradient coefficients drive the kernels. Compared with the float64
-reference from the formulas and with the unpatched torch path.
+The ops' own chunk loop, collectives, finalisation and gradient coefficients drive the kernels. With
+a dispatch point in the ops (``fused.chunk_backend(device) -> ChunkBackend``) it is forced to the
+Triton backend (CPU tensors, interpreter). Without one, ``fused`` calls ``stats.row_max``,
+``stats.chunk_stats(stats.shifted(...))`` and ``stats.chunk_grad(stats.shifted(...))`` per chunk and
+``TritonStats`` stands in for that module (``shifted`` just defers ``(x, t, m)``). Compared with the
+float64 reference from the formulas and with the unpatched torch path.
 """
 
 from __future__ import annotations
@@ -68,8 +69,35 @@ class TritonStats(SimpleNamespace):
         return out if t is None else out.mul_(t[:, None] if isinstance(t, torch.Tensor) else t)
 
 
+def _forced_triton_backend(splits: int | None, config: LaunchConfig | None, calls: list[str]):
+    """The ops' Triton backend with this test's launch geometry, counting launches."""
+    from mcore_engine.ops import backend
+
+    tb = backend.triton_backend()
+
+    def launcher(fn):
+        def run(*args, **kwargs):
+            calls.append(fn.__name__)
+            return fn(*args, **kwargs, splits=splits, config=config)
+        return run
+
+    return backend.ChunkBackend("triton", launcher(tb.row_max), launcher(tb.chunk_stats),
+                                launcher(tb.chunk_grad), tb.chunk_elements)
+
+
 @contextlib.contextmanager
 def triton_chunk_math(splits: int | None, config: LaunchConfig | None):
+    """Run ``fused`` on the kernels: through its dispatch point if it has one, else via ``TritonStats``."""
+    if hasattr(fused, "chunk_backend"):
+        calls: list[str] = []
+        saved, forced = fused.chunk_backend, _forced_triton_backend(splits, config, calls)
+        fused.chunk_backend = lambda device: forced
+        try:
+            yield
+        finally:
+            fused.chunk_backend = saved
+        assert {"row_max", "chunk_stats", "chunk_grad"} <= set(calls), f"kernels not all run: {calls}"
+        return
     saved, shim = fused._stats, TritonStats(splits, config)
     fused._stats = shim
     try:
