@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from mcore_engine.config import ModelConfig
-from mcore_engine.hf.mapping import TensorRule, head_dim, num_query_groups
+from mcore_engine.hf.mapping import TensorRule, head_dim
 
 # read(name, dim, start, stop) -> rows (dim 0) or columns (dim 1) [start, stop) of an HF tensor,
 # or the whole tensor when start and stop are None.
@@ -28,7 +28,7 @@ Reader = Callable[..., torch.Tensor]
 
 def _qkv_segments(cfg: ModelConfig, start: int, stop: int) -> list[tuple[int, int, int]]:
     """Rows ``[start, stop)`` of the fused qkv layout as ``(source 0/1/2 = q/k/v, hf_start, hf_stop)``."""
-    d, ng = head_dim(cfg), num_query_groups(cfg)
+    d, ng = head_dim(cfg), cfg.query_groups
     q_rows = cfg.num_attention_heads // ng * d
     group_rows = q_rows + 2 * d
     segments = []
@@ -92,7 +92,7 @@ def hf_from_gathered(rule: TensorRule, full: torch.Tensor, cfg: ModelConfig,
         halves = full.view(tp_size, 2, -1, *rest)
         return [(names[i], halves[:, i].reshape(-1, *rest)) for i in range(2)]
     if rule.kind == "qkv":
-        d, ng = head_dim(cfg), num_query_groups(cfg)
+        d, ng = head_dim(cfg), cfg.query_groups
         q_rows = cfg.num_attention_heads // ng * d
         q, k, v = full.view(ng, q_rows + 2 * d, *rest).split([q_rows, d, d], dim=1)
         return [(name, t.reshape(-1, *rest)) for name, t in zip(names, (q, k, v), strict=True)]

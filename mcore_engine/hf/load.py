@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import fields
 
 import torch
 from megatron.core import parallel_state
@@ -23,21 +22,20 @@ from mcore_engine.hf.layout import shard_from_hf
 from mcore_engine.hf.mapping import check_hf_names, from_hf_config, hf_shapes, iter_units, read_hf_config
 
 # Fields that must agree between the engine config and the checkpoint's config.json (the others,
-# e.g. max_sequence_length or init_method_std, may differ on purpose).
-_MATCHING_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                    "vocab_size", "rotary_base", "normalization", "norm_epsilon", "swiglu",
-                    "tie_word_embeddings", "add_qkv_bias", "qk_layernorm", "kv_channels")
+# e.g. max_sequence_length or init_method_std, may differ on purpose), compared by their resolved
+# values (num_query_groups=None means one group per head; ffn_hidden_size=None means 4 * hidden).
+_MATCHING_FIELDS = {"num_layers": "num_layers", "hidden_size": "hidden_size",
+                    "num_attention_heads": "num_attention_heads", "num_query_groups": "query_groups",
+                    "ffn_hidden_size": "ffn_size", "vocab_size": "vocab_size", "rotary_base": "rotary_base",
+                    "normalization": "normalization", "norm_epsilon": "norm_epsilon", "swiglu": "swiglu",
+                    "tie_word_embeddings": "tie_word_embeddings", "add_qkv_bias": "add_qkv_bias",
+                    "qk_layernorm": "qk_layernorm", "kv_channels": "kv_channels"}
 
 
 def check_config_matches(cfg: ModelConfig, hf_cfg: ModelConfig) -> None:
     """``ValueError`` naming the first architecture field where ``cfg`` and the checkpoint differ."""
-    names = {f.name for f in fields(ModelConfig)}
-    for name in _MATCHING_FIELDS:
-        if name not in names:
-            continue
-        ours, theirs = getattr(cfg, name), getattr(hf_cfg, name)
-        if name == "num_query_groups":  # None means one group per head
-            ours, theirs = ours or cfg.num_attention_heads, theirs or hf_cfg.num_attention_heads
+    for name, attr in _MATCHING_FIELDS.items():
+        ours, theirs = getattr(cfg, attr, None), getattr(hf_cfg, attr, None)
         if ours != theirs:
             raise ValueError(f"model.{name}: the engine config has {ours!r} but the Hugging Face "
                              f"checkpoint's config.json implies {theirs!r}")

@@ -89,10 +89,6 @@ def head_dim(cfg: ModelConfig) -> int:
     return kv_channels if kv_channels else cfg.hidden_size // cfg.num_attention_heads
 
 
-def num_query_groups(cfg: ModelConfig) -> int:
-    return cfg.num_query_groups or cfg.num_attention_heads
-
-
 def canonical_unit(name: str, global_layer: int | None) -> str:
     """Canonical unit key of a Megatron parameter name (TE names folded to local-spec names).
 
@@ -140,9 +136,9 @@ def model_units(cfg: ModelConfig) -> list[str]:
 
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Full shape of every Hugging Face tensor the model is made of, in checkpoint order."""
-    h, d, ng = cfg.hidden_size, head_dim(cfg), num_query_groups(cfg)
+    h, d, ng = cfg.hidden_size, head_dim(cfg), cfg.query_groups
     q_out, kv_out = cfg.num_attention_heads * d, ng * d
-    ffn = cfg.ffn_hidden_size or 4 * h
+    ffn = cfg.ffn_size
     by_suffix = {
         "model.embed_tokens.weight": (cfg.vocab_size, h), "lm_head.weight": (cfg.vocab_size, h),
         "model.norm.weight": (h,), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
@@ -185,7 +181,10 @@ def iter_units(chunk: torch.nn.Module,
     """``(unit, parameter, rule)`` for every parameter of one (possibly wrapped) model chunk.
 
     The tied output layer that a last pipeline stage keeps (PP > 1) reads ``model.embed_tokens``.
+    A parameter that ``cfg`` does not describe (e.g. a QKV bias with ``add_qkv_bias=False``) raises
+    ``ValueError``.
     """
+    expected = set(model_units(cfg))
     model = unwrap_chunk(chunk)
     for name, param in model.named_parameters():
         global_layer = None
@@ -195,6 +194,9 @@ def iter_units(chunk: torch.nn.Module,
         rule = unit_rule(unit)
         if unit == "output_layer.weight" and cfg.tie_word_embeddings:
             rule = TensorRule("vocab", ("model.embed_tokens.weight",))
+        elif unit not in expected:
+            raise ValueError(f"parameter {name!r} of the model is not part of the model that cfg.model "
+                             "describes (model and config do not match)")
         yield unit, param, rule
 
 
@@ -295,8 +297,8 @@ def to_hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
     out = dict(base or {})
     out.update(
         architectures=[arch], model_type=family, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=num_query_groups(cfg),
+        intermediate_size=cfg.ffn_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.query_groups,
         head_dim=head_dim(cfg), hidden_act="silu", max_position_embeddings=cfg.max_sequence_length,
         rms_norm_eps=cfg.norm_epsilon, rope_theta=cfg.rotary_base,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rotary_base},

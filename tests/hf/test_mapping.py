@@ -16,6 +16,7 @@ from mcore_engine.hf.mapping import (
     check_hf_names,
     from_hf_config,
     hf_shapes,
+    iter_units,
     model_units,
     to_hf_config,
     unit_rule,
@@ -181,3 +182,29 @@ def test_reader_refuses_bad_folders(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="'w'"):
         HFCheckpointReader(tmp_path)
+
+
+def _fake_chunk(layer_numbers: list[int], qkv_bias: bool) -> torch.nn.Module:
+    """A module with GPTModel's parameter names: decoder.layers.<local>.self_attention.linear_qkv."""
+    layers = torch.nn.ModuleList()
+    for number in layer_numbers:
+        layer = torch.nn.Module()
+        layer.layer_number = number
+        layer.self_attention = torch.nn.Module()
+        layer.self_attention.linear_qkv = torch.nn.Linear(4, 4, bias=qkv_bias)
+        layers.append(layer)
+    chunk = torch.nn.Module()
+    chunk.decoder = torch.nn.Module()
+    chunk.decoder.layers = layers
+    wrapper = torch.nn.Module()  # as DDP wraps it
+    wrapper.module = chunk
+    return wrapper
+
+
+def test_iter_units_global_layers_and_mismatch():
+    cfg = from_hf_config(hf_config_dict("llama") | {"num_hidden_layers": 4})
+    units = [u for u, _, _ in iter_units(_fake_chunk([2, 4], qkv_bias=False), cfg)]
+    assert units == ["decoder.layers.1.self_attention.linear_qkv.weight",
+                     "decoder.layers.3.self_attention.linear_qkv.weight"]
+    with pytest.raises(ValueError, match="decoder.layers.0.self_attention.linear_qkv.bias"):
+        list(iter_units(_fake_chunk([1], qkv_bias=True), cfg))
