@@ -3,7 +3,8 @@
 In-process: the folder protocol of ``save_shard`` / ``load_shard`` on one rank without
 ``torch.distributed`` (round trip, overwrite, leftovers of a crashed save, missing meta, missing or
 truncated shard, other layout). Two gloo ranks (one launch): a TP=2 engine in fp32 and in bf16
-(fp32 main weights in the optimizer) resumes bit-identically into the same and into a freshly
+(fp32 main weights in the optimizer) and a DP=2 engine with the distributed optimizer (each rank
+holds a slice of the Adam state) resume bit-identically into the same and into a freshly
 initialised engine (weights, Adam state, scheduler, step counters, RNG), and a torn checkpoint or one
 written under another layout is refused with ``ValueError`` on both ranks, engine untouched.
 """
@@ -115,9 +116,11 @@ def _resume(rank: int, world_size: int, tmp: str) -> None:
 
     from mcore_engine.engine import MegatronEngine
 
-    for precision in ("fp32", "bf16"):
-        path = f"{tmp}/{precision}"
-        engine = MegatronEngine(tiny_config(tp=2, precision=precision))
+    layouts = {"fp32": dict(tp=2), "bf16": dict(tp=2, precision="bf16"),
+               "dp2-distributed-optimizer": dict(use_distributed_optimizer=True)}
+    for name, kwargs in layouts.items():
+        path = f"{tmp}/{name}"
+        engine = MegatronEngine(tiny_config(**kwargs))
         engine.initialize()
         _step(engine, 1)
         engine.save_checkpoint(path)
@@ -126,34 +129,34 @@ def _resume(rank: int, world_size: int, tmp: str) -> None:
         after = _snapshot(engine)
 
         engine.load_checkpoint(path)  # the same engine, one step further
-        assert torch.equal(torch.rand(4), draw), f"{precision}: RNG not restored"
-        assert _step(engine, 2) == (loss, norm), f"{precision}: loss / grad norm after resume"
-        _assert_identical(_snapshot(engine), after, f"{precision}: resume into the same engine")
+        assert torch.equal(torch.rand(4), draw), f"{name}: RNG not restored"
+        assert _step(engine, 2) == (loss, norm), f"{name}: loss / grad norm after resume"
+        _assert_identical(_snapshot(engine), after, f"{name}: resume into the same engine")
 
-        fresh = MegatronEngine(tiny_config(tp=2, precision=precision, seed=99))  # other weights
+        fresh = MegatronEngine(tiny_config(**kwargs, seed=99))  # other weights
         fresh.initialize()
         fresh.load_checkpoint(path)
-        assert _step(fresh, 2) == (loss, norm), f"{precision}: loss / grad norm after a fresh resume"
-        _assert_identical(_snapshot(fresh), after, f"{precision}: resume into a fresh engine")
+        assert _step(fresh, 2) == (loss, norm), f"{name}: loss / grad norm after a fresh resume"
+        _assert_identical(_snapshot(fresh), after, f"{name}: resume into a fresh engine")
 
-    # a torn copy (one rank's shard missing) and a different layout are refused on both ranks
+    # a checkpoint of another layout is refused on both ranks (the DP=2 engine, the TP=2 checkpoint)
+    before = _snapshot(engine)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size"):
+        engine.load_checkpoint(f"{tmp}/fp32")
+    _assert_identical(_snapshot(engine), before, "refused checkpoint of another layout")
+
+    # a torn copy (one rank's shard missing) is refused on both ranks
     torn = f"{tmp}/torn"
     if rank == 0:
         shutil.copytree(f"{tmp}/fp32", torn)
         os.remove(f"{torn}/rank_00001.pt")
     dist.barrier()
-    before = _snapshot(fresh)
+    tp2 = MegatronEngine(tiny_config(tp=2))
+    tp2.initialize()
+    before = _snapshot(tp2)
     with pytest.raises(ValueError, match="torn"):
-        fresh.load_checkpoint(torn)
-    _assert_identical(_snapshot(fresh), before, "refused torn checkpoint")
-
-    dp2 = MegatronEngine(tiny_config(tp=1))
-    dp2.initialize()
-    before = _snapshot(dp2)
-    with pytest.raises(ValueError, match="tensor_model_parallel_size"):
-        dp2.load_checkpoint(f"{tmp}/fp32")
-    _assert_identical(_snapshot(dp2), before, "refused checkpoint of another layout")
-
+        tp2.load_checkpoint(torn)
+    _assert_identical(_snapshot(tp2), before, "refused torn checkpoint")
 
 def test_resume_is_bit_identical_and_bad_checkpoints_are_refused(tmp_path):
     run_distributed_retrying(_resume, 2, str(tmp_path))
