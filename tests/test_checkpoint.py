@@ -158,5 +158,6 @@ def _resume(rank: int, world_size: int, tmp: str) -> None:
         tp2.load_checkpoint(torn)
     _assert_identical(_snapshot(tp2), before, "refused torn checkpoint")
 
+
 def test_resume_is_bit_identical_and_bad_checkpoints_are_refused(tmp_path):
     run_distributed_retrying(_resume, 2, str(tmp_path))
