@@ -286,7 +286,7 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> None:
 
     The default group comes from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
     ``MASTER_PORT``; NCCL with CUDA, gloo without) unless one already exists, which is then used as
-    is; without torchrun variables a single-process gloo group is created. The world size is checked
+    is; without torchrun variables a single-process group is created. The world size is checked
     against ``parallel`` (``ValueError``) before any process-group work. Gloo process groups are
     kept (Megatron's default), and an existing ``parallel_state`` is replaced.
     """
@@ -300,7 +300,7 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> None:
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl" if use_cuda else "gloo"
-        if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+        if "RANK" in os.environ or world_size > 1:  # torchrun (or a hand-made env://) job
             dist.init_process_group(backend, init_method="env://")
         else:
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
