@@ -8,7 +8,8 @@ config implies; otherwise ``ValueError`` names the tensor.
 
 ``ShardedSafetensorsWriter`` writes tensors as they stream in, cutting a new file when the current
 one would pass ``max_shard_bytes``; memory held = one shard. ``close()`` names the files
-``model-0000i-of-0000n.safetensors`` plus an index (or ``model.safetensors`` when there is one).
+``model-0000i-of-0000n.safetensors`` plus an index (or ``model.safetensors`` when there is one)
+and removes weight files an earlier export left in the folder.
 """
 
 from __future__ import annotations
@@ -153,6 +154,9 @@ class ShardedSafetensorsWriter:
             self._flush()
         n = len(self._files)
         final = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for stale in [*self.out_dir.glob("model*.safetensors"), self.out_dir / INDEX_FILE]:
+            if stale.name not in final and stale.is_file():  # left by an earlier export
+                stale.unlink()
         weight_map = {}
         for (tmp, names), name in zip(self._files, final, strict=True):
             os.replace(self.out_dir / tmp, self.out_dir / name)
