@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -74,15 +75,29 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> None
              for r in range(world_size)]
     for p in procs:
         p.start()
+    errors: list[tuple[int, str]] = []
+    deadline = time.monotonic() + 600
+    failed_at = None
+    # Poll rather than join: drain the queue (a big traceback would block its writer) and stop the
+    # surviving ranks soon after one fails (they would otherwise wait in a collective until gloo's
+    # 30-minute timeout).
+    while any(p.is_alive() for p in procs):
+        while not err_q.empty():
+            errors.append(err_q.get())
+        now = time.monotonic()
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now - failed_at > 15):
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    errors.append((-1, f"rank process {p.pid} killed (timeout or a peer failed)"))
+            break
+        time.sleep(0.05)
     for p in procs:
-        p.join(timeout=600)
-    errors = []
+        p.join()
     while not err_q.empty():
         errors.append(err_q.get())
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            errors.append((-1, "a rank timed out after 600 s"))
     if errors or any(p.exitcode != 0 for p in procs):
         msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors))
         raise AssertionError(f"distributed run failed (exit codes {[p.exitcode for p in procs]}):\n{msg}")
