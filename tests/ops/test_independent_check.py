@@ -279,8 +279,8 @@ def _check_case(rank: int, world: int, group, dtype: torch.dtype, case: Case, se
         e1 = _rel(lp, lref.topk(k, dim=-1).values)
         e2 = _rel(lp, lref.gather(-1, ids))
         errs[f"{case.name}/topk{k}"] = max(e1, e2)
-        b = tol if dtype != torch.float32 else tol + 2 * _rel(   # + naive fp32 log_softmax's error
-            zref.float().log_softmax(-1).topk(k, dim=-1).values, lref.topk(k, dim=-1).values)
+        b = tol if dtype != torch.float32 else min(5 * tol, tol + 2 * _rel(  # as in budget() above
+            zref.float().log_softmax(-1).topk(k, dim=-1).values, lref.topk(k, dim=-1).values))
         assert max(e1, e2) <= b, f"{case.name}/topk k={k}: {e1:.3e} {e2:.3e} > {b:.3e}"
         if k == vocab:
             assert (ids.sort(-1).values == torch.arange(vocab)).all()
@@ -459,6 +459,15 @@ def test_scale_logits_by_temperature() -> None:
     _raises(lambda: scale_logits_by_temperature(x, torch.ones(4)), "temperature")
 
 
+@pytest.mark.xfail(strict=True, reason="memory: bf16 logits / an fp32 per-token temperature tensor "
+                   "type-promotes to a full-size FP32 copy (fp64 t: fp64), so a custom logits_processor_func "
+                   "gets 2x-4x the bytes and another dtype; the engine passes per-token tensors")
+def test_scale_logits_by_temperature_keeps_the_logits_dtype() -> None:
+    x = torch.randn(*LEAD, V_LOCAL, dtype=torch.bfloat16)
+    for t in (0.7, torch.tensor(0.7), torch.rand(LEAD) + 0.5, torch.rand(LEAD, dtype=torch.float64) + 0.5):
+        assert scale_logits_by_temperature(x, t).dtype == torch.bfloat16, t
+
+
 def test_processor_custom_func_and_flags() -> None:
     """Custom func: unit temperature hands the very same tensor; others the scaled logits; flags pick keys."""
     x = torch.randn(*LEAD, V_LOCAL) * 4
@@ -521,6 +530,7 @@ def _two_rank_body(rank: int, world: int, path: str) -> None:
     if rank == 0:
         with open(path, "w") as f:
             json.dump(result, f)
+    dist.barrier(group)  # leave together: a peer torn down mid-exit can abort the other rank in gloo
 
 
 @pytest.fixture(scope="module")
