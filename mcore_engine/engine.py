@@ -202,14 +202,19 @@ class MegatronEngine:
         store = sorted(store, key=lambda r: r["index"])
         for key, value in collect_outputs(step, [r["outputs"] for r in store]).items():
             out.set(key, value)
+        # Loss and metrics are contributions (INTERFACES.md): their sum over micro-batches and DP
+        # ranks is the global value.
         loss = torch.stack([r["loss"] for r in store]).sum()
+        metrics: dict[str, float] = {}
+        for r in store:
+            for k, v in r["metrics"].items():
+                metrics[k] = metrics.get(k, 0.0) + float(v)
         dp_group = parallel_state.get_data_parallel_group()
         if dist.get_world_size(dp_group) > 1:
             dist.all_reduce(loss, group=dp_group)
-        metrics: dict[str, list[float]] = {}
-        for r in store:
-            for k, v in r["metrics"].items():
-                metrics.setdefault(k, []).append(float(v))
+            gathered: list[dict[str, float]] = [{} for _ in range(dist.get_world_size(dp_group))]
+            dist.all_gather_object(gathered, metrics, group=dp_group)
+            metrics = {k: sum(g.get(k, 0.0) for g in gathered) for k in sorted(set().union(*gathered))}
         out.set_non_tensor("loss", loss)
         out.set_non_tensor("metrics", metrics)
         return out
@@ -221,8 +226,9 @@ class MegatronEngine:
 
         Gradients ACCUMULATE into the DDP grad buffers (``train_batch`` zeroes them first). Returns,
         on the last pipeline stage, a TensorDict ``[B]`` with the per-token outputs in the layout of
-        ``input_ids`` plus non-tensor ``loss`` (global, 0-d) and ``metrics`` (key -> list of
-        per-micro-batch values); other stages get only ``metrics``. Records ``distillation_use_topk``
+        ``input_ids`` plus non-tensor ``loss`` (global, 0-d) and ``metrics`` (key -> float: the loss
+        function's metric contributions summed over micro-batches and DP ranks, i.e. global values);
+        other stages get an empty ``metrics``. Records ``distillation_use_topk``
         for ``optimizer_step``'s ``empty_cache()`` hook.
         """
         step = self._prepare(batch, logits_processor_func)

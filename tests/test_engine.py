@@ -200,6 +200,23 @@ def _single_rank(rank: int, world_size: int, tmp: str) -> None:
         engine.train_batch(make_batch(7, 4, **flags), policy_loss)
         assert calls == [1], "empty_cache after a step without top-k distillation"
 
+    # --- 3b. the losses package end to end: a custom top-k processor equals the built-in one, and
+    #         distillation_ppo_loss runs with and without distillation_only ---
+    from mcore_engine.losses import distillation_ppo_loss, make_forward_kl_topk
+
+    func = make_forward_kl_topk(vocab_size=250, compute_overlap=True)
+    for only in (True, False):
+        teach = make_batch(10, 5, teacher_k=4, distillation_use_topk=True, distillation_only=only)
+        builtin = engine.infer_batch(teach)
+        custom = engine.infer_batch(teach, logits_processor_func=func)
+        assert_rel_close(flat_values(custom["distillation_losses"]),
+                         flat_values(builtin["distillation_losses"]), TOL, "custom vs built-in top-k KL")
+        assert ("log_probs" in custom.keys()) is not only
+        metrics = engine.train_batch(teach, distillation_ppo_loss(), logits_processor_func=func
+                                     ).get_non_tensor("metrics")
+        assert {"distillation_loss", "topk_overlap", "grad_norm"} <= metrics.keys(), sorted(metrics)
+        assert ("pg_clipfrac" in metrics) is not only and metrics["update_skipped"] == 0.0
+
     # --- 4. non-finite gradients: update skipped, parameters and Adam state bit-identical ---
     def nan_loss(outputs, data, ctx):
         loss, metrics = policy_loss(outputs, data, ctx)

@@ -44,6 +44,7 @@ def _reference(rank: int, world_size: int, path: str) -> None:
     ref.update(log_probs=flat_values(out["log_probs"]), entropy=flat_values(out["entropy"]),
                loss=out.get_non_tensor("loss").clone(),
                grad_norm=torch.tensor(out.get_non_tensor("metrics")["grad_norm"], dtype=torch.float64),
+               tokens=out.get_non_tensor("metrics")["tokens"],
                full1=full_state(engine))
     assert out.get_non_tensor("metrics")["update_skipped"] == 0.0
     torch.save(ref, path)
@@ -96,6 +97,7 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
                              f"{name}: train_batch log_probs")
             assert_rel_close(flat_values(out["entropy"]), ref["entropy"][token_rows], tol, f"{name}: entropy")
             assert_rel_close(out.get_non_tensor("loss"), ref["loss"], tol, f"{name}: global loss")
+            assert metrics["tokens"] == ref["tokens"], f"{name}: metric not summed to its global value"
         else:
             assert "log_probs" not in out.keys(), f"{name}: outputs on a non-last pipeline stage"
         expected = local_reference(engine, ref["full1"])
