@@ -62,12 +62,23 @@ def test_legacy_rope_theta_key():
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "rope_scaling"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"attention_bias": True}, "attention_bias"),
-    ({"head_dim": 32}, "head_dim"),
+    ({"use_sliding_window": True}, "use_sliding_window"),
 ])
 def test_from_hf_config_refusals(change, field):
     d = hf_config_dict("llama") | change
     with pytest.raises(ValueError, match=field):
         from_hf_config(d)
+
+
+def test_head_dim_other_than_hidden_over_heads():
+    d = hf_config_dict("qwen3") | {"head_dim": 32}  # Qwen3-0.6B-like: heads * head_dim != hidden
+    if "kv_channels" in ModelConfig.__dataclass_fields__:
+        cfg = from_hf_config(d)
+        assert cfg.kv_channels == 32 and hf_shapes(cfg)["model.layers.0.self_attn.q_proj.weight"] == (128, 64)
+        assert to_hf_config(cfg)["head_dim"] == 32
+    else:
+        with pytest.raises(ValueError, match="head_dim: 32"):
+            from_hf_config(d)
 
 
 def test_units_names_and_te_aliases():
