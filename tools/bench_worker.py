@@ -22,7 +22,10 @@ Memory (one step, ``mode`` "memory" or "both"):
         inputs = VmHWM after the step - baseline.
   CUDA: ``torch.cuda.max_memory_allocated() - memory_allocated()`` at the baseline.
 Time (``mode`` "time" or "both"): median wall time of ``repeats`` steps after a warm-up step
-(``perf_counter``; CUDA synchronised; ranks aligned by a barrier). In "both" the memory step is the
+(``perf_counter``; CUDA synchronised; ranks aligned by a barrier), and the median CPU time of the
+process (``process_time``: all its threads, kernel time such as page faults included; waiting for
+other ranks or for a core taken by another process excluded, so it is the figure to trust on a
+busy machine). In "both" the memory step is the
 warm-up, and the allocator is first put back in glibc's steady state for large buffers
 (``M_MMAP_THRESHOLD`` 32 MiB, ``M_TRIM_THRESHOLD`` 64 MiB: where the default dynamic threshold ends
 up once such buffers were freed), so per-chunk workspaces are reused instead of page-faulted
@@ -161,16 +164,18 @@ def measure_time(step, device: torch.device, repeats: int, distributed: bool, wa
     """Median wall time of ``repeats`` steps, after one warm-up step unless ``warm``."""
     if not warm:
         step()
-    times = []
+    times, cpu_times = [], []
     for _ in range(repeats):
         if distributed:
             dist.barrier()
         _sync(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return {"time_ms": 1e3 * statistics.median(times), "times_ms": [1e3 * t for t in times]}
+        cpu_times.append(time.process_time() - c0)
+    return {"time_ms": 1e3 * statistics.median(times), "cpu_ms": 1e3 * statistics.median(cpu_times),
+            "times_ms": [1e3 * t for t in times]}
 
 
 def main(spec: dict) -> dict:
