@@ -277,3 +277,15 @@ def test_frozen_weight_or_hidden_gets_no_gradient_work():
     h, w = hidden.clone(), weight.clone().requires_grad_()
     fused_lm_head_outputs(h, w, labels=label, entropy=True)["entropy"].sum().backward()
     assert h.grad is None and torch.equal(w.grad, ref_w.grad)
+
+
+def test_inference_under_no_grad_matches():
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(2, 5, 8, generator=g), torch.randn(17, 8, generator=g)
+    label = torch.randint(0, 17, (2, 5), generator=g)
+    with torch.no_grad():
+        out = fused_lm_head_outputs(hidden.requires_grad_(), weight, labels=label, entropy=True)
+    ref = vocab_parallel_logits_outputs(hidden.detach() @ weight.T, labels=label, entropy=True)
+    for key in ref:
+        assert not out[key].requires_grad and out[key].shape == (2, 5)
+        assert_rel_close(out[key], ref[key], REL_TOL[F32], key)
