@@ -228,14 +228,14 @@ def test_run_logger_and_plot(tmp_path):
 @pytest.mark.slow
 def test_main_job_end_to_end_tp2(tmp_path):
     """``torchrun --nproc_per_node=2 tools/train.py`` with tiny sizes: outputs appear, KL falls."""
-    overrides = [
-        "name=e2e", f"output_dir={tmp_path}",
-        "teacher_training.steps=20", "teacher_training.seq_len=32", "teacher_training.batch_size=8",
-        "teacher.optimizer.lr=2e-2", "teacher.optimizer.lr_warmup_steps=1",
-        "teacher.optimizer.lr_decay_steps=20",
-        "distillation.steps=6", "distillation.batch_size=8", "distillation.gen_len=8",
-        "student.optimizer.lr=2e-2", "student.optimizer.lr_warmup_steps=0",
-        "student.optimizer.lr_decay_steps=6",
+    overrides = [  # vocab 61 (padded to 256 under TP=2): a chain the teacher learns in 20 small steps
+        "name=e2e", f"output_dir={tmp_path}", "teacher.model.vocab_size=61", "student.model.vocab_size=61",
+        "corpus.branching=6", "teacher_training.steps=20", "teacher_training.seq_len=32",
+        "teacher_training.batch_size=8", "teacher.optimizer.lr=1e-2", "teacher.optimizer.lr_warmup_steps=2",
+        "teacher.optimizer.lr_decay_steps=20", "distillation.steps=10", "distillation.batch_size=32",
+        "distillation.gen_len=8", "distillation.top_k=4", "distillation.micro_batch_size=16",
+        "distillation.inference_micro_batch_size=32", "student.optimizer.lr=2e-2",
+        "student.optimizer.lr_warmup_steps=0", "student.optimizer.lr_decay_steps=10",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -248,13 +248,14 @@ def test_main_job_end_to_end_tp2(tmp_path):
     records = read_metrics(run / "metrics.jsonl")
     teacher = [r for r in records if r["phase"] == "teacher"]
     student = [r for r in records if r["phase"] == "student"]
-    assert len(teacher) == 20 and len(student) == 6
+    assert len(teacher) == 20 and len(student) == 10
     for r in records:
         assert r["tokens_per_s"] > 0 and r["mem_gib"] > 0 and math.isfinite(r["grad_norm"])
-    assert teacher[-1]["loss"] < teacher[0]["loss"] - 0.3, [r["loss"] for r in teacher]
+    ce = [r["loss"] for r in teacher]
+    assert sum(ce[-3:]) / 3 < sum(ce[:3]) / 3 - 1.0, ce
     kl = [r["distillation_loss"] for r in student]
     assert all(math.isfinite(v) and v >= 0 for v in kl)           # k+1-bucket KL is a proper KL
-    assert kl[-1] < 0.9 * kl[0], kl
+    assert sum(kl[-3:]) / 3 < 0.8 * sum(kl[:3]) / 3, kl
     assert "log_probs" not in student[0] and "topk_overlap" in student[0]
     assert (run / "curves.png").stat().st_size > 10_000
     assert (run / "config.yaml").is_file()
