@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mcore_engine.config import EngineConfig
-from mcore_engine.hf.checkpoint_io import INDEX_FILE, ShardedSafetensorsWriter
+from mcore_engine.hf.checkpoint_io import ShardedSafetensorsWriter
 from mcore_engine.hf.layout import hf_from_gathered
 from mcore_engine.hf.mapping import (
     hf_shapes,
@@ -116,11 +116,16 @@ def iter_hf_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, 
             yield name, t.to(dtype)
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+
+
 def _copy_side_files(src: Path, dst: Path) -> None:
-    """Tokenizer / generation files of the source folder (everything but weights and config)."""
+    """Tokenizer / generation files of the source folder (everything but weights, indexes, config)."""
+    if src.resolve() == dst.resolve():
+        return
     for file in src.iterdir():
-        if (file.is_file() and file.suffix not in (".safetensors", ".bin", ".pt")
-                and file.name not in ("config.json", INDEX_FILE)):
+        if (file.is_file() and file.suffix not in _WEIGHT_SUFFIXES and not file.name.endswith(".index.json")
+                and file.name != "config.json"):
             shutil.copy2(file, dst / file.name)
 
 
