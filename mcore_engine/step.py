@@ -6,8 +6,9 @@
     micro_batches, order = split_micro_batches(batch, flags, ...)
     inputs = [pack_micro_batch(mb, ...) for mb in micro_batches]
     counts = all_reduce_sum([sum(loss_mask), num_seqs, failed], group=dp)    # one fused collective
-    # A batch without any loss token gives zero contributions, not 0 / 0.
-    ctx = LossContext(global_num_tokens=counts[0].clamp_min(1.0), global_num_seqs=counts[1], ...)
+    ctx = LossContext(global_num_tokens=counts[0].clamp_min(1), global_num_seqs=counts[1], ...)
+
+(the clamp: a batch without any loss token gives zero contributions, not 0 / 0).
 
 The failure flag rides on the same all-reduce, so a bad batch on one data-parallel rank raises
 ``ValueError`` on every rank (no rank is left waiting in a collective) and nothing has been touched.
@@ -87,11 +88,12 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
     """Validate and pack ``batch`` for one step; ``ValueError`` on every DP rank if any rank's batch
     is bad (see the module docstring); ``common_shape`` pads every micro-batch to one model shape
     (module docstring). Teacher tensors are required under ``distillation_use_topk``
-    unless a custom logits processor brings its own. ``min_num_micro_batches``: the interleaved
-    schedule needs at least ``pp`` micro-batches."""
+    unless a custom logits processor brings its own. ``min_num_micro_batches``: the micro-batch count
+    must be a multiple of it (``pp`` for the interleaved schedule; a token-budget split is refined to
+    reach one). Host syncs: one, reading the agreed failure flag."""
     error: ValueError | None = None
     prepared = None
-    local_tokens = torch.zeros((), dtype=torch.float32)
+    local_tokens = torch.zeros((), dtype=torch.float32, device=device)
     local_seqs = 0
     try:
         flags = parse_step_flags(batch)
@@ -99,14 +101,14 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
                        require_teacher=flags.distillation_use_topk and not has_logits_processor_func)
         mbs, order = split_micro_batches(batch, flags, default_micro_batch_size=default_micro_batch_size,
                                          min_num_micro_batches=1)
+        if len(mbs) % min_num_micro_batches and flags.use_dynamic_bsz:  # more, smaller micro-batches
+            parts = -(-len(mbs) // min_num_micro_batches) * min_num_micro_batches
+            mbs, order = split_micro_batches(batch, flags, default_micro_batch_size=default_micro_batch_size,
+                                             min_num_micro_batches=parts)
         if len(mbs) % min_num_micro_batches:
             raise ValueError(f"the interleaved pipeline schedule needs a multiple of {min_num_micro_batches} "
                              f"(pipeline_model_parallel_size) micro-batches, the batch gives {len(mbs)}: "
                              "change micro_batch_size_per_gpu or the number of sequences")
-        if min_num_micro_batches > 1 and len(mbs) % min_num_micro_batches and flags.use_dynamic_bsz:
-            parts = -(-len(mbs) // min_num_micro_batches) * min_num_micro_batches
-            mbs, order = split_micro_batches(batch, flags, default_micro_batch_size=default_micro_batch_size,
-                                             min_num_micro_batches=parts)
         micro_batches, start = [], 0
         for i, mb in enumerate(mbs):
             inputs = pack_micro_batch(mb, data_format=data_format, temperature=flags.temperature,
@@ -116,7 +118,7 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
             sample_ids = torch.tensor(order[start:start + b], dtype=torch.int64)
             start += b
             micro_batches.append(MicroBatch(index=i, data=mb, inputs=inputs, sample_ids=sample_ids))
-            local_tokens = local_tokens + inputs.loss_mask.sum().float().cpu()
+            local_tokens = local_tokens + inputs.loss_mask.sum()
         if common_shape:
             shape = tuple(max(int(mb.inputs.input_ids.shape[d]) for mb in micro_batches) for d in (0, 1))
             micro_batches = [dataclasses.replace(mb, inputs=pad_inputs(mb.inputs, shape))
@@ -126,8 +128,8 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
     except ValueError as exc:
         error = exc
 
-    counts = torch.stack([local_tokens, torch.tensor(float(local_seqs)),
-                          torch.tensor(0.0 if error is None else 1.0)]).to(device)
+    counts = torch.stack([local_tokens, torch.tensor(float(local_seqs), device=device),
+                          torch.tensor(0.0 if error is None else 1.0, device=device)])
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(counts, group=dp_group)
     if error is not None:

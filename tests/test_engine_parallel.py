@@ -50,15 +50,17 @@ def _reference(rank: int, world_size: int, path: str) -> None:
     torch.save(ref, path)
 
 
-LAYOUTS = [
-    ("tp2", dict(tp=2), False),
-    ("dp2", dict(), True),
-    ("dp2-distributed-optimizer", dict(use_distributed_optimizer=True), True),
-    ("pp2-1f1b", dict(pp=2), False),
-    ("pp2-vpp2-interleaved", dict(pp=2, vpp=2, micro_batch_size=1), False),
+LAYOUTS = [  # name, engine config, split the batch over DP ranks, extra step flags
+    ("tp2", dict(tp=2), False, {}),
+    ("dp2", dict(), True, {}),
+    ("dp2-distributed-optimizer", dict(use_distributed_optimizer=True), True, {}),
+    ("pp2-1f1b", dict(pp=2), False, {}),
+    ("pp2-vpp2-interleaved", dict(pp=2, vpp=2, micro_batch_size=1), False, {}),
     # 4 + 2 sequences: the second micro-batch gets empty rows and columns to the common shape
-    ("pp2-vpp2-interleaved-bshd", dict(pp=2, vpp=2, micro_batch_size=4, data_format="bshd"), False),
-    ("tp2-bf16", dict(tp=2, precision="bf16"), False),
+    ("pp2-vpp2-interleaved-bshd", dict(pp=2, vpp=2, micro_batch_size=4, data_format="bshd"), False, {}),
+    # a token budget; the split is refined to an even number of micro-batches
+    ("pp2-vpp2-token-budget", dict(pp=2, vpp=2), False, dict(use_dynamic_bsz=True, max_token_len_per_gpu=25)),
+    ("tp2-bf16", dict(tp=2, precision="bf16"), False, {}),
 ]
 
 
@@ -68,12 +70,12 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
     from mcore_engine.engine import MegatronEngine
 
     ref = torch.load(path, weights_only=False)
-    for name, kwargs, split in LAYOUTS:
+    for name, kwargs, split, flags in LAYOUTS:
         tol = REL_TOL[torch.bfloat16] if kwargs.get("precision") == "bf16" else TOL
         engine = MegatronEngine(tiny_config(**kwargs))
         engine.initialize()
         load_full_state(engine, ref["full0"])
-        batch = make_batch(SEED, NUM_SEQS, **FLAGS)
+        batch = make_batch(SEED, NUM_SEQS, **FLAGS, **flags)
         tokens = torch.tensor([0] + [int(n) for n in batch["input_ids"].offsets().diff()]).cumsum(0)
         rows = slice(0, NUM_SEQS)
         if split:
