@@ -55,6 +55,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, er
                             world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        dist.barrier()  # no rank tears gloo down while a peer is still talking to it
     except BaseException:
         err_q.put((rank, traceback.format_exc()))
         raise
