@@ -174,7 +174,7 @@ def test_gumbel_sampler_single_shard_matches_softmax():
 
 
 def _tp2_sampling_checks(rank: int, world_size: int) -> None:
-    vocab, true_vocab, rows = 14, 13, 30000
+    vocab, true_vocab, rows = 14, 13, 12000
     g = torch.Generator().manual_seed(8)                         # same logits on both ranks
     full = torch.randn(rows, vocab, generator=g) * 2
     shard = full[:, rank * vocab // 2:(rank + 1) * vocab // 2].contiguous()
@@ -188,7 +188,7 @@ def _tp2_sampling_checks(rank: int, world_size: int) -> None:
     # per-row distributions differ: compare the mean probability of the sampled ids' bins
     p = full.double()[:, :true_vocab].softmax(-1)
     hist = torch.bincount(ids, minlength=vocab).double()[:true_vocab] / rows
-    assert float((hist - p.mean(0)).abs().max()) < 0.01
+    assert float((hist - p.mean(0)).abs().max()) < 0.02          # ~4 standard errors
     # --- 2. teacher top-k processor == float64 top-k of the gathered logits ---
     k = 5
     logits = shard.reshape(3, rows // 3, -1)[:, :7]
