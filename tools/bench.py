@@ -60,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=32, help="teacher top-k")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--chunk-size", type=int, default=None, help="rows per chunk for ours (default: the ops')")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--quick", action="store_true", help="small sizes (N=256, V_local=2048), 1 repeat")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
@@ -123,7 +124,7 @@ def measure(args: argparse.Namespace, config: str, impl: str, tp: int) -> dict:
     """Memory and time of one (configuration, implementation, TP) in fresh processes; max over ranks."""
     spec = dict(impl=impl, config=config, tokens=args.tokens, vocab=args.vocab, dtype=args.dtype, tp=tp,
                 k=args.k, temperature=args.temperature, repeats=args.repeats, seed=args.seed,
-                device=args.device)
+                device=args.device, chunk_size=args.chunk_size)
     if args.fresh_time:
         mem = run_workers(dict(spec, mode="memory"), args.timeout)
         tim = run_workers(dict(spec, mode="time"), args.timeout)
@@ -170,7 +171,7 @@ def header(args: argparse.Namespace, load: tuple[float, float]) -> list[str]:
         f"versions: python {platform.python_version()}, torch {torch.__version__}, megatron-core {mcore}",
         f"size per rank: N={args.tokens} tokens x V_local={args.vocab} {args.dtype} logits = "
         f"{logits_mb:.0f} MB (1 xL); T={args.temperature}, k={args.k}, repeats={args.repeats}; "
-        "one thread per rank",
+        f"one thread per rank; ours chunk_size={args.chunk_size or 'default'}",
         "peak = memory above the inputs over one forward+backward (max over ranks); time = median step, "
         "wall (process CPU time); the time target uses wall",
         f"load average (1 min) at start / end: {load[0]:.1f} / {load[1]:.1f}"

@@ -3,8 +3,8 @@
 ``tools/bench.py`` starts this script once per (configuration, implementation, TP rank, mode) and
 reads the last stdout line, a JSON object. The spec holds ``impl`` ("ours" | "naive"), ``config``
 (a key of ``CONFIGS``), ``tokens``, ``vocab`` (V_local), ``dtype``, ``tp``, ``k``, ``temperature``,
-``mode`` ("both" | "memory" | "time"), ``repeats``, ``seed``; the rank comes from ``RANK`` / ``WORLD_SIZE`` /
-``MASTER_ADDR`` / ``MASTER_PORT`` in the environment.
+``mode`` ("both" | "memory" | "time"), ``repeats``, ``seed``, ``chunk_size`` (ours; None = default);
+the rank comes from ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` in the environment.
 
 Both implementations see bit-identical inputs (same seeds): this rank's logits shard
 ``[tokens, V_local]`` (requires grad), global labels ``[tokens]``, teacher top-k ids (distinct,
@@ -113,7 +113,7 @@ def make_step(spec: dict, inputs: dict[str, torch.Tensor], group):
 
         def forward():
             return process_lm_head_logits(logits, inputs["labels"], temperature, batch=batch, group=group,
-                                          **flags)
+                                          chunk_size=spec.get("chunk_size"), **flags)
     else:
         from bench_naive import naive_process_lm_head_logits
 
