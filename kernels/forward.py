@@ -194,17 +194,16 @@ def chunk_stats(x: torch.Tensor, t: float | torch.Tensor | None, m: torch.Tensor
     if layout.k:
         check_rows(teacher[0], "teacher cols", (rows, layout.k), torch.int64)
         check_rows(teacher[1], "teacher inside", (rows, layout.k), torch.bool)
-        if teacher[0].stride() != teacher[1].stride():
-            raise ValueError("teacher cols and inside must share strides")
     if rows == 0:
         return out
     cfg = config or get_config("chunk_stats")
     splits = splits or num_splits(rows, cols, cfg.block_v, x.device)
     part = out if splits == 1 else out.new_empty(rows, splits, layout.width)
     stride_or, stride_os = (out.stride(0), 0) if splits == 1 else (part.stride(0), part.stride(1))
-    ycol, yin = label if layout.label else (None, None)
-    tcol, tin = teacher if layout.k else (None, None)
-    stride_tr, stride_tk = tcol.stride() if layout.k else (0, 0)
+    # [c] / [c, k] index tensors, made contiguous (O(c k), a no-op for the ops' fresh local_columns).
+    ycol, yin = (label[0].contiguous(), label[1].contiguous()) if layout.label else (None, None)
+    tcol, tin = (teacher[0].contiguous(), teacher[1].contiguous()) if layout.k else (None, None)
+    stride_tr, stride_tk = (layout.k, 1) if layout.k else (0, 0)
     _chunk_stats_kernel[(rows, splits)](
         x, t_ptr, m, ycol, yin, tcol, tin, part,
         x.stride(0), x.stride(1), stride_tr, stride_tk, stride_or, stride_os,
