@@ -7,6 +7,8 @@ One step, as ``train_batch`` runs it::
     get_forward_backward_func()(forward_step, ...)   # no pipelining, 1F1B or interleaved
         forward_step: logits = GPTModel(input_ids, position_ids, mask, packed_seq_params)  # [b, s, V/tp]
                       outputs = process_lm_head_logits(logits, labels, temperature, flags...)
+                      (fused_lm_head: GPTModel returns hidden [b, s, H] and
+                       outputs = process_lm_head_hidden(hidden, lm_head_weight, ...), no logits)
                       loss_i, metrics_i = loss_function(outputs_flat, data_flat, ctx)
     finalize: DP all-reduce (SUM, no averaging), embedding / layer-norm grad all-reduces
     optimizer_step()                      # empty_cache iff top-k distillation ran; clip; step or skip
@@ -104,6 +106,12 @@ class MegatronEngine:
         # The local layer spec's attention has no packed-sequence support: emulate thd with a
         # block-diagonal causal mask (same math; RoPE only sees relative positions).
         self._thd_attention_mask = any(type(m) is DotProductAttention for m in chunks[0].modules())
+        if cfg.model.fused_lm_head:  # the last stage returns hidden states; see _lm_head_outputs
+            from mcore_engine.lm_head import output_hidden_states
+
+            for chunk in chunks:
+                if getattr(chunk, "post_process", False):
+                    output_hidden_states(chunk)
         self.optimizer = build_optimizer(cfg, self.model)
         self.lr_scheduler = build_scheduler(cfg, self.optimizer)
 
@@ -130,6 +138,19 @@ class MegatronEngine:
             batch=batch, data_format=data_format, vocab_size=self.config.model.vocab_size,
             chunk_size=self.config.logits_chunk_size)
 
+    def _lm_head_outputs(self, model: torch.nn.Module, output: torch.Tensor, label: torch.Tensor | None,
+                         temperature, **kwargs) -> dict[str, torch.Tensor]:
+        """The processor's outputs from the last stage's output: logits ``[b, s, V/tp]``, or with
+        ``model.fused_lm_head`` the final hidden states ``[b, s, H]`` fed with the lm-head weight
+        shard to ``mcore_engine.lm_head.process_lm_head_hidden`` (same keys; the logits never exist)."""
+        if not self.config.model.fused_lm_head:
+            return self._lm_head_logits_processor(output, label, temperature, **kwargs)
+        from mcore_engine.lm_head import lm_head_weight, process_lm_head_hidden
+
+        return process_lm_head_hidden(output, lm_head_weight(model), label, temperature,
+                                      vocab_size=self.config.model.vocab_size,
+                                      chunk_size=self.config.logits_chunk_size, **kwargs)
+
     # ------------------------------------------------------------------ forward / backward
     def _prepare(self, batch: TensorDictBase, logits_processor_func: Callable | None):
         from megatron.core import parallel_state
@@ -137,6 +158,9 @@ class MegatronEngine:
         from mcore_engine.step import prepare_step
 
         self._require_initialized()
+        if self.config.model.fused_lm_head and logits_processor_func is not None:
+            raise ValueError("logits_processor_func needs the logits, which model.fused_lm_head=True never "
+                             "builds; use the built-in top-k distillation or fused_lm_head: false")
         par = self.config.parallel
         return prepare_step(
             batch, vocab_size=self.config.model.vocab_size,
@@ -159,17 +183,18 @@ class MegatronEngine:
         flags, fmt = step.flags, self.config.data_format
         self._last_distillation_use_topk = flags.distillation_use_topk
 
-        def loss_func(mb, logits: torch.Tensor):
+        def loss_func(mb, model, output: torch.Tensor):
             inp = mb.inputs
             teacher = {"teacher_ids": inp.teacher_ids, "teacher_logprobs": inp.teacher_logprobs}
-            outputs = self._lm_head_logits_processor(
-                logits, inp.labels, inp.temperature, calculate_sum_pi_squared=flags.calculate_sum_pi_squared,
-                calculate_entropy=flags.calculate_entropy, distillation_use_topk=flags.distillation_use_topk,
-                distillation_only=flags.distillation_only, logits_processor_func=logits_processor_func,
+            outputs = self._lm_head_outputs(
+                model, output, inp.labels, inp.temperature, calculate_entropy=flags.calculate_entropy,
+                calculate_sum_pi_squared=flags.calculate_sum_pi_squared,
+                distillation_use_topk=flags.distillation_use_topk, distillation_only=flags.distillation_only,
+                logits_processor_func=logits_processor_func,
                 batch=teacher, data_format=fmt)
             flat = {k: v.reshape(-1) for k, v in outputs.items()}
             if loss_function is None:
-                loss, metrics = logits.new_zeros((), dtype=torch.float32), {}
+                loss, metrics = output.new_zeros((), dtype=torch.float32), {}
             else:
                 loss, metrics = loss_function(flat, loss_data(mb), step.ctx)
             num_tokens = inp.loss_mask.sum().to(torch.int)
@@ -183,7 +208,7 @@ class MegatronEngine:
             packed = None if self._thd_attention_mask else inp.packed_seq_params
             logits = model(input_ids=inp.input_ids, position_ids=inp.position_ids,
                            attention_mask=inp.attention_mask, packed_seq_params=packed)
-            return logits, partial(loss_func, mb)
+            return logits, partial(loss_func, mb, model)
 
         from mcore_engine.step import micro_batch_iterator
 

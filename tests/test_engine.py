@@ -179,6 +179,16 @@ def _single_rank(rank: int, world_size: int, tmp: str) -> None:
     bshd.load_checkpoint(f"{tmp}/init")
     same_step("bshd", bshd.train_batch(batch, policy_loss), bshd)
     del bshd
+    fused = fresh(fused_lm_head=True)  # hidden states + lm-head weight, the logits never built
+    fused.load_checkpoint(f"{tmp}/init")
+    same_step("fused lm-head", fused.train_batch(batch, policy_loss), fused)
+    before = _state(fused)
+    teach = make_batch(6, 4, teacher_k=3, distillation_use_topk=True)
+    message = _expect_value_error(partial(fused.train_batch, teach, distill_loss,
+                                          logits_processor_func=lambda **kw: {}), "fused + func")
+    assert "fused_lm_head" in message, message
+    _assert_same_state(before, _state(fused), "fused lm-head refusing a logits_processor_func")
+    del fused
 
     # --- 3. flag contract end to end: empty_cache iff top-k distillation ran; no log_probs under
     #        distillation_only; infer_batch leaves parameters and gradients alone ---

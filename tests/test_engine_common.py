@@ -18,7 +18,8 @@ VOCAB = 250
 
 def tiny_config(*, tp: int = 1, pp: int = 1, vpp: int | None = None, data_format: str = "thd",
                 micro_batch_size: int = 2, precision: str = "fp32", seed: int = 1234,
-                use_distributed_optimizer: bool = False, clip_grad: float = 1.0, lr: float = 1e-3):
+                use_distributed_optimizer: bool = False, clip_grad: float = 1.0, lr: float = 1e-3,
+                fused_lm_head: bool = False):
     """A 4-layer GQA / SwiGLU / QKV-bias GPT with a padded vocab (250 -> 256), fp32, no warm-up.
 
     ``adam_eps=1e-4``: the key bias gets a gradient that is zero in exact arithmetic (softmax is
@@ -30,7 +31,8 @@ def tiny_config(*, tp: int = 1, pp: int = 1, vpp: int | None = None, data_format
     return EngineConfig(
         model=ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                           ffn_hidden_size=96, vocab_size=VOCAB, max_sequence_length=64, swiglu=True,
-                          add_qkv_bias=True, normalization="RMSNorm", init_method_std=0.05),
+                          add_qkv_bias=True, normalization="RMSNorm", init_method_std=0.05,
+                          fused_lm_head=fused_lm_head),
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 virtual_pipeline_model_parallel_size=vpp),
         optimizer=OptimizerConfig(lr=lr, min_lr=0.0, weight_decay=0.01, clip_grad=clip_grad,

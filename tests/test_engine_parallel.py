@@ -61,6 +61,8 @@ LAYOUTS = [  # name, engine config, split the batch over DP ranks, extra step fl
     # a token budget; the split is refined to an even number of micro-batches
     ("pp2-vpp2-token-budget", dict(pp=2, vpp=2), False, dict(use_dynamic_bsz=True, max_token_len_per_gpu=25)),
     ("tp2-bf16", dict(tp=2, precision="bf16"), False, {}),
+    ("tp2-fused-lm-head", dict(tp=2, fused_lm_head=True), False, {}),
+    ("pp2-fused-lm-head", dict(pp=2, fused_lm_head=True), False, {}),
 ]
 
 
