@@ -15,10 +15,14 @@ TARGET = GPUTarget("cuda", 90, 32)
 STATS_PTRS = ("t_ptr", "m_ptr", "inv_s_ptr", "a_ptr", "b_ptr", "mu_ptr", "c2_ptr", "pval_ptr", "part_ptr")
 
 
-def compile_(fn, ptrs: dict[str, str], consts: dict, cfg: LaunchConfig) -> None:
-    """Compile ``fn`` with pointer types ``ptrs`` (other pointers fp32), int32 ints and ``consts``."""
+def compile_(fn, ptrs: dict[str, str], consts: dict, cfg: LaunchConfig, nones: tuple[str, ...] = ()) -> None:
+    """Compile ``fn`` with pointer types ``ptrs`` (other pointers fp32), int32 ints and ``consts``.
+
+    ``nones``: pointer arguments the launchers pass as None in this variant (Triton makes them
+    constexpr None at run time, so they are compiled that way here too).
+    """
     types = {**{p: "*fp32" for p in STATS_PTRS}, **ptrs, "t_scalar": "fp32"}
-    consts = {**consts, "BLOCK_V": cfg.block_v}
+    consts = {**consts, "BLOCK_V": cfg.block_v, **dict.fromkeys(nones)}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts)
     assert "cubin" in triton.compile(src, target=TARGET, options={"num_warps": cfg.num_warps}).asm
@@ -27,16 +31,19 @@ def compile_(fn, ptrs: dict[str, str], consts: dict, cfg: LaunchConfig) -> None:
 def main() -> None:
     for dt, t_mode, k in (("fp32", 2, 5), ("bf16", 1, 0), ("fp16", 0, 3)):
         x = {"x_ptr": f"*{dt}"}
-        compile_(forward._row_max_kernel, x, {"T_MODE": t_mode}, DEFAULT_CONFIGS["row_max"])
+        no_t = () if t_mode == 2 else ("t_ptr",)
+        compile_(forward._row_max_kernel, x, {"T_MODE": t_mode}, DEFAULT_CONFIGS["row_max"], no_t)
         ids = {"ycol_ptr": "*i64", "yin_ptr": "*i1", "tcol_ptr": "*i64", "tin_ptr": "*i1", "out_ptr": "*fp32"}
-        cols = {"COL_A": 1, "COL_B": 2 if k else -1, "COL_Y": 3, "COL_TEACHER": 4, "K": k,
+        cols = {"COL_A": 1, "COL_B": 2 if k else -1, "COL_Y": 3 if k else -1, "COL_TEACHER": 4, "K": k,
                 "COL_TAIL": 4 + k if k else -1}
+        no_ids = () if k else ("ycol_ptr", "yin_ptr", "tcol_ptr", "tin_ptr")
         compile_(forward._chunk_stats_kernel, {**x, **ids}, {**cols, "T_MODE": t_mode},
-                 DEFAULT_CONFIGS["chunk_stats"])
+                 DEFAULT_CONFIGS["chunk_stats"], no_t + no_ids)
         flags = {"HAS_B": bool(k), "HAS_C2": not k, "N_PTS": k, "T_MODE": t_mode,
                  "EMULATE_RTNE": dt == "bf16"}
+        no_terms = ("c2_ptr",) if k else ("b_ptr", "mu_ptr", "pcol_ptr", "pval_ptr")
         compile_(backward._chunk_grad_kernel, {**x, "pcol_ptr": "*i64", "out_ptr": f"*{dt}"}, flags,
-                 DEFAULT_CONFIGS["chunk_grad"])
+                 DEFAULT_CONFIGS["chunk_grad"], no_t + no_terms)
     print("compiled")
 
 
