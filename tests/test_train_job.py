@@ -225,9 +225,16 @@ def test_run_logger_and_plot(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- end to end
+_LAYOUTS = {"tp2": [], "pp2": [f"{who}.parallel.{key}={size}" for who in ("teacher", "student")
+                              for key, size in (("tensor_model_parallel_size", 1),
+                                                ("pipeline_model_parallel_size", 2))]}
+
+
 @pytest.mark.slow
-def test_main_job_end_to_end_tp2(tmp_path):
-    """``torchrun --nproc_per_node=2 tools/train.py`` with tiny sizes: outputs appear, KL falls."""
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+def test_main_job_end_to_end(tmp_path, layout):
+    """``torchrun --nproc_per_node=2 tools/train.py`` with tiny sizes (TP=2, or PP=2 where rollouts
+    and teacher top-k come from the last stage): outputs appear, the KL falls."""
     overrides = [  # vocab 61 (padded to 256 under TP=2): a chain the teacher learns in 20 small steps
         "name=e2e", f"output_dir={tmp_path}", "teacher.model.vocab_size=61", "student.model.vocab_size=61",
         "corpus.branching=6", "teacher_training.steps=20", "teacher_training.seq_len=32",
@@ -235,7 +242,7 @@ def test_main_job_end_to_end_tp2(tmp_path):
         "teacher.optimizer.lr_decay_steps=20", "distillation.steps=10", "distillation.batch_size=32",
         "distillation.gen_len=8", "distillation.top_k=4", "distillation.micro_batch_size=16",
         "distillation.inference_micro_batch_size=32", "student.optimizer.lr=2e-2",
-        "student.optimizer.lr_warmup_steps=0", "student.optimizer.lr_decay_steps=10",
+        "student.optimizer.lr_warmup_steps=0", "student.optimizer.lr_decay_steps=10", *_LAYOUTS[layout],
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     torchrun = Path(sys.executable).with_name("torchrun")

@@ -79,8 +79,16 @@ def distillation_batch(tokens: torch.Tensor, teacher_ids: torch.Tensor, teacher_
 
 def _global_metrics(out: TensorDict, dp_group: dist.ProcessGroup | None) -> dict[str, float]:
     """Engine metrics -> floats: per-micro-batch contributions summed, then summed over DP (one
-    all-reduce); scalar entries (grad_norm, lr, update_skipped) pass through."""
+    all-reduce); scalar entries (grad_norm, lr, update_skipped) pass through. Under pipeline
+    parallelism the last stage's metrics are broadcast to the other stages first."""
+    from megatron.core import parallel_state
+
     metrics = out.get_non_tensor("metrics")
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        holder = [metrics]
+        dist.broadcast_object_list(holder, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                   group=parallel_state.get_pipeline_model_parallel_group())
+        metrics = holder[0]
     summed = {k: sum(v) for k, v in metrics.items() if isinstance(v, list)}
     keys = sorted(summed)
     if keys and dp_group is not None and dist.get_world_size(dp_group) > 1:

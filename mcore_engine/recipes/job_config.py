@@ -131,9 +131,6 @@ class JobConfig:
                  f"({s.model.vocab_size})")
         _require(t.parallel == s.parallel, "teacher.parallel and student.parallel must be equal (both "
                  "engines share the process groups)")
-        _require(t.parallel.pipeline_model_parallel_size == 1,
-                 "parallel.pipeline_model_parallel_size must be 1: the sampling loop needs the logits "
-                 "on every rank")
         _require(self.teacher_training.seq_len <= t.model.max_sequence_length,
                  f"teacher_training.seq_len ({self.teacher_training.seq_len}) exceeds "
                  f"teacher.model.max_sequence_length ({t.model.max_sequence_length})")

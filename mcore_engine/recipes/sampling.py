@@ -12,7 +12,9 @@ on this rank's temperature-scaled vocab shard ``[..., V_local]`` when the batch 
   ``[T]`` statistics), so every TP rank gets the same id while each draws noise for its own shard.
 - teacher scoring: ``vocab_parallel_topk(z, k)`` -> the teacher's top-k log-probs and global ids.
 
-Memory per call: one fp32 ``[T, V_local]`` perturbed copy (rollouts only) plus O(T k) outputs.
+Under pipeline parallelism the outputs exist on the last stage only; they are broadcast over the
+pipeline group so every rank continues with the same tokens. Memory per call: one fp32
+``[T, V_local]`` perturbed copy (rollouts only) plus O(T k) outputs.
 """
 
 from __future__ import annotations
@@ -81,6 +83,25 @@ def topk_processor(k: int, *, vocab_size: int | None, group: dist.ProcessGroup |
     return fn
 
 
+def from_last_stage(out, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``out[key]`` (dense ``shape``) on every pipeline stage: the last stage holds it, one broadcast
+    over the pipeline group gives it to the others (no-op without pipeline parallelism)."""
+    from megatron.core import parallel_state
+
+    from mcore_engine.platform import get_device
+
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return out[key]
+    device = get_device().torch_device
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        value = out[key].to(device=device, dtype=dtype).contiguous()
+    else:
+        value = torch.empty(shape, dtype=dtype, device=device)
+    dist.broadcast(value, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                   group=parallel_state.get_pipeline_model_parallel_group())
+    return value
+
+
 def _inference_batch(tokens: torch.Tensor, *, micro_batch_size: int, temperature: float) -> TensorDict:
     """Padded ``[B, S]`` batch (no padding) that makes the engine call the custom processor only."""
     batch = TensorDict({"input_ids": tokens, "attention_mask": torch.ones_like(tokens, dtype=torch.bool)},
@@ -103,7 +124,8 @@ def sample_continuations(engine, prompts: torch.Tensor, num_new_tokens: int, *, 
     for _ in range(num_new_tokens):
         batch = _inference_batch(tokens, micro_batch_size=micro_batch_size, temperature=temperature)
         out = engine.infer_batch(batch, logits_processor_func=sampler)
-        next_ids = out["sampled_ids"][:, -1].to(tokens.device)
+        sampled = from_last_stage(out, "sampled_ids", tuple(tokens.shape), torch.int64)
+        next_ids = sampled[:, -1].to(tokens.device)
         tokens = torch.cat([tokens, next_ids[:, None]], dim=1)
     return tokens
 
@@ -115,4 +137,7 @@ def teacher_topk(engine, tokens: torch.Tensor, k: int, *,
     batch = _inference_batch(tokens, micro_batch_size=micro_batch_size, temperature=1.0)
     processor = topk_processor(k, vocab_size=engine.config.model.vocab_size)
     out = engine.infer_batch(batch, logits_processor_func=processor)
-    return out["topk_ids"].to(tokens.device), out["topk_log_probs"].to(tokens.device)
+    shape = (*tokens.shape, k)
+    ids = from_last_stage(out, "topk_ids", shape, torch.int64)
+    log_probs = from_last_stage(out, "topk_log_probs", shape, torch.float32)
+    return ids.to(tokens.device), log_probs.to(tokens.device)
