@@ -323,18 +323,25 @@ class MegatronEngine:
         return float(self.optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: str) -> None:
+    def _checkpoint_path(self, path: str | None) -> str:
+        path = path if path is not None else self.config.checkpoint_dir
+        if not path:
+            raise ValueError("checkpoint path is None and EngineConfig.checkpoint_dir is not set")
+        return str(path)
+
+    def save_checkpoint(self, path: str | None = None) -> None:
         """Collective: write model, optimizer, scheduler, step counters and RNG of every rank to
-        folder ``path`` atomically (see ``mcore_engine.checkpoint``)."""
+        folder ``path`` (default ``config.checkpoint_dir``; the same path on every rank, on a shared
+        filesystem) atomically: see ``mcore_engine.checkpoint``."""
         from mcore_engine.checkpoint import save_engine_state
 
         self._require_initialized()
-        save_engine_state(self, path)
+        save_engine_state(self, self._checkpoint_path(path))
 
-    def load_checkpoint(self, path: str) -> None:
+    def load_checkpoint(self, path: str | None = None) -> None:
         """Collective: restore what ``save_checkpoint`` wrote; a torn, foreign or differently laid
         out checkpoint raises ``ValueError`` on every rank and leaves the engine untouched."""
         from mcore_engine.checkpoint import load_engine_state
 
         self._require_initialized()
-        load_engine_state(self, path)
+        load_engine_state(self, self._checkpoint_path(path))

@@ -121,14 +121,15 @@ def _resume(rank: int, world_size: int, tmp: str) -> None:
     for name, kwargs in layouts.items():
         path = f"{tmp}/{name}"
         engine = MegatronEngine(tiny_config(**kwargs))
+        engine.config.checkpoint_dir = path  # the default folder of save / load_checkpoint()
         engine.initialize()
         _step(engine, 1)
-        engine.save_checkpoint(path)
+        engine.save_checkpoint()
         draw = torch.rand(4)
         loss, norm = _step(engine, 2)
         after = _snapshot(engine)
 
-        engine.load_checkpoint(path)  # the same engine, one step further
+        engine.load_checkpoint()  # the same engine, one step further
         assert torch.equal(torch.rand(4), draw), f"{name}: RNG not restored"
         assert _step(engine, 2) == (loss, norm), f"{name}: loss / grad norm after resume"
         _assert_identical(_snapshot(engine), after, f"{name}: resume into the same engine")
