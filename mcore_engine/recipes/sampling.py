@@ -25,7 +25,7 @@ from tensordict import TensorDict
 
 from mcore_engine.ops import vocab_parallel_topk
 
-__all__ = ["GumbelMaxSampler", "sample_continuations", "teacher_topk", "topk_processor"]
+__all__ = ["GumbelMaxSampler", "from_last_stage", "sample_continuations", "teacher_topk", "topk_processor"]
 
 _SEED_STRIDE = 1_000_003
 
@@ -61,13 +61,16 @@ class GumbelMaxSampler:
         group = _tp_group(self.group)
         tp_rank = dist.get_rank(group) if group is not None else 0
         gen = torch.Generator(device=student_logits.device)
-        gen.manual_seed((self.seed * _SEED_STRIDE + self.calls) * 1009 + tp_rank)
+        gen.manual_seed(((self.seed * _SEED_STRIDE + self.calls) * 1009 + tp_rank) % 2**63)
         self.calls += 1
         with torch.no_grad():
-            u = torch.rand(student_logits.shape, generator=gen, device=student_logits.device,
-                           dtype=torch.float32)
+            # --- 1. one fp32 buffer: U -> log(-log U) = -g -> z + g (in place on our own buffer) ---
             tiny = torch.finfo(torch.float32).tiny
-            perturbed = student_logits.float() - (-u.clamp_min(tiny).log()).clamp_min(tiny).log()
+            noise = torch.rand(student_logits.shape, generator=gen, device=student_logits.device,
+                               dtype=torch.float32)
+            noise.clamp_min_(tiny).log_().neg_().clamp_min_(tiny).log_()
+            perturbed = noise.neg_().add_(student_logits)
+            # --- 2. argmax over the global vocab: identical on every rank of the group ---
             _, ids = vocab_parallel_topk(perturbed, 1, group=group, vocab_size=self.vocab_size)
         return {"sampled_ids": ids[..., 0]}
 
