@@ -108,11 +108,10 @@ def test_job_config_rejects_bad_values(overrides, match):
         JobConfig.from_yaml(DEMO_CONFIG, overrides)
 
 
-def test_job_config_rejects_pipeline_parallel():
+def test_job_config_requires_both_engines():
     d = _demo_dict()
-    for who in ("teacher", "student"):
-        d[who]["parallel"]["pipeline_model_parallel_size"] = 2
-    with pytest.raises(ValueError, match="pipeline_model_parallel_size"):
+    del d["student"]
+    with pytest.raises(ValueError, match="student"):
         JobConfig.from_dict(d)
 
 
