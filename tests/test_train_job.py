@@ -101,6 +101,7 @@ def test_every_demo_config_loads(path):
     (["corpus.branching=400"], "branching"),
     (["distillation.bogus=1"], "bogus"),
     (["name=a/b"], "name"),
+    (["student.model.fused_lm_head=true"], "fused_lm_head"),
     (["distillation.steps"], "dotted.key=value"),
 ])
 def test_job_config_rejects_bad_values(overrides, match):

@@ -134,6 +134,10 @@ class JobConfig:
         _require(self.teacher_training.seq_len <= t.model.max_sequence_length,
                  f"teacher_training.seq_len ({self.teacher_training.seq_len}) exceeds "
                  f"teacher.model.max_sequence_length ({t.model.max_sequence_length})")
+        for who, cfg in (("teacher", t), ("student", s)):
+            _require(not cfg.model.fused_lm_head,
+                     f"{who}.model.fused_lm_head must be false: rollouts, teacher top-k and the overlap "
+                     "metric run custom logits processors, which need the logits")
         d = self.distillation
         total = d.prompt_len + d.gen_len
         for who, cfg in (("teacher", t), ("student", s)):
