@@ -11,7 +11,9 @@ bf16 and this rank's slice under the distributed optimizer), the scheduler, the 
 its RNG states (torch, Python, NumPy, Megatron's model-parallel tracker, CUDA when present).
 
 Atomicity: shards and meta go to ``path.tmp/``; rank 0 renames it to ``path`` only after every rank
-finished writing (a barrier), replacing an older checkpoint at ``path`` by a rename too. A folder
+finished writing (a barrier), replacing an older checkpoint at ``path`` by a rename too. A ``path``
+(or ``path.tmp`` / ``path.old``) holding anything but checkpoint files is never deleted: the save
+is refused with ``ValueError`` before anything is written. A folder
 without ``meta.json``, with a missing or unreadable shard, or written by another parallel layout
 is refused with ``ValueError`` on EVERY rank (the failure is agreed with one all-reduce, so no rank
 hangs in a collective while another raises). A shared filesystem is assumed.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,6 +64,17 @@ def _shard_name(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 
 
+_OUR_FILE = re.compile(r"(rank_\d{5}\.pt(\.part)?|meta\.json)")
+
+
+def _replaceable(folder: str) -> bool:
+    """True when ``folder`` is absent or holds nothing but checkpoint files (ours to delete)."""
+    if not os.path.lexists(folder):
+        return True
+    return os.path.isdir(folder) and not os.path.islink(folder) and all(
+        _OUR_FILE.fullmatch(name) for name in os.listdir(folder))
+
+
 def rng_state() -> dict[str, Any]:
     """This rank's RNG states: torch CPU, CUDA (when present), Python, NumPy, Megatron's tracker."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -96,10 +110,9 @@ def _barrier() -> None:
 def _agree(error: str | None, what: str) -> None:
     """Raise ``ValueError`` on every rank when any rank has an ``error`` (one MAX all-reduce)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
-        backend = dist.get_backend()
-        if backend == "nccl":
-            flag = flag.cuda()
+        from mcore_engine.platform import get_device
+
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=get_device().torch_device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         failed = bool(flag.item())
     else:
@@ -116,6 +129,10 @@ def save_shard(path: str, shard: dict[str, Any], layout: CheckpointLayout, *, st
     error = None
     if rank == 0:
         try:
+            for folder in (path, tmp, path + ".old"):
+                if not _replaceable(folder):
+                    raise OSError(f"{folder!r} exists and is not an mcore-engine checkpoint; refusing to "
+                                  "replace it")
             if os.path.exists(tmp):
                 shutil.rmtree(tmp)
             os.makedirs(tmp)

@@ -40,6 +40,15 @@ def test_round_trip_and_overwrite(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt"], "temporary or old folders left behind"
 
 
+def test_never_deletes_a_folder_that_is_not_a_checkpoint(tmp_path):
+    user = tmp_path / "results"
+    user.mkdir()
+    (user / "notes.txt").write_text("precious")
+    with pytest.raises(ValueError, match="not an mcore-engine checkpoint"):
+        save_shard(str(user), _shard(), LAYOUT, step=1)
+    assert (user / "notes.txt").read_text() == "precious" and not os.path.exists(str(user) + ".tmp")
+
+
 def test_crashed_save_leaves_previous_checkpoint(tmp_path):
     path = str(tmp_path / "ckpt")
     shard = _shard()
