@@ -13,7 +13,8 @@ its RNG states (torch, Python, NumPy, Megatron's model-parallel tracker, CUDA wh
 Atomicity: shards and meta go to ``path.tmp/``; rank 0 renames it to ``path`` only after every rank
 finished writing (a barrier), replacing an older checkpoint at ``path`` by a rename too. A ``path``
 (or ``path.tmp`` / ``path.old``) holding anything but checkpoint files is never deleted: the save
-is refused with ``ValueError`` before anything is written. A folder
+is refused with ``ValueError`` before anything is written. A crash between the two renames leaves
+the previous checkpoint intact at ``path.old``. A folder
 without ``meta.json``, with a missing or unreadable shard, or written by another parallel layout
 is refused with ``ValueError`` on EVERY rank (the failure is agreed with one all-reduce, so no rank
 hangs in a collective while another raises). A shared filesystem is assumed.
@@ -100,11 +101,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _agree(error: str | None, what: str) -> None:
