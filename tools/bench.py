@@ -11,12 +11,12 @@ path (whole-tensor fp32 upcast + temperature division, Megatron-Core ``vocab_par
 on a clone, softmax-saving entropy, sum-pi² by plain autograd, probability-saving top-k KL).
 
 Method (details in ``tools/bench_worker.py``): every (configuration, implementation, TP) runs in
-FRESH processes, one per TP rank (gloo on CPU, NCCL on CUDA). Memory: one forward+backward; CPU:
-VmHWM - VmRSS after building the inputs, with glibc's mmap threshold at 64 KiB and trim threshold 0
-(= ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``) so RSS tracks live buffers; CUDA:
-``max_memory_allocated`` above the inputs. Time: median of ``--repeats`` steps after that one, in
-the same process with the allocator back in its steady state for large buffers, or with
-``--fresh-time`` in a second fresh process with the allocator untouched. Per-rank figures; the
+FRESH processes, one per TP rank (gloo on CPU, NCCL on CUDA). Time first, with the allocator as
+users have it: median of ``--repeats`` forward+backward steps after a warm-up step. Then memory:
+one more step; CPU: VmHWM - VmRSS above the inputs, with glibc switched to mmap threshold 64 KiB and
+trim threshold 0 (= ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``) so RSS tracks live
+buffers; CUDA: ``max_memory_allocated`` above the inputs. ``--fresh-time`` measures memory and time
+in two separate fresh processes instead (a cross-check). Per-rank figures; the
 table shows the max over ranks. "xL" is a multiple of this rank's logits bytes
 (tokens x V_local x dtype size); the gradient of the logits (1 xL) is part of every peak.
 Times show wall and, in parentheses, the process's CPU time (robust on a shared machine).
@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--quick", action="store_true", help="small sizes (N=256, V_local=2048), 1 repeat")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
-    p.add_argument("--fresh-time", action="store_true", help="time in a second fresh process per case")
+    p.add_argument("--fresh-time", action="store_true", help="memory and time in separate fresh processes")
     p.add_argument("--timeout", type=int, default=600, help="seconds per worker process")
     args = p.parse_args(argv)
     if args.quick:

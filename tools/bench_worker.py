@@ -12,24 +12,20 @@ spread over every rank's shard) and log-probs ``[tokens, k]``, and one random up
 ``[tokens]`` per differentiable output. One step is ``out = f(inputs)`` followed by
 ``torch.autograd.backward(outputs, upstream_grads)``, which leaves ``logits.grad``.
 
-Memory (one step, ``mode`` "memory" or "both"):
-  CPU:  the worker first sets glibc's ``mallopt(M_MMAP_THRESHOLD, 64 KiB)`` and
-        ``mallopt(M_TRIM_THRESHOLD, 0)`` (the same as ``MALLOC_MMAP_THRESHOLD_=65536
-        MALLOC_TRIM_THRESHOLD_=0``): every buffer above 64 KiB is then its own mmap, returned to the OS
-        when freed, so RSS tracks live bytes and the high-water mark is the peak of live tensors
-        (pages actually touched), not allocator slack. After the inputs are built and touched, VmHWM
-        is reset (``echo 5 > /proc/self/clear_refs``) and VmRSS read as the baseline; peak above
-        inputs = VmHWM after the step - baseline.
+Time (``mode`` "time" or "both"; first, with glibc's allocator untouched, as users run it): one
+warm-up step, then the median wall time of ``repeats`` steps (``perf_counter``; CUDA synchronised;
+ranks aligned by a barrier) and the median CPU time of the process (``process_time``: all its
+threads, kernel time such as page faults included; waiting for other ranks or for a core taken by
+another process excluded, so it is the figure to trust on a busy machine).
+Memory (one more step, ``mode`` "memory" or "both"):
+  CPU:  glibc is switched to ``mallopt(M_MMAP_THRESHOLD, 64 KiB)``, ``mallopt(M_TRIM_THRESHOLD, 0)``
+        (the same as ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``) and trimmed
+        (``malloc_trim(0)``): every buffer above 64 KiB is then its own mmap, returned to the OS when
+        freed, so RSS tracks live bytes and the high-water mark is the peak of live tensors (pages
+        actually touched), not allocator slack. VmHWM is reset (``echo 5 > /proc/self/clear_refs``)
+        and VmRSS read as the baseline (inputs built and touched); peak above inputs = VmHWM after
+        the step - baseline. Without glibc the peak would include allocator slack (``exact_rss``).
   CUDA: ``torch.cuda.max_memory_allocated() - memory_allocated()`` at the baseline.
-Time (``mode`` "time" or "both"): median wall time of ``repeats`` steps after a warm-up step
-(``perf_counter``; CUDA synchronised; ranks aligned by a barrier), and the median CPU time of the
-process (``process_time``: all its threads, kernel time such as page faults included; waiting for
-other ranks or for a core taken by another process excluded, so it is the figure to trust on a
-busy machine). In "both" the memory step is the
-warm-up, and the allocator is first put back in glibc's steady state for large buffers
-(``M_MMAP_THRESHOLD`` 32 MiB, ``M_TRIM_THRESHOLD`` 64 MiB: where the default dynamic threshold ends
-up once such buffers were freed), so per-chunk workspaces are reused instead of page-faulted
-afresh. "time" alone (a fresh process, allocator untouched) is the cross-check of that.
 """
 
 from __future__ import annotations
@@ -65,14 +61,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 
-def set_malloc_thresholds(mmap_threshold: int, trim_threshold: int) -> bool:
-    """glibc ``mallopt``; False where there is no glibc (the CPU peak then includes allocator slack)."""
+def exact_rss_allocator() -> bool:
+    """glibc: mmap every buffer above 64 KiB, never keep freed memory; False where there is no glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+        ok = bool(libc.mallopt(M_MMAP_THRESHOLD, 64 * 2**10)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 0))
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
         return False
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(libc.mallopt(M_TRIM_THRESHOLD,
-                                                                                      trim_threshold))
+    return ok
 
 
 def _proc_status_mb(field: str) -> float:
@@ -139,6 +136,7 @@ def _sync(device: torch.device) -> None:
 
 def measure_memory(step, inputs: dict, device: torch.device) -> dict:
     """Peak bytes above the inputs over one step, plus checksums of the outputs and the gradient."""
+    inputs["logits"].grad = None  # a gradient left by an earlier step is not an input
     for t in inputs.values():  # touch every input page
         t.detach().sum().item()
     gc.collect()
@@ -160,10 +158,9 @@ def measure_memory(step, inputs: dict, device: torch.device) -> dict:
     return {"peak_mb": peak_mb, "checks": checks}
 
 
-def measure_time(step, device: torch.device, repeats: int, distributed: bool, warm: bool = False) -> dict:
-    """Median wall time of ``repeats`` steps, after one warm-up step unless ``warm``."""
-    if not warm:
-        step()
+def measure_time(step, device: torch.device, repeats: int, distributed: bool) -> dict:
+    """Median wall and CPU time of ``repeats`` steps, after one warm-up step."""
+    step()
     times, cpu_times = [], []
     for _ in range(repeats):
         if distributed:
@@ -182,7 +179,6 @@ def main(spec: dict) -> dict:
     torch.set_num_threads(spec.get("threads", 1))
     rank, tp, mode = int(os.environ.get("RANK", "0")), spec["tp"], spec["mode"]
     device = torch.device(spec["device"])
-    exact_rss = device.type == "cpu" and mode != "time" and set_malloc_thresholds(64 * 2**10, 0)
     if device.type == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -198,13 +194,12 @@ def main(spec: dict) -> dict:
     make_step(spec, make_inputs({**spec, "tokens": 3}, rank, device), group)()
     inputs = make_inputs(spec, rank, device)
     step = make_step(spec, inputs, group)
-    result = {"rank": rank, "exact_rss": exact_rss}
-    if mode in ("memory", "both"):
-        result.update(measure_memory(step, inputs, device))
+    result = {"rank": rank}
     if mode in ("time", "both"):
-        if exact_rss:
-            set_malloc_thresholds(32 * 2**20, 64 * 2**20)
-        result.update(measure_time(step, device, spec["repeats"], tp > 1, warm=mode == "both"))
+        result.update(measure_time(step, device, spec["repeats"], tp > 1))
+    if mode in ("memory", "both"):
+        result["exact_rss"] = device.type == "cpu" and exact_rss_allocator()
+        result.update(measure_memory(step, inputs, device))
     dist.barrier()
     dist.destroy_process_group()
     return result
