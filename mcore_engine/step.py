@@ -5,8 +5,10 @@
     flags = parse_step_flags(batch); validate_batch(batch, ...)              # ValueError naming the key
     micro_batches, order = split_micro_batches(batch, flags, ...)
     inputs = [pack_micro_batch(mb, ...) for mb in micro_batches]
-    counts = all_reduce_sum([sum(loss_mask), num_seqs, failed], group=dp)    # one fused collective
-    ctx = LossContext(global_num_tokens=counts[0].clamp_min(1), global_num_seqs=counts[1], ...)
+    counts = all_gather([sum(loss_mask), num_seqs, failed], group=dp)    # [dp, 3], one collective
+    ctx = LossContext(global_num_tokens=counts[:, 0].sum().clamp_min(1),
+                      global_num_seqs=counts[:, 1].sum(), ...)
+    seq_ids = local index + sequences on lower DP ranks                   # unique in the global batch
 
 (the clamp: a batch without any loss token gives zero contributions, not 0 / 0).
 
@@ -62,7 +64,8 @@ class MicroBatch:
     inputs: ModelInputs
     """Its packed model inputs."""
     sample_ids: torch.Tensor
-    """int64 ``[b]``: the micro-batch's sequences' indices in the (local) batch."""
+    """int64 ``[b]``: the micro-batch's sequences' indices in the global batch (this rank's batch
+    follows the sequences of the lower data-parallel ranks)."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
     (module docstring). Teacher tensors are required under ``distillation_use_topk``
     unless a custom logits processor brings its own. ``min_num_micro_batches``: the micro-batch count
     must be a multiple of it (``pp`` for the interleaved schedule; a token-budget split is refined to
-    reach one). Host syncs: one, reading the agreed failure flag."""
+    reach one). Host syncs beyond ``validate_batch``'s: one, reading the gathered counts."""
     error: ValueError | None = None
     prepared = None
     local_tokens = torch.zeros((), dtype=torch.float32, device=device)
@@ -128,19 +131,27 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
     except ValueError as exc:
         error = exc
 
-    counts = torch.stack([local_tokens, torch.tensor(float(local_seqs), device=device),
-                          torch.tensor(0.0 if error is None else 1.0, device=device)])
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(counts, group=dp_group)
+    local = torch.stack([local_tokens, torch.tensor(float(local_seqs), device=device),
+                         torch.tensor(0.0 if error is None else 1.0, device=device)])
+    dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+    counts = local[None]                                                  # [dp, 3]
+    if dp_size > 1:
+        gathered = [torch.empty_like(local) for _ in range(dp_size)]
+        dist.all_gather(gathered, local, group=dp_group)
+        counts = torch.stack(gathered)
+    host = counts[:, 1:].tolist()                                         # the step's one host sync
     if error is not None:
         raise error
-    if float(counts[2]) > 0:
+    if any(failed for _, failed in host):
         raise ValueError("the batch on another data-parallel rank was rejected (see that rank's error); "
                          "nothing was run")
     flags, micro_batches, order = prepared
-    # A batch without any loss token gives zero contributions, not 0 / 0.
-    ctx = LossContext(global_num_tokens=counts[0].clamp_min(1.0), global_num_seqs=counts[1],
-                      dp_size=dist.get_world_size(dp_group) if dp_group is not None else 1,
+    offset = int(sum(seqs for seqs, _ in host[: dist.get_rank(dp_group) if dp_size > 1 else 0]))
+    if offset:
+        micro_batches = [dataclasses.replace(mb, sample_ids=mb.sample_ids + offset) for mb in micro_batches]
+    # clamp: a batch without any loss token gives zero contributions, not 0 / 0
+    ctx = LossContext(global_num_tokens=counts[:, 0].sum().clamp_min(1.0),
+                      global_num_seqs=counts[:, 1].sum(), dp_size=dp_size,
                       distillation_only=flags.distillation_only)
     max_len = max(int(mb.inputs.input_ids.shape[1]) for mb in micro_batches)
     max_rows = max(int(mb.inputs.input_ids.shape[0]) for mb in micro_batches)

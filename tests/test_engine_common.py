@@ -93,13 +93,16 @@ def to_padded(batch: TensorDict) -> TensorDict:
 
 
 def policy_loss(outputs: dict, data, ctx):
-    """Token-mean of ``-adv * log_prob + 0.05 * entropy`` (entropy when present), as a contribution."""
+    """Token-mean of ``-adv * log_prob + 0.05 * entropy`` (entropy when present), as a contribution.
+
+    Metrics (contributions, so the engine's sums are global): ``tokens`` (loss tokens) and
+    ``seq_id_sum`` (sum of ``seq_ids`` over loss tokens: checks that ids index the GLOBAL batch)."""
     mask = data["loss_mask"]
     per_token = -data["advantages"] * outputs["log_probs"]
     if "entropy" in outputs:
         per_token = per_token + 0.05 * outputs["entropy"]
     loss = (per_token * mask).sum() / ctx.global_num_tokens
-    return loss, {"tokens": mask.sum().detach()}
+    return loss, {"tokens": mask.sum().detach(), "seq_id_sum": (data["seq_ids"].float() * mask).sum()}
 
 
 def distill_loss(outputs: dict, data, ctx):

@@ -45,6 +45,7 @@ def _reference(rank: int, world_size: int, path: str) -> None:
                loss=out.get_non_tensor("loss").clone(),
                grad_norm=torch.tensor(out.get_non_tensor("metrics")["grad_norm"], dtype=torch.float64),
                tokens=out.get_non_tensor("metrics")["tokens"],
+               seq_id_sum=out.get_non_tensor("metrics")["seq_id_sum"],
                full1=full_state(engine))
     assert out.get_non_tensor("metrics")["update_skipped"] == 0.0
     torch.save(ref, path)
@@ -102,6 +103,7 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
             assert_rel_close(flat_values(out["entropy"]), ref["entropy"][token_rows], tol, f"{name}: entropy")
             assert_rel_close(out.get_non_tensor("loss"), ref["loss"], tol, f"{name}: global loss")
             assert metrics["tokens"] == ref["tokens"], f"{name}: metric not summed to its global value"
+            assert metrics["seq_id_sum"] == ref["seq_id_sum"], f"{name}: seq_ids not global batch indices"
         else:
             assert "log_probs" not in out.keys(), f"{name}: outputs on a non-last pipeline stage"
         expected = local_reference(engine, ref["full1"])
