@@ -2,7 +2,7 @@
 distillation (``mcore_engine.recipes.distill``). Launch with torchrun; every rank runs this file.
 
     torchrun --standalone --nproc_per_node=2 tools/train.py                      # CPU demo, TP=2
-    torchrun --nproc_per_node=8 tools/train.py --config configs/my_job.yaml distillation.steps=200
+    torchrun --nproc_per_node=8 tools/train.py --config configs/demo_gpu_8x.yaml     # 8 GPUs, TP=2 x DP=4
     make demo ARGS="distillation.steps=10"
 
 Outputs in ``<output_dir>/<name>/``: metrics.jsonl, curves.png, config.yaml, checkpoints/{teacher,student}.
