@@ -1,8 +1,8 @@
 """Main job: pre-train a small teacher GPT, then distill it into a student by top-k on-policy
 distillation (``mcore_engine.recipes.distill``). Launch with torchrun; every rank runs this file.
 
-    torchrun --standalone --nproc_per_node=2 tools/train.py                      # CPU demo, TP=2
-    torchrun --nproc_per_node=8 tools/train.py --config configs/demo_gpu_8x.yaml     # 8 GPUs, TP=2 x DP=4
+    torchrun --standalone --nproc_per_node=2 tools/train.py                       # CPU demo, TP=2
+    torchrun --nproc_per_node=8 tools/train.py --config configs/demo_gpu_8x.yaml  # 8 GPUs, TP=2 x DP=4
     make demo ARGS="distillation.steps=10"
 
 Outputs in ``<output_dir>/<name>/``: metrics.jsonl, curves.png, config.yaml, checkpoints/{teacher,student}.
