@@ -178,7 +178,7 @@ class MegatronEngine:
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from mcore_engine.step import collect_outputs, loss_data
+        from mcore_engine.step import collect_outputs, gather_results, loss_data
 
         flags, fmt = step.flags, self.config.data_format
         self._last_distillation_use_topk = flags.distillation_use_topk
@@ -220,26 +220,14 @@ class MegatronEngine:
             num_microbatches=len(step.micro_batches), seq_length=step.max_seq_len,
             micro_batch_size=step.max_rows, forward_only=forward_only)
 
+        per_mb, loss, metrics = gather_results(
+            step, store, is_last_stage=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+            pp_group=parallel_state.get_pipeline_model_parallel_group(),
+            pp_last_rank=parallel_state.get_pipeline_model_parallel_last_rank(),
+            dp_group=parallel_state.get_data_parallel_group(), device=get_device().torch_device)
         out = TensorDict({}, batch_size=[step.batch_size])
-        if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-            out.set_non_tensor("metrics", {})
-            return out
-        store = sorted(store, key=lambda r: r["index"])
-        for key, value in collect_outputs(step, [r["outputs"] for r in store]).items():
+        for key, value in collect_outputs(step, per_mb).items():
             out.set(key, value)
-        # Loss and metrics are contributions (INTERFACES.md): their sum over micro-batches and DP
-        # ranks is the global value.
-        loss = torch.stack([r["loss"] for r in store]).sum()
-        metrics: dict[str, float] = {}
-        for r in store:
-            for k, v in r["metrics"].items():
-                metrics[k] = metrics.get(k, 0.0) + float(v)
-        dp_group = parallel_state.get_data_parallel_group()
-        if dist.get_world_size(dp_group) > 1:
-            dist.all_reduce(loss, group=dp_group)
-            gathered: list[dict[str, float]] = [{} for _ in range(dist.get_world_size(dp_group))]
-            dist.all_gather_object(gathered, metrics, group=dp_group)
-            metrics = {k: sum(g.get(k, 0.0) for g in gathered) for k in sorted(set().union(*gathered))}
         out.set_non_tensor("loss", loss)
         out.set_non_tensor("metrics", metrics)
         return out
@@ -250,10 +238,10 @@ class MegatronEngine:
         """Forward (and backward unless ``forward_only``) over all micro-batches of ``batch``.
 
         Gradients ACCUMULATE into the DDP grad buffers (``train_batch`` zeroes them first). Returns,
-        on the last pipeline stage, a TensorDict ``[B]`` with the per-token outputs in the layout of
-        ``input_ids`` plus non-tensor ``loss`` (global, 0-d) and ``metrics`` (key -> float: the loss
-        function's metric contributions summed over micro-batches and DP ranks, i.e. global values);
-        other stages get an empty ``metrics``. Records ``distillation_use_topk``
+        on EVERY rank (the last pipeline stage broadcasts them to the others), a TensorDict ``[B]``
+        with the per-token outputs in the layout of ``input_ids`` plus non-tensor ``loss`` (global,
+        0-d) and ``metrics`` (key -> float: the loss function's metric contributions summed over
+        micro-batches and DP ranks, i.e. global values). Records ``distillation_use_topk``
         for ``optimizer_step``'s ``empty_cache()`` hook.
         """
         step = self._prepare(batch, logits_processor_func)

@@ -21,8 +21,10 @@ round. Under the interleaved schedule every micro-batch is therefore padded to O
 (``common_shape=True``; thd: a longer last block, bshd: more columns and empty rows, all with
 ``loss_mask`` 0) and the schedule runs with ``variable_seq_lengths=False``.
 
-``micro_batch_iterator`` yields what the forward step consumes; ``collect_outputs`` puts the
-per-token outputs of every micro-batch back into the layout and order of the input batch.
+``micro_batch_iterator`` yields what the forward step consumes; ``gather_results`` sums the loss
+and metric contributions (over micro-batches and DP ranks) and hands the last pipeline stage's
+results to every stage; ``collect_outputs`` puts the per-token outputs of every micro-batch back
+into the layout and order of the input batch.
 Memory: the packed inputs of all micro-batches (O(tokens) ints/floats; bshd masks O(b S^2) bools).
 """
 
@@ -50,7 +52,8 @@ from mcore_engine.data import (
 )
 from mcore_engine.losses.context import LossContext
 
-__all__ = ["MicroBatch", "PreparedStep", "collect_outputs", "micro_batch_iterator", "prepare_step"]
+__all__ = ["MicroBatch", "PreparedStep", "collect_outputs", "gather_results", "micro_batch_iterator",
+           "pad_inputs", "prepare_step"]
 
 
 @dataclass(frozen=True)
@@ -239,3 +242,53 @@ def collect_outputs(step: PreparedStep, per_mb: list[dict[str, torch.Tensor]]) -
                                                                             strict=True)]
         out[key] = merge_micro_batches(parts, step.order)
     return out
+
+
+def gather_results(step: PreparedStep, store: list[dict[str, Any]], *, is_last_stage: bool, pp_group: Any,
+                   pp_last_rank: int, dp_group: Any, device: torch.device
+                   ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor, dict[str, float]]:
+    """Per-micro-batch outputs (model layout), global loss (0-d) and global metrics on every rank.
+
+    ``store``: the schedule's records on the last pipeline stage (``index``, ``loss``, ``metrics``,
+    ``outputs``), empty elsewhere. Loss and metrics are contributions (INTERFACES.md), so their sum
+    over micro-batches and DP ranks is the global value. With PP > 1 the last stage broadcasts the
+    keys and metrics (one object broadcast) and each output key as one flat tensor over all
+    micro-batches. Memory: one flat copy of the per-token outputs.
+    """
+    meta: dict[str, Any] | None = None
+    per_mb: list[dict[str, torch.Tensor]] = []
+    if is_last_stage:
+        store = sorted(store, key=lambda r: r["index"])
+        per_mb = [r["outputs"] for r in store]
+        metrics: dict[str, float] = {}
+        for r in store:
+            for k, v in r["metrics"].items():
+                metrics[k] = metrics.get(k, 0.0) + float(v)
+        keys = {k: (v.dtype, tuple(v.shape[step.micro_batches[0].inputs.input_ids.dim():]))
+                for k, v in (per_mb[0].items() if per_mb else ())}
+        meta = {"keys": keys, "loss": float(torch.stack([r["loss"] for r in store]).sum()),
+                "metrics": metrics}
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        box = [meta]
+        dist.broadcast_object_list(box, src=pp_last_rank, group=pp_group)
+        meta = box[0]
+        sizes = [mb.inputs.input_ids.numel() for mb in step.micro_batches]
+        shared: list[dict[str, torch.Tensor]] = [{} for _ in step.micro_batches]
+        for key, (dtype, tail) in meta["keys"].items():
+            if is_last_stage:
+                flat = torch.cat([o[key].reshape(-1, *tail) for o in per_mb]).contiguous()
+            else:
+                flat = torch.empty((sum(sizes), *tail), dtype=dtype, device=device)
+            dist.broadcast(flat, src=pp_last_rank, group=pp_group)
+            for i, (mb, part) in enumerate(zip(step.micro_batches, flat.split(sizes), strict=True)):
+                shared[i][key] = part.reshape(*mb.inputs.input_ids.shape, *tail)
+        per_mb = shared
+    loss = torch.tensor(meta["loss"], dtype=torch.float32, device=device)
+    metrics = meta["metrics"]
+    dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+    if dp_size > 1:
+        dist.all_reduce(loss, group=dp_group)
+        gathered: list[dict[str, float]] = [{} for _ in range(dp_size)]
+        dist.all_gather_object(gathered, metrics, group=dp_group)
+        metrics = {k: sum(g.get(k, 0.0) for g in gathered) for k in sorted(set().union(*gathered))}
+    return per_mb, loss, metrics
