@@ -1,8 +1,10 @@
 """Vocab-parallel top-k of the log-softmax over the GLOBAL vocab (not differentiable).
 
 Per chunk of rows: global max (all-reduce MAX) and sum-exp (all-reduce SUM) give the lse; each rank
-takes its local top-min(k, V_valid) of z, pads to k with -inf, and ONE all-gather of (values, global
-ids) packed in float64 lets every rank re-take the top-k. Workspace: fp32 ``[chunk, V_local]`` x 2.
+takes its local top-min(k, V_valid) of z, pads to k with (-inf, id 0), and ONE all-gather of (values,
+global ids) packed in float64 lets every rank re-take the top-k. A pad never wins: real entries are
+>= ``stats.ZM_FLOOR`` > -inf (a ``-inf`` logit included) and the ranks hold >= k real entries in all.
+Workspace: fp32 ``[chunk, V_local]`` x 2.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, *, temperature: Temperatur
             m = _common.all_reduce_(_stats.row_max(xc, tc), dist.ReduceOp.MAX, shard)
             zm = _stats.shifted(xc, tc, m)
             log_s = _common.all_reduce_(zm.exp().sum(-1), dist.ReduceOp.SUM, shard).log_()
-            cand = torch.full((r1 - r0, 2 * k), float("-inf"), dtype=torch.float64, device=x.device)
+            cand = torch.zeros(r1 - r0, 2 * k, dtype=torch.float64, device=x.device)  # pad: (-inf, id 0)
+            cand[:, kk:k] = float("-inf")
             if kk:
                 vals, idx = zm.topk(kk, dim=-1)
                 cand[:, :kk] = vals
