@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from mcore_engine.ops import _common
 from mcore_engine.ops.fused import vocab_parallel_logits_outputs
-from mcore_engine.ops.temperature import Temperature, scale_logits_by_temperature
+from mcore_engine.ops.temperature import Temperature, scale_checked
 
 
 def _log_prob_labels(label: torch.Tensor | None, distillation_only: bool) -> torch.Tensor | None:
@@ -65,8 +65,9 @@ def process_lm_head_logits(
         logits, labels=_log_prob_labels(label, distillation_only), teacher_ids=teacher_ids,
         teacher_log_probs=teacher_log_probs, entropy=calculate_entropy,
         sum_pi_squared=calculate_sum_pi_squared, log_prob_min_clamp=log_prob_min_clamp,
-        temperature=temperature, group=group, chunk_size=chunk_size, vocab_size=vocab_size)
+        temperature=temperature, group=group, chunk_size=chunk_size, vocab_size=vocab_size,
+        teacher_arg_names=('batch["teacher_ids"]', 'batch["teacher_logprobs"]'))
     if distillation_use_topk and logits_processor_func is not None:
-        student_logits = scale_logits_by_temperature(logits, temperature)
+        student_logits = scale_checked(logits, temperature)  # checked by the fused pass above
         out.update(logits_processor_func(student_logits=student_logits, data=batch, data_format=data_format))
     return out

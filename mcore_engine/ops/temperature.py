@@ -11,6 +11,8 @@ from numbers import Real
 
 import torch
 
+from mcore_engine.ops._common import DEFAULT_CHUNK_ELEMENTS
+
 Temperature = float | int | torch.Tensor
 
 
@@ -38,18 +40,60 @@ def _check_temperature(t: object, lead_shape: tuple[int, ...]) -> None:
 
 
 def scale_logits_by_temperature(logits: torch.Tensor, t: Temperature) -> torch.Tensor:
-    """``logits`` itself when ``t`` is a host-scalar 1, else ``logits / t`` out of place.
+    """``logits`` itself when ``t`` is a host-scalar 1, else ``logits / t`` out of place, in ``logits.dtype``.
 
     A tensor ``t`` of shape broadcastable to ``logits.shape[:-1]`` applies per token
-    (``logits / t[..., None]``); a 0-d tensor or number applies to all. Differentiable.
-    Memory: one logits-sized copy unless unit.
+    (``logits / t[..., None]``); a 0-d tensor or number applies to all. Differentiable w.r.t.
+    ``logits`` (the temperature is a constant, as in every op). Memory: one copy of ``logits``
+    (same dtype) unless unit; a per-token ``t`` of a wider dtype (bf16 logits, fp32 ``t``) is divided
+    chunk by chunk in the promoted dtype and rounded once to ``logits.dtype`` (no full-size fp32 copy).
     """
     _check_temperature(t, tuple(logits.shape[:-1]))
+    return scale_checked(logits, t)
+
+
+def scale_checked(logits: torch.Tensor, t: Temperature) -> torch.Tensor:
+    """:func:`scale_logits_by_temperature` for a temperature that was already checked (no device sync).
+
+    Exactness: ``(x.float() / t).to(bf16)`` rounds once; ``x / t.to(bf16)`` would first round ``t``
+    (relative error up to 2**-9, the same for a whole row) and then the quotient, so it is up to twice
+    as far from the exact quotient and biased per token. Hence the wide divide, chunked.
+    """
     if is_scalar_unit_temperature(t):
         return logits
-    if isinstance(t, torch.Tensor) and t.dim() > 0:
-        t = t.unsqueeze(-1)
-    return logits / t
+    if not isinstance(t, torch.Tensor) or t.dim() == 0:
+        return logits / (t.detach() if isinstance(t, torch.Tensor) else t)  # a scalar never promotes
+    t_col = t.detach().unsqueeze(-1)
+    if torch.promote_types(logits.dtype, t.dtype) == logits.dtype:
+        return logits / t_col
+    lead = tuple(logits.shape[:-1])
+    rows_t = t_col.to(logits.device).broadcast_to(lead + (1,)).reshape(-1, 1)
+    return _DivRowsKeepDtype.apply(logits, rows_t)
+
+
+def _div_rows(x: torch.Tensor, t_rows: torch.Tensor) -> torch.Tensor:
+    """``(x / t_rows).to(x.dtype)`` for ``x [..., V]``, ``t_rows [N, 1]`` (wider dtype), chunk by chunk."""
+    flat = x.reshape(t_rows.shape[0], x.shape[-1])
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    oflat = out.view(flat.shape)
+    rows = max(1, DEFAULT_CHUNK_ELEMENTS // max(x.shape[-1], 1))
+    for r0 in range(0, flat.shape[0], rows):
+        oflat[r0:r0 + rows] = flat[r0:r0 + rows] / t_rows[r0:r0 + rows]  # promoted chunk, one rounding
+    return out
+
+
+class _DivRowsKeepDtype(torch.autograd.Function):
+    """``logits / t_rows`` computed in the promoted dtype; output and gradient in ``logits.dtype``."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, t_rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(t_rows)
+        return _div_rows(logits, t_rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (t_rows,) = ctx.saved_tensors
+        return _div_rows(grad, t_rows), None
 
 
 def temperature_rows(t: Temperature, lead_shape: tuple[int, ...],
