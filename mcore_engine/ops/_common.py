@@ -91,9 +91,11 @@ def check_ids(ids: torch.Tensor, name: str, shape: tuple[int, ...], vocab_size: 
                          f"{type(ids).__name__} {getattr(ids, 'dtype', '')}")
     if tuple(ids.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(ids.shape)}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(f"{name} must hold global vocab ids in [0, {vocab_size}), got values in "
-                         f"[{int(ids.min())}, {int(ids.max())}]")
+    if ids.numel():
+        lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one device sync
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"{name} must hold global vocab ids in [0, {vocab_size}), got values in "
+                             f"[{lo}, {hi}]")
 
 
 def check_chunk_size(chunk_size: int | None, v_local: int) -> int:

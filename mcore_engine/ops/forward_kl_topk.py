@@ -28,4 +28,5 @@ def vocab_parallel_forward_kl_topk(student_logits: torch.Tensor, teacher_topk_id
     return vocab_parallel_logits_outputs(
         student_logits, teacher_ids=teacher_topk_ids, teacher_log_probs=teacher_topk_log_probs,
         kl_tail=kl_tail, log_prob_min_clamp=log_prob_min_clamp, temperature=temperature, group=group,
-        chunk_size=chunk_size, vocab_size=vocab_size)
+        chunk_size=chunk_size, vocab_size=vocab_size,
+        teacher_arg_names=("teacher_topk_ids", "teacher_topk_log_probs"))

@@ -157,6 +157,7 @@ def vocab_parallel_logits_outputs(
     teacher_log_probs: torch.Tensor | None = None, entropy: bool = False, sum_pi_squared: bool = False,
     kl_tail: bool = False, log_prob_min_clamp: float | None = None, temperature: Temperature = 1.0,
     group: dist.ProcessGroup | None = None, chunk_size: int | None = None, vocab_size: int | None = None,
+    teacher_arg_names: tuple[str, str] = ("teacher_ids", "teacher_log_probs"),
 ) -> dict[str, torch.Tensor]:
     """Every requested per-token output of ``z = logits / temperature`` from ONE chunked pass.
 
@@ -175,6 +176,7 @@ def vocab_parallel_logits_outputs(
     Shapes: logits ``[..., V_local]`` (this rank's shard); labels ``[...]``; teacher_* ``[..., k]``;
     outputs fp32 ``[...]``. Differentiable w.r.t. ``logits`` (not the temperature or the teacher).
     Memory: O(N (8 + 2k)) saved fp32 + two fp32 ``[chunk_size, V_local]`` workspaces.
+    ``teacher_arg_names``: how ValueErrors name the teacher tensors (wrappers pass their own names).
     """
     group = _common.resolve_group(group)
     shard = _common.make_shard(logits, group, vocab_size)
@@ -182,24 +184,26 @@ def vocab_parallel_logits_outputs(
     if labels is not None:
         _common.check_ids(labels, "labels", lead, shard.vocab_size)
         labels = labels.long()
+    ids_name, lp_name = teacher_arg_names
     if (teacher_ids is None) != (teacher_log_probs is None):
-        raise ValueError("teacher_ids and teacher_log_probs must be given together (shape [..., k])")
+        raise ValueError(f"{ids_name} and {lp_name} must be given together (shape [..., k])")
     k = 0
     if teacher_ids is not None:
-        if teacher_ids.dim() != len(lead) + 1 or teacher_ids.shape[-1] == 0:
-            raise ValueError(f"teacher_ids must have shape logits.shape[:-1] + (k,) = {lead} + (k,) "
-                             f"with k >= 1, got {tuple(teacher_ids.shape)}")
+        if not isinstance(teacher_ids, torch.Tensor) or teacher_ids.dim() != len(lead) + 1 \
+                or teacher_ids.shape[-1] == 0:
+            raise ValueError(f"{ids_name} must have shape logits.shape[:-1] + (k,) = {lead} + (k,) "
+                             f"with k >= 1, got {tuple(getattr(teacher_ids, 'shape', ()))}")
         k = teacher_ids.shape[-1]
-        _common.check_ids(teacher_ids, "teacher_ids", lead + (k,), shard.vocab_size)
+        _common.check_ids(teacher_ids, ids_name, lead + (k,), shard.vocab_size)
         teacher_ids = teacher_ids.long()
         if not isinstance(teacher_log_probs, torch.Tensor) or not teacher_log_probs.is_floating_point() \
                 or tuple(teacher_log_probs.shape) != lead + (k,):
-            raise ValueError(f"teacher_log_probs must be a floating tensor of shape {lead + (k,)}, got "
+            raise ValueError(f"{lp_name} must be a floating tensor of shape {lead + (k,)}, got "
                              f"{getattr(teacher_log_probs, 'dtype', type(teacher_log_probs).__name__)} "
                              f"{tuple(getattr(teacher_log_probs, 'shape', ()))}")
         teacher_log_probs = teacher_log_probs.detach()
     if kl_tail and not k:
-        raise ValueError("kl_tail=True requires teacher_ids and teacher_log_probs")
+        raise ValueError(f"kl_tail=True requires {ids_name} and {lp_name}")
     clamp = _common.check_clamp(log_prob_min_clamp)
     rows = _common.check_chunk_size(chunk_size, shard.v_local)
     t = temperature_rows(temperature, lead, logits.device)
