@@ -178,7 +178,7 @@ class MegatronEngine:
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from mcore_engine.step import collect_outputs, gather_results, loss_data
+        from mcore_engine.step import attention_mask, collect_outputs, gather_results, loss_data
 
         flags, fmt = step.flags, self.config.data_format
         self._last_distillation_use_topk = flags.distillation_use_topk
@@ -207,7 +207,7 @@ class MegatronEngine:
             inp = mb.inputs
             packed = None if self._thd_attention_mask else inp.packed_seq_params
             logits = model(input_ids=inp.input_ids, position_ids=inp.position_ids,
-                           attention_mask=inp.attention_mask, packed_seq_params=packed)
+                           attention_mask=attention_mask(mb), packed_seq_params=packed)
             return logits, partial(loss_func, mb, model)
 
         from mcore_engine.step import micro_batch_iterator

@@ -25,7 +25,10 @@ round. Under the interleaved schedule every micro-batch is therefore padded to O
 and metric contributions (over micro-batches and DP ranks) and hands the last pipeline stage's
 results to every stage; ``collect_outputs`` puts the per-token outputs of every micro-batch back
 into the layout and order of the input batch.
-Memory: the packed inputs of all micro-batches (O(tokens) ints/floats; bshd masks O(b S^2) bools).
+Memory: the packed inputs of all micro-batches, O(tokens) ints/floats. Quadratic attention masks
+(bshd ``[b, 1, S, S]``, or thd's block mask for attention without packed support) are NOT kept:
+``attention_mask`` rebuilds the micro-batch's mask when the forward step needs it, so one mask
+lives at a time.
 """
 
 from __future__ import annotations
@@ -52,8 +55,8 @@ from mcore_engine.data import (
 )
 from mcore_engine.losses.context import LossContext
 
-__all__ = ["MicroBatch", "PreparedStep", "collect_outputs", "gather_results", "micro_batch_iterator",
-           "pad_inputs", "prepare_step"]
+__all__ = ["MicroBatch", "PreparedStep", "attention_mask", "collect_outputs", "gather_results",
+           "micro_batch_iterator", "pad_inputs", "prepare_step"]
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,9 @@ class MicroBatch:
     data: TensorDictBase
     """The micro-batch's slice of the user's batch."""
     inputs: ModelInputs
-    """Its packed model inputs."""
+    """Its packed model inputs, ``attention_mask`` dropped (see :func:`attention_mask`)."""
+    needs_mask: bool
+    """Whether the model takes an attention mask for it (bshd; thd without packed attention)."""
     sample_ids: torch.Tensor
     """int64 ``[b]``: the micro-batch's sequences' indices in the global batch (this rank's batch
     follows the sequences of the lower data-parallel ranks)."""
@@ -118,12 +123,14 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
         micro_batches, start = [], 0
         for i, mb in enumerate(mbs):
             inputs = pack_micro_batch(mb, data_format=data_format, temperature=flags.temperature,
-                                      pad_multiple=pad_multiple, thd_attention_mask=thd_attention_mask,
+                                      pad_multiple=pad_multiple, thd_attention_mask=False,
                                       device=device)
             b = mb.batch_size[0]
             sample_ids = torch.tensor(order[start:start + b], dtype=torch.int64)
             start += b
-            micro_batches.append(MicroBatch(index=i, data=mb, inputs=inputs, sample_ids=sample_ids))
+            micro_batches.append(MicroBatch(
+                index=i, data=mb, inputs=dataclasses.replace(inputs, attention_mask=None),
+                sample_ids=sample_ids, needs_mask=data_format == "bshd" or thd_attention_mask))
             local_tokens = local_tokens + inputs.loss_mask.sum()
         if common_shape:
             shape = tuple(max(int(mb.inputs.input_ids.shape[d]) for mb in micro_batches) for d in (0, 1))
@@ -170,7 +177,8 @@ def _pad(t: torch.Tensor, shape: tuple[int, int], fill: float | int = 0) -> torc
 
 def pad_inputs(inputs: ModelInputs, shape: tuple[int, int]) -> ModelInputs:
     """``inputs`` padded to model shape ``shape`` (``[1, T']`` thd, ``[b', S']`` bshd); the new slots
-    have ``loss_mask`` 0, label 0 and temperature 1 and never change the real tokens' outputs:
+    have ``loss_mask`` 0, label 0 and temperature 1 and never change the real tokens' outputs
+    (``attention_mask`` is left None: :func:`attention_mask` builds it for the padded shape):
 
     - thd: the last sequence's block grows to ``T'`` (padding attends only inside that block, after
       its real tokens), so ``cu_seqlens_padded[-1] = T'``;
@@ -192,13 +200,11 @@ def pad_inputs(inputs: ModelInputs, shape: tuple[int, int]) -> ModelInputs:
         starts[-1] = new_cols
         seq = torch.cat([inputs.slot_sequence, inputs.slot_sequence[-1:].expand(new_cols - cols)])
         positions = (slot - starts.to(device, torch.int64)[seq]).reshape(shape)
-        packed, mask = inputs.packed_seq_params, inputs.attention_mask
+        packed = inputs.packed_seq_params
         cu = starts.to(device=packed.cu_seqlens_q.device)
         max_len = int((starts[1:] - starts[:-1]).max())
         packed = dataclasses.replace(packed, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                                      cu_seqlens_kv_padded=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len)
-        if mask is not None:
-            mask = ((seq[:, None] != seq[None, :]) | (slot[None, :] > slot[:, None]))[None, None]
         token_index = inputs.token_index
     else:
         starts = torch.arange(inputs.lengths.numel() + 1, dtype=torch.int32) * new_cols
@@ -206,18 +212,34 @@ def pad_inputs(inputs: ModelInputs, shape: tuple[int, int]) -> ModelInputs:
         seq = row_seq.repeat_interleave(new_cols)
         positions = torch.arange(new_cols, device=device).expand(new_rows, new_cols).clone()
         positions[:rows, :cols] = inputs.position_ids
-        lengths = torch.zeros(new_rows, dtype=torch.int64, device=device)
-        lengths[:rows] = inputs.lengths.to(device)
-        pos = torch.arange(new_cols, device=device)
-        causal, key_padding = pos[None, :] > pos[:, None], pos[None, :] >= lengths[:, None]
-        mask = causal[None, None] | key_padding[:, None, None, :]
         packed = None
         token_index = inputs.token_index // cols * new_cols + inputs.token_index % cols
     return dataclasses.replace(
         inputs, input_ids=_pad(inputs.input_ids, shape), position_ids=positions,
-        labels=_pad(inputs.labels, shape), loss_mask=_pad(inputs.loss_mask, shape), attention_mask=mask,
+        labels=_pad(inputs.labels, shape), loss_mask=_pad(inputs.loss_mask, shape), attention_mask=None,
         packed_seq_params=packed, temperature=temperature, cu_seqlens_padded=starts, token_index=token_index,
         slot_sequence=seq, **teacher)
+
+
+def attention_mask(mb: MicroBatch) -> torch.Tensor | None:
+    """The micro-batch's bool attention mask (True = masked), built on demand (packing's convention):
+
+        bshd: causal | key_is_padding                            [b, 1, S, S]  (empty rows: all masked)
+        thd:  other_sequence | causal, by slot_sequence          [1, 1, T, T]  (only when needs_mask)
+    """
+    if not mb.needs_mask:
+        return None
+    inputs = mb.inputs
+    rows, cols = inputs.input_ids.shape
+    device = inputs.input_ids.device
+    pos = torch.arange(cols, device=device)
+    causal = pos[None, :] > pos[:, None]
+    if inputs.data_format == "thd":
+        seq = inputs.slot_sequence.to(device)
+        return ((seq[:, None] != seq[None, :]) | causal)[None, None]
+    lengths = torch.zeros(rows, dtype=torch.int64, device=device)
+    lengths[: inputs.lengths.numel()] = inputs.lengths.to(device)
+    return causal[None, None] | (pos[None, :] >= lengths[:, None])[:, None, None, :]
 
 
 def micro_batch_iterator(step: PreparedStep) -> Iterator[MicroBatch]:
