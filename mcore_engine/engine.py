@@ -11,7 +11,11 @@ One step, as ``train_batch`` runs it::
                        outputs = process_lm_head_hidden(hidden, lm_head_weight, ...), no logits)
                       loss_i, metrics_i = loss_function(outputs_flat, data_flat, ctx)
     finalize: DP all-reduce (SUM, no averaging), embedding / layer-norm grad all-reduces
+    gather_results()                      # outputs, loss, metrics: last stage -> every rank
     optimizer_step()                      # empty_cache iff top-k distillation ran; clip; step or skip
+
+Helpers: ``mcore_engine.step`` (batch -> micro-batches, normalisers, results), ``mcore_engine.optim``
+(Megatron optimizer + scheduler, the non-finite-skipping step), ``mcore_engine.checkpoint``.
 
 Loss normalisation: ``loss_function`` returns each micro-batch's CONTRIBUTION to the global loss
 (divided by ``ctx.global_num_tokens``, all-reduced over DP before the micro-batch loop), Megatron
