@@ -476,6 +476,27 @@ def test_scale_logits_by_temperature_keeps_the_logits_dtype() -> None:
         assert scale_logits_by_temperature(x, t).dtype == torch.bfloat16, t
 
 
+@pytest.mark.parametrize("t_dtype", [torch.float32, torch.float64])
+def test_scale_logits_by_temperature_per_token_rounds_once(t_dtype: torch.dtype) -> None:
+    """bf16 logits / a wider per-token t: the promoted quotient rounded once to bf16, value and gradient,
+    in chunks (rows > one chunk), for a non-contiguous view too."""
+    from mcore_engine.ops import temperature as temp_mod
+
+    base = (torch.randn(9, 2, 300, dtype=torch.float64) * 4).to(torch.bfloat16)
+    t = torch.rand(2, 9, dtype=t_dtype) + 0.3
+    up = torch.randn(2, 9, 300).to(torch.bfloat16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(temp_mod, "DEFAULT_CHUNK_ELEMENTS", 4 * 300)  # 5 chunks of 4 rows
+        for x in (base.transpose(0, 1).contiguous(), base.transpose(0, 1)):
+            xl = x.detach().requires_grad_(True)
+            y = scale_logits_by_temperature(xl, t)
+            assert y.dtype == torch.bfloat16 and y.shape == x.shape
+            assert torch.equal(y, (x.to(t_dtype) / t[..., None]).to(torch.bfloat16))
+            (gx,) = torch.autograd.grad(y, xl, up)
+            assert gx.dtype == torch.bfloat16
+            assert torch.equal(gx, (up.to(t_dtype) / t[..., None]).to(torch.bfloat16))
+
+
 def test_processor_custom_func_and_flags() -> None:
     """Custom func: unit temperature hands the very same tensor; others the scaled logits; flags pick keys."""
     x = torch.randn(*LEAD, V_LOCAL) * 4
@@ -505,6 +526,24 @@ def test_processor_custom_func_and_flags() -> None:
     assert set(out) == {"log_probs"}
     ref = (x.double() / 0.3).log_softmax(-1).gather(-1, lab[..., None])[..., 0]
     assert _rel(out["log_probs"], ref) < 1e-5
+
+
+def test_processor_checks_the_temperature_once() -> None:
+    """With a custom func the scaled logits reuse the fused pass's temperature check (one device sync)."""
+    from mcore_engine.ops import temperature as temp_mod
+
+    x = torch.randn(*LEAD, V_LOCAL)
+    lab = torch.randint(0, V_LOCAL, LEAD)
+    temp = torch.rand(LEAD) + 0.5
+    with pytest.MonkeyPatch.context() as mp:
+        calls = []
+        real = temp_mod._check_temperature
+        mp.setattr(temp_mod, "_check_temperature", lambda *a: (calls.append(1), real(*a)))
+        out = process_lm_head_logits(x, lab, temp, calculate_sum_pi_squared=False, calculate_entropy=True,
+                                     distillation_use_topk=True, distillation_only=False,
+                                     logits_processor_func=lambda **kw: {"s": kw["student_logits"].sum(-1)})
+    assert set(out) == {"log_probs", "entropy", "s"} and len(calls) == 1
+    torch.testing.assert_close(out["s"], (x / temp[..., None]).sum(-1))
 
 
 def test_non_contiguous_logits() -> None:
