@@ -32,11 +32,14 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from mcore_engine.engine import MegatronEngine
 
 __all__ = ["FORMAT", "CheckpointLayout", "engine_layout", "load_engine_state", "load_shard", "rng_state",
            "save_engine_state", "save_shard", "set_rng_state"]
@@ -220,7 +223,7 @@ def load_shard(path: str, layout: CheckpointLayout,
 
 
 # ---------------------------------------------------------------------- the engine's state
-def engine_layout(engine) -> CheckpointLayout:
+def engine_layout(engine: MegatronEngine) -> CheckpointLayout:
     """The current parallel layout of ``engine`` (a ``MegatronEngine``)."""
     par = engine.config.parallel
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -266,7 +269,7 @@ def _load_optimizer_state(optimizer, states: list[dict[str, Any]]) -> None:
             sub.grad_scaler.load_state_dict(state["grad_scaler"])
 
 
-def save_engine_state(engine, path: str) -> None:
+def save_engine_state(engine: MegatronEngine, path: str) -> None:
     """Collective: checkpoint ``engine`` (model chunks, optimizer, scheduler, step counters, RNG)."""
     shard = {
         "model": [chunk.module.state_dict() for chunk in engine.model],
@@ -283,7 +286,7 @@ def _shapes(state: dict[str, Any]) -> dict[str, tuple]:
     return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def _check_matches(engine, shard: dict[str, Any]) -> None:
+def _check_matches(engine: MegatronEngine, shard: dict[str, Any]) -> None:
     """``ValueError`` unless the shard's model and optimizer fit ``engine`` exactly."""
     from mcore_engine.optim import sub_optimizers
 
@@ -306,7 +309,7 @@ def _check_matches(engine, shard: dict[str, Any]) -> None:
             raise ValueError("load_checkpoint: optimizer parameter shapes differ from the checkpoint's")
 
 
-def load_engine_state(engine, path: str) -> None:
+def load_engine_state(engine: MegatronEngine, path: str) -> None:
     """Collective: restore ``engine`` from checkpoint ``path`` (checked before anything changes)."""
     shard = load_shard(path, engine_layout(engine), check=partial(_check_matches, engine))
     for chunk, state in zip(engine.model, shard["model"], strict=True):

@@ -23,14 +23,16 @@ import math
 from dataclasses import dataclass
 
 import torch
+from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
-from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from mcore_engine.config import EngineConfig
 
 __all__ = ["StepResult", "build_optimizer", "build_scheduler", "step_optimizer", "sub_optimizers"]
 
 
-def build_optimizer(cfg, model_chunks: list[torch.nn.Module]):
+def build_optimizer(cfg: EngineConfig, model_chunks: list[torch.nn.Module]) -> MegatronOptimizer:
     """Megatron optimizer for the DDP-wrapped ``model_chunks`` from ``cfg: EngineConfig``."""
     opt = cfg.optimizer
     bf16 = cfg.precision == "bf16"
@@ -50,7 +52,7 @@ def build_optimizer(cfg, model_chunks: list[torch.nn.Module]):
     return get_megatron_optimizer(mcfg, model_chunks)
 
 
-def build_scheduler(cfg, optimizer) -> OptimizerParamScheduler:
+def build_scheduler(cfg: EngineConfig, optimizer: MegatronOptimizer) -> OptimizerParamScheduler:
     """Megatron's ``OptimizerParamScheduler``: warm-up from 0 to ``lr`` over ``lr_warmup_steps``,
     then ``lr_decay_style`` down to ``min_lr`` at ``lr_decay_steps``; constant weight decay."""
     opt = cfg.optimizer
@@ -74,7 +76,7 @@ def build_scheduler(cfg, optimizer) -> OptimizerParamScheduler:
     )
 
 
-def sub_optimizers(optimizer) -> list:
+def sub_optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
     """The Megatron optimizers inside ``optimizer`` (itself, or the members of a ChainedOptimizer)."""
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
@@ -90,7 +92,7 @@ class StepResult:
 
 
 @torch.no_grad()
-def step_optimizer(optimizer, clip_grad: float) -> StepResult:
+def step_optimizer(optimizer: MegatronOptimizer, clip_grad: float) -> StepResult:
     """Clip to ``clip_grad`` (0 = no clipping) and step, or skip when the gradients are not finite.
 
     Every rank takes the same decision: the norm is all-reduced over the gradient-statistics group
