@@ -48,16 +48,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class _StartupError(AssertionError):
+    """The ranks failed before ``fn`` ran (typically EADDRINUSE: another process took the port)."""
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, err_q) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size)
+    except BaseException:
+        err_q.put((rank, "startup", traceback.format_exc()))
+        raise
     try:
         fn(rank, world_size, *args)
         dist.barrier()  # no rank tears gloo down while a peer is still talking to it
     except BaseException:
-        err_q.put((rank, traceback.format_exc()))
+        err_q.put((rank, "run", traceback.format_exc()))
         raise
     finally:
         dist.destroy_process_group()
@@ -92,7 +100,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> None
             for p in procs:
                 if p.is_alive():
                     p.kill()
-                    errors.append((-1, f"rank process {p.pid} killed (timeout or a peer failed)"))
+                    errors.append((-1, "kill", f"rank process {p.pid} killed (timeout or a peer failed)"))
             break
         time.sleep(0.05)
     for p in procs:
@@ -100,8 +108,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> None
     while not err_q.empty():
         errors.append(err_q.get())
     if errors or any(p.exitcode != 0 for p in procs):
-        msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors))
-        raise AssertionError(f"distributed run failed (exit codes {[p.exitcode for p in procs]}):\n{msg}")
+        msg = "\n".join(f"--- rank {r} ({phase}) ---\n{tb}" for r, phase, tb in sorted(errors))
+        startup_only = bool(errors) and all(phase != "run" for _, phase, _ in errors)
+        cls = _StartupError if startup_only else AssertionError
+        raise cls(f"distributed run failed (exit codes {[p.exitcode for p in procs]}):\n{msg}")
 
 
 def reference_logits_outputs(
@@ -150,12 +160,12 @@ def reference_logits_outputs(
 
 
 def run_distributed_retrying(fn: Callable[..., Any], world_size: int, *args: Any, attempts: int = 3) -> None:
-    """``run_distributed``, relaunched when the ranks failed before ``fn`` started (no rank reported a
-    traceback): typically ``EADDRINUSE``, another process took the free port before rank 0 bound it."""
+    """``run_distributed``, relaunched (up to ``attempts`` times) when the ranks failed before ``fn``
+    started: typically ``EADDRINUSE``, another process took the free port before rank 0 bound it."""
     for attempt in range(attempts):
         try:
             run_distributed(fn, world_size, *args)
             return
-        except AssertionError as exc:
-            if "--- rank" in str(exc) or attempt == attempts - 1:
+        except _StartupError:
+            if attempt == attempts - 1:
                 raise
