@@ -4,7 +4,7 @@
 top-k forward KL} from ONE loop over row chunks: per chunk one MAX and one packed SUM all-reduce
 (``stats.py`` defines the statistics). The public ops and the logits processor are thin wrappers.
 
-Memory: forward keeps two fp32 ``[chunk, V_local]`` workspaces and saves only the logits (the
+Memory: forward keeps two (briefly three) fp32 ``[chunk, V_local]`` workspaces and saves only the logits (the
 caller's tensor, no copy) plus O(N (8 + 2k)) fp32 statistics; backward recomputes the softmax
 chunk by chunk (no collectives) into one gradient of the logits' shape and dtype.
 """
@@ -175,7 +175,7 @@ def vocab_parallel_logits_outputs(
 
     Shapes: logits ``[..., V_local]`` (this rank's shard); labels ``[...]``; teacher_* ``[..., k]``;
     outputs fp32 ``[...]``. Differentiable w.r.t. ``logits`` (not the temperature or the teacher).
-    Memory: O(N (8 + 2k)) saved fp32 + two fp32 ``[chunk_size, V_local]`` workspaces.
+    Memory: O(N (8 + 2k)) saved fp32 + two (briefly three) fp32 ``[chunk_size, V_local]`` workspaces.
     ``teacher_arg_names``: how ValueErrors name the teacher tensors (wrappers pass their own names).
     """
     group = _common.resolve_group(group)

@@ -12,7 +12,8 @@ a Triton backend must reproduce exactly these definitions. With ``z = x / t`` in
     z_i - m for the k teacher ids         (iff in this shard, else 0)
     T = sum_{j not in teacher ids} e_j    (tail mass, computed directly, not as S - sum)
 
-and SUMming them over the shards gives the global values. Workspace per call: two fp32 ``[c, V_valid]``.
+and SUMming them over the shards gives the global values. Workspace per call: two fp32 ``[c, V_valid]``
+(three for a moment: ``vecdot`` forms the product ``e * zm`` before summing).
 
 ``z - m`` is floored at ``ZM_FLOOR`` (``-2**64``): ``exp`` of it is exactly 0, so a ``-inf`` logit (a
 masked token) contributes exactly 0 to every statistic and gradient instead of ``0 * -inf = NaN`` (in
