@@ -67,7 +67,6 @@ class MegatronEngine:
         self.global_step = 0
         self.num_skipped_steps = 0
         self._last_distillation_use_topk = False
-        self._thd_attention_mask = False
         self._interleaved = (config.parallel.virtual_pipeline_model_parallel_size or 1) > 1
 
     # ------------------------------------------------------------------ set-up
@@ -76,7 +75,6 @@ class MegatronEngine:
         Megatron optimizer and ``OptimizerParamScheduler``. Config errors raise before any process
         group work."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
 
         from mcore_engine.model import build_model_chunks
         from mcore_engine.optim import build_optimizer, build_scheduler
@@ -107,9 +105,6 @@ class MegatronEngine:
         no_sync = [chunk.no_sync for chunk in self.model]
         for chunk in chunks:
             chunk.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-        # The local layer spec's attention has no packed-sequence support: emulate thd with a
-        # block-diagonal causal mask (same math; RoPE only sees relative positions).
-        self._thd_attention_mask = any(type(m) is DotProductAttention for m in chunks[0].modules())
         if cfg.model.fused_lm_head:  # the last stage returns hidden states; see _lm_head_outputs
             from mcore_engine.lm_head import output_hidden_states
 
@@ -172,7 +167,6 @@ class MegatronEngine:
             default_micro_batch_size=self.config.micro_batch_size,
             has_logits_processor_func=logits_processor_func is not None,
             pad_multiple=par.tensor_model_parallel_size if par.sequence_parallel else 1,
-            thd_attention_mask=self._thd_attention_mask,
             min_num_micro_batches=par.pipeline_model_parallel_size if self._interleaved else 1,
             device=get_device().torch_device, dp_group=parallel_state.get_data_parallel_group(),
             common_shape=self._interleaved)
@@ -209,9 +203,8 @@ class MegatronEngine:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             inp = mb.inputs
-            packed = None if self._thd_attention_mask else inp.packed_seq_params
             logits = model(input_ids=inp.input_ids, position_ids=inp.position_ids,
-                           attention_mask=attention_mask(mb), packed_seq_params=packed)
+                           attention_mask=attention_mask(mb), packed_seq_params=inp.packed_seq_params)
             return logits, partial(loss_func, mb, model)
 
         from mcore_engine.step import micro_batch_iterator

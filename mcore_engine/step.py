@@ -25,10 +25,10 @@ round. Under the interleaved schedule every micro-batch is therefore padded to O
 and metric contributions (over micro-batches and DP ranks) and hands the last pipeline stage's
 results to every stage; ``collect_outputs`` puts the per-token outputs of every micro-batch back
 into the layout and order of the input batch.
-Memory: the packed inputs of all micro-batches, O(tokens) ints/floats. Quadratic attention masks
-(bshd ``[b, 1, S, S]``, or thd's block mask for attention without packed support) are NOT kept:
-``attention_mask`` rebuilds the micro-batch's mask when the forward step needs it, so one mask
-lives at a time.
+Memory: the packed inputs of all micro-batches, O(tokens) ints/floats. The quadratic bshd attention
+masks ``[b, 1, S, S]`` are NOT kept: ``attention_mask`` rebuilds the micro-batch's mask when the
+forward step needs it, so one mask lives at a time (thd needs none: the packed attention takes the
+sequence boundaries from ``packed_seq_params``).
 """
 
 from __future__ import annotations
@@ -69,8 +69,6 @@ class MicroBatch:
     """The micro-batch's slice of the user's batch."""
     inputs: ModelInputs
     """Its packed model inputs, ``attention_mask`` dropped (see :func:`attention_mask`)."""
-    needs_mask: bool
-    """Whether the model takes an attention mask for it (bshd; thd without packed attention)."""
     sample_ids: torch.Tensor
     """int64 ``[b]``: the micro-batch's sequences' indices in the global batch (this rank's batch
     follows the sequences of the lower data-parallel ranks)."""
@@ -94,7 +92,7 @@ class PreparedStep:
 
 def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length: int, data_format: str,
                  default_micro_batch_size: int, has_logits_processor_func: bool, pad_multiple: int,
-                 thd_attention_mask: bool, min_num_micro_batches: int, device: torch.device,
+                 min_num_micro_batches: int, device: torch.device,
                  dp_group: Any, common_shape: bool = False) -> PreparedStep:
     """Validate and pack ``batch`` for one step; ``ValueError`` on every DP rank if any rank's batch
     is bad (see the module docstring); ``common_shape`` pads every micro-batch to one model shape
@@ -123,14 +121,13 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
         micro_batches, start = [], 0
         for i, mb in enumerate(mbs):
             inputs = pack_micro_batch(mb, data_format=data_format, temperature=flags.temperature,
-                                      pad_multiple=pad_multiple, thd_attention_mask=False,
-                                      device=device)
+                                      pad_multiple=pad_multiple, device=device)
             b = mb.batch_size[0]
             sample_ids = torch.tensor(order[start:start + b], dtype=torch.int64)
             start += b
             micro_batches.append(MicroBatch(
                 index=i, data=mb, inputs=dataclasses.replace(inputs, attention_mask=None),
-                sample_ids=sample_ids, needs_mask=data_format == "bshd" or thd_attention_mask))
+                sample_ids=sample_ids))
             local_tokens = local_tokens + inputs.loss_mask.sum()
         if common_shape:
             shape = tuple(max(int(mb.inputs.input_ids.shape[d]) for mb in micro_batches) for d in (0, 1))
@@ -225,18 +222,15 @@ def attention_mask(mb: MicroBatch) -> torch.Tensor | None:
     """The micro-batch's bool attention mask (True = masked), built on demand (packing's convention):
 
         bshd: causal | key_is_padding                            [b, 1, S, S]  (empty rows: all masked)
-        thd:  other_sequence | causal, by slot_sequence          [1, 1, T, T]  (only when needs_mask)
+        thd:  None (the packed attention masks by ``packed_seq_params.cu_seqlens``)
     """
-    if not mb.needs_mask:
-        return None
     inputs = mb.inputs
+    if inputs.data_format != "bshd":
+        return None
     rows, cols = inputs.input_ids.shape
     device = inputs.input_ids.device
     pos = torch.arange(cols, device=device)
     causal = pos[None, :] > pos[:, None]
-    if inputs.data_format == "thd":
-        seq = inputs.slot_sequence.to(device)
-        return ((seq[:, None] != seq[None, :]) | causal)[None, None]
     lengths = torch.zeros(rows, dtype=torch.int64, device=device)
     lengths[: inputs.lengths.numel()] = inputs.lengths.to(device)
     return causal[None, None] | (pos[None, :] >= lengths[:, None])[:, None, None, :]

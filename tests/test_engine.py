@@ -173,10 +173,6 @@ def _single_rank(rank: int, world_size: int, tmp: str) -> None:
         engine.load_checkpoint(f"{tmp}/init")
         mask = variant["attention_mask"] if "attention_mask" in variant.keys() else None
         same_step(name, engine.train_batch(variant, policy_loss), engine, mask)
-    engine._thd_attention_mask = True  # thd as attention without packed support sees it: a block mask
-    engine.load_checkpoint(f"{tmp}/init")
-    same_step("thd through a block-diagonal mask", engine.train_batch(batch, policy_loss), engine)
-    engine._thd_attention_mask = False
     padded_out = engine.infer_batch(to_padded(batch))
     assert padded_out["log_probs"].shape == to_padded(batch)["input_ids"].shape
     bshd = fresh(data_format="bshd")
