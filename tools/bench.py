@@ -11,12 +11,11 @@ path (whole-tensor fp32 upcast + temperature division, Megatron-Core ``vocab_par
 on a clone, softmax-saving entropy, sum-pi² by plain autograd, probability-saving top-k KL).
 
 Method (details in ``tools/bench_worker.py``): every (configuration, implementation, TP) runs in
-FRESH processes, one per TP rank (gloo on CPU, NCCL on CUDA). Time first, with the allocator as
-users have it: median of ``--repeats`` forward+backward steps after a warm-up step. Then memory:
-one more step; CPU: VmHWM - VmRSS above the inputs, with glibc switched to mmap threshold 64 KiB and
-trim threshold 0 (= ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``) so RSS tracks live
-buffers; CUDA: ``max_memory_allocated`` above the inputs. ``--fresh-time`` measures memory and time
-in two separate fresh processes instead (a cross-check). Per-rank figures; the
+FRESH processes, one per TP rank (gloo on CPU, NCCL on CUDA), twice. Memory process: one
+forward+backward; CPU: VmHWM - VmRSS above the inputs, started with
+``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0`` so RSS tracks live buffers; CUDA:
+``max_memory_allocated`` above the inputs. Time process (allocator as users have it): median of
+``--repeats`` steps after a warm-up step. Per-rank figures; the
 table shows the max over ranks. "xL" is a multiple of this rank's logits bytes
 (tokens x V_local x dtype size); the gradient of the logits (1 xL) is part of every peak.
 Times show wall and, in parentheses, the process's CPU time (robust on a shared machine).
@@ -64,7 +63,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--quick", action="store_true", help="small sizes (N=256, V_local=2048), 1 repeat")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
-    p.add_argument("--fresh-time", action="store_true", help="memory and time in separate fresh processes")
     p.add_argument("--timeout", type=int, default=600, help="seconds per worker process")
     args = p.parse_args(argv)
     if args.quick:
@@ -97,6 +95,10 @@ def run_workers(spec: dict, timeout: int) -> list[dict]:
     path = os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(spec["tp"]),
                OMP_NUM_THREADS="1", PYTHONPATH=path)
+    for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        env.pop(key, None)
+    if spec["mode"] == "memory":  # every buffer > 64 KiB its own mmap: RSS tracks live tensors
+        env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "bench_worker.py"), json.dumps(spec)],
                               env=dict(env, RANK=str(r)), cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(spec["tp"])]
@@ -125,11 +127,8 @@ def measure(args: argparse.Namespace, config: str, impl: str, tp: int) -> dict:
     spec = dict(impl=impl, config=config, tokens=args.tokens, vocab=args.vocab, dtype=args.dtype, tp=tp,
                 k=args.k, temperature=args.temperature, repeats=args.repeats, seed=args.seed,
                 device=args.device, chunk_size=args.chunk_size)
-    if args.fresh_time:
-        mem = run_workers(dict(spec, mode="memory"), args.timeout)
-        tim = run_workers(dict(spec, mode="time"), args.timeout)
-    else:
-        mem = tim = run_workers(dict(spec, mode="both"), args.timeout)
+    mem = run_workers(dict(spec, mode="memory"), args.timeout)
+    tim = run_workers(dict(spec, mode="time"), args.timeout)
     mem = sorted(mem, key=lambda r: r["rank"])
     return {"peak_mb": max(r["peak_mb"] for r in mem), "time_ms": max(r["time_ms"] for r in tim),
             "cpu_ms": max(r["cpu_ms"] for r in tim), "checks": [r["checks"] for r in mem]}

@@ -3,7 +3,7 @@
 ``tools/bench.py`` starts this script once per (configuration, implementation, TP rank, mode) and
 reads the last stdout line, a JSON object. The spec holds ``impl`` ("ours" | "naive"), ``config``
 (a key of ``CONFIGS``), ``tokens``, ``vocab`` (V_local), ``dtype``, ``tp``, ``k``, ``temperature``,
-``mode`` ("both" | "memory" | "time"), ``repeats``, ``seed``, ``chunk_size`` (ours; None = default);
+``mode`` ("memory" | "time"), ``repeats``, ``seed``, ``chunk_size`` (ours; None = default);
 the rank comes from ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` in the environment.
 
 Both implementations see bit-identical inputs (same seeds): this rank's logits shard
@@ -12,25 +12,25 @@ spread over every rank's shard) and log-probs ``[tokens, k]``, and one random up
 ``[tokens]`` per differentiable output. One step is ``out = f(inputs)`` followed by
 ``torch.autograd.backward(outputs, upstream_grads)``, which leaves ``logits.grad``.
 
-Time (``mode`` "time" or "both"; first, with glibc's allocator untouched, as users run it): one
-warm-up step, then the median wall time of ``repeats`` steps (``perf_counter``; CUDA synchronised;
-ranks aligned by a barrier) and the median CPU time of the process (``process_time``: all its
-threads, kernel time such as page faults included; waiting for other ranks or for a core taken by
-another process excluded, so it is the figure to trust on a busy machine).
-Memory (one more step, ``mode`` "memory" or "both"):
-  CPU:  glibc is switched to ``mallopt(M_MMAP_THRESHOLD, 64 KiB)``, ``mallopt(M_TRIM_THRESHOLD, 0)``
-        (the same as ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``) and trimmed
-        (``malloc_trim(0)``): every buffer above 64 KiB is then its own mmap, returned to the OS when
-        freed, so RSS tracks live bytes and the high-water mark is the peak of live tensors (pages
-        actually touched), not allocator slack. VmHWM is reset (``echo 5 > /proc/self/clear_refs``)
-        and VmRSS read as the baseline (inputs built and touched); peak above inputs = VmHWM after
-        the step - baseline. Without glibc the peak would include allocator slack (``exact_rss``).
+Memory (``mode`` "memory"; one step):
+  CPU:  the parent starts this process with ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``:
+        every buffer above 64 KiB is then its own mmap, returned to the OS when freed, so RSS tracks
+        live bytes and the high-water mark is the peak of live tensors (pages actually touched), not
+        allocator slack. VmHWM is reset (``echo 5 > /proc/self/clear_refs``) and VmRSS read as the
+        baseline once the inputs are built and touched; peak above inputs = VmHWM after the step -
+        baseline. (Switching the allocator with ``mallopt`` later in a process that already freed
+        large buffers is not the same: large free chunks left in glibc's bins are reused and
+        re-faulted, adding tens of MB of noise; hence a process of its own.)
   CUDA: ``torch.cuda.max_memory_allocated() - memory_allocated()`` at the baseline.
+Time (``mode`` "time"; another fresh process, allocator settings as users have them): one warm-up
+step, then the median wall time of ``repeats`` steps (``perf_counter``; CUDA synchronised; ranks
+aligned by a barrier) and the median CPU time of the process (``process_time``: all its threads,
+kernel time such as page faults included; waiting for other ranks or for a core taken by another
+process excluded, so it is the figure to trust on a busy machine).
 """
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import math
@@ -56,20 +56,6 @@ CONFIGS: dict[str, dict] = {
 }
 GRAD_KEYS = ("log_probs", "entropy", "sum_pi_squared", "distillation_losses")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
-
-
-def exact_rss_allocator() -> bool:
-    """glibc: mmap every buffer above 64 KiB, never keep freed memory; False where there is no glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        ok = bool(libc.mallopt(M_MMAP_THRESHOLD, 64 * 2**10)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 0))
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        return False
-    return ok
 
 
 def _proc_status_mb(field: str) -> float:
@@ -136,7 +122,6 @@ def _sync(device: torch.device) -> None:
 
 def measure_memory(step, inputs: dict, device: torch.device) -> dict:
     """Peak bytes above the inputs over one step, plus checksums of the outputs and the gradient."""
-    inputs["logits"].grad = None  # a gradient left by an earlier step is not an input
     for t in inputs.values():  # touch every input page
         t.detach().sum().item()
     gc.collect()
@@ -194,12 +179,13 @@ def main(spec: dict) -> dict:
     make_step(spec, make_inputs({**spec, "tokens": 3}, rank, device), group)()
     inputs = make_inputs(spec, rank, device)
     step = make_step(spec, inputs, group)
-    result = {"rank": rank}
-    if mode in ("time", "both"):
-        result.update(measure_time(step, device, spec["repeats"], tp > 1))
-    if mode in ("memory", "both"):
-        result["exact_rss"] = device.type == "cpu" and exact_rss_allocator()
-        result.update(measure_memory(step, inputs, device))
+    if mode == "memory":
+        result = measure_memory(step, inputs, device)
+    elif mode == "time":
+        result = measure_time(step, device, spec["repeats"], tp > 1)
+    else:
+        raise ValueError(f"mode must be 'memory' or 'time', got {mode!r}")
+    result["rank"] = rank
     dist.barrier()
     dist.destroy_process_group()
     return result
