@@ -288,7 +288,12 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> None:
     ``MASTER_PORT``; NCCL with CUDA, gloo without) unless one already exists, which is then used as
     is; without torchrun variables a single-process group is created. The world size is checked
     against ``parallel`` (``ValueError``) before any process-group work. Gloo process groups are
-    kept (Megatron's default), and an existing ``parallel_state`` is replaced.
+    kept (Megatron's default).
+
+    An already initialised ``parallel_state`` with the same layout (tp, pp, vpp) is kept and only
+    reseeded, so several engines (a teacher and a student) share one process and its groups; a
+    different layout raises ``ValueError`` naming both (call :func:`destroy_distributed` first:
+    engines built on the old groups stop working then).
     """
     world_size = _world_size_before_init()
     parallel.data_parallel_size(world_size)
@@ -309,15 +314,29 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> None:
 
     from megatron.core import parallel_state
 
+    wanted = _layout_text(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                          parallel.virtual_pipeline_model_parallel_size)
     if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
-        create_gloo_process_groups=True,
-    )
+        current = _layout_text(parallel_state.get_tensor_model_parallel_world_size(),
+                               parallel_state.get_pipeline_model_parallel_world_size(),
+                               parallel_state.get_virtual_pipeline_model_parallel_world_size())
+        if current != wanted:
+            raise ValueError(f"init_distributed: parallel_state is already initialised with {current}, but "
+                             f"parallel asks for {wanted}; call mcore_engine.platform.destroy_distributed() "
+                             "first (engines built on the old layout stop working)")
+    else:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+            pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+            create_gloo_process_groups=True,
+        )
     seed_everything(seed)
+
+
+def _layout_text(tp: int, pp: int, vpp: int | None) -> str:
+    return (f"tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}, "
+            f"virtual_pipeline_model_parallel_size={vpp}")
 
 
 def destroy_distributed() -> None:

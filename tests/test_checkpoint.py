@@ -124,11 +124,13 @@ def _resume(rank: int, world_size: int, tmp: str) -> None:
     import torch.distributed as dist
 
     from mcore_engine.engine import MegatronEngine
+    from mcore_engine.platform import destroy_distributed
 
     layouts = {"fp32": dict(tp=2), "bf16": dict(tp=2, precision="bf16"),
                "dp2-distributed-optimizer": dict(use_distributed_optimizer=True)}
     for name, kwargs in layouts.items():
         path = f"{tmp}/{name}"
+        destroy_distributed()  # each layout gets its own process groups
         engine = MegatronEngine(tiny_config(**kwargs))
         engine.config.checkpoint_dir = path  # the default folder of save / load_checkpoint()
         engine.initialize()
@@ -161,6 +163,7 @@ def _resume(rank: int, world_size: int, tmp: str) -> None:
         shutil.copytree(f"{tmp}/fp32", torn)
         os.remove(f"{torn}/rank_00001.pt")
     dist.barrier()
+    destroy_distributed()
     tp2 = MegatronEngine(tiny_config(tp=2))
     tp2.initialize()
     before = _snapshot(tp2)

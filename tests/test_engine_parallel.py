@@ -71,6 +71,7 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
     from megatron.core import parallel_state
 
     from mcore_engine.engine import MegatronEngine
+    from mcore_engine.platform import destroy_distributed
 
     ref = torch.load(path, weights_only=False)
     for name, kwargs, split, flags in LAYOUTS:
@@ -108,6 +109,7 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
             for key in want:
                 assert_rel_close(got[key], want[key], tol, f"{name}: chunk {chunk} {key} after one step")
         del engine
+        destroy_distributed()  # the next layout needs new process groups
 
 
 def test_layouts_match_single_rank(tmp_path):

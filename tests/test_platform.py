@@ -109,6 +109,25 @@ def _check_seed_layout(rank: int, world_size: int) -> None:
     assert torch.equal(a, torch.rand(3, generator=default))
     assert torch.equal(c, torch.rand(3, generator=default))
     assert torch.equal(b, torch.rand(3, generator=torch.Generator().manual_seed(5 + 2718 + rank)))
+
+    # the same layout again (a second engine): the groups are kept, only the streams are reseeded
+    from megatron.core import parallel_state
+
+    groups = (parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group())
+    init_distributed(ParallelConfig(tensor_model_parallel_size=2), seed=6)
+    assert parallel_state.get_tensor_model_parallel_group() is groups[0]
+    assert parallel_state.get_data_parallel_group() is groups[1]
+    assert torch.equal(torch.rand(3), torch.rand(3, generator=torch.Generator().manual_seed(6)))
+    # another layout is refused, naming both, and leaves the groups alone
+    with pytest.raises(ValueError) as err:
+        init_distributed(ParallelConfig(pipeline_model_parallel_size=2), seed=6)
+    message = str(err.value)
+    assert "tensor_model_parallel_size=2, pipeline_model_parallel_size=1" in message, message
+    assert "tensor_model_parallel_size=1, pipeline_model_parallel_size=2" in message, message
+    assert parallel_state.get_tensor_model_parallel_group() is groups[0]
+    destroy_distributed()
+    init_distributed(ParallelConfig(pipeline_model_parallel_size=2), seed=6)  # after a tear-down: fine
+    assert parallel_state.get_pipeline_model_parallel_world_size() == 2
     destroy_distributed()
 
 
