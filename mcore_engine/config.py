@@ -15,6 +15,7 @@ check (``world % (tp * pp) == 0``) needs the world size and lives in
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,17 +46,25 @@ class ModelConfig:
     hidden_size: int
     """Model width h."""
     num_attention_heads: int
-    """Query heads; must divide ``hidden_size``."""
+    """Query heads; must divide ``hidden_size`` unless ``kv_channels`` is set."""
     num_query_groups: int | None = None
     """Key/value heads for GQA; ``None`` means multi-head attention (one group per head)."""
     ffn_hidden_size: int | None = None
     """MLP width; ``None`` means ``4 * hidden_size``."""
+    kv_channels: int | None = None
+    """Channels per attention head d (queries ``heads * d`` wide, keys / values ``groups * d``);
+    ``None`` means ``hidden_size // num_attention_heads``. Set it for models such as Qwen3-0.6B
+    where ``heads * d != hidden_size``."""
     vocab_size: int
     """True vocabulary size (before Megatron pads it; ids >= vocab_size never get probability)."""
     max_sequence_length: int
     """Longest sequence the model accepts (RoPE table size)."""
     rotary_base: int = 10000
     """RoPE base theta."""
+    rope_scaling_factor: float | None = None
+    """Llama-3.x RoPE frequency scaling with this factor (Megatron's ``rope_scaling``, whose other
+    parameters are fixed: ``low_freq_factor=1``, ``high_freq_factor=4``,
+    ``original_max_position_embeddings=8192``); ``None`` means unscaled RoPE."""
     normalization: str = "RMSNorm"
     """``"RMSNorm"`` or ``"LayerNorm"``."""
     norm_epsilon: float = 1e-5
@@ -80,12 +89,17 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _positive_int(self, "num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                       "max_sequence_length", "make_vocab_size_divisible_by")
-        for name in ("num_query_groups", "ffn_hidden_size"):
+        for name in ("num_query_groups", "ffn_hidden_size", "kv_channels"):
             if getattr(self, name) is not None:
                 _positive_int(self, name)
-        _require(self.hidden_size % self.num_attention_heads == 0,
+        _require(self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
                  f"ModelConfig.hidden_size ({self.hidden_size}) must be divisible by "
-                 f"ModelConfig.num_attention_heads ({self.num_attention_heads})")
+                 f"ModelConfig.num_attention_heads ({self.num_attention_heads}) unless "
+                 "ModelConfig.kv_channels is set")
+        factor = self.rope_scaling_factor
+        _require(factor is None or (isinstance(factor, (int, float)) and not isinstance(factor, bool)
+                                    and math.isfinite(factor) and factor > 0),
+                 f"ModelConfig.rope_scaling_factor must be None or a finite number > 0, got {factor!r}")
         groups = self.num_query_groups or self.num_attention_heads
         _require(self.num_attention_heads % groups == 0,
                  f"ModelConfig.num_attention_heads ({self.num_attention_heads}) must be divisible by "

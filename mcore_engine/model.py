@@ -110,6 +110,7 @@ def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
         num_query_groups=m.query_groups,
+        kv_channels=m.kv_channels,  # None: hidden // heads
         ffn_hidden_size=m.ffn_size,
         normalization=m.normalization,
         layernorm_epsilon=m.norm_epsilon,
@@ -196,6 +197,8 @@ def build_model_chunks(cfg: EngineConfig) -> list[GPTModel]:
             share_embeddings_and_output_weights=cfg.model.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=cfg.model.rotary_base,
+            rope_scaling=cfg.model.rope_scaling_factor is not None,
+            rope_scaling_factor=cfg.model.rope_scaling_factor or 8.0,  # 8.0: GPTModel's unused default
             vp_stage=vp_stage,
         )
         if torch.cuda.is_available():

@@ -44,7 +44,11 @@ def _engine(model=None, parallel=None, optimizer=None, **kw) -> EngineConfig:
      ["virtual_pipeline_model_parallel_size"]),
     (dict(parallel=dict(sequence_parallel=True)), ["sequence_parallel", "tensor_model_parallel_size"]),
     (dict(parallel=dict(tensor_model_parallel_size=0)), ["tensor_model_parallel_size"]),
-    (dict(model=dict(hidden_size=66)), ["hidden_size", "num_attention_heads"]),
+    (dict(model=dict(hidden_size=66)), ["hidden_size", "num_attention_heads", "kv_channels"]),
+    (dict(model=dict(kv_channels=0)), ["kv_channels"]),
+    (dict(model=dict(rope_scaling_factor=0.0)), ["rope_scaling_factor"]),
+    (dict(model=dict(rope_scaling_factor=float("inf"))), ["rope_scaling_factor"]),
+    (dict(model=dict(rope_scaling_factor=True)), ["rope_scaling_factor"]),
     (dict(model=dict(num_query_groups=3)), ["num_attention_heads", "num_query_groups"]),
     (dict(model=dict(normalization="BatchNorm")), ["normalization"]),
     (dict(model=dict(vocab_size=0)), ["vocab_size"]),
@@ -67,6 +71,15 @@ def test_invalid_combinations_name_their_fields(kwargs, fields):
         _engine(**kwargs)
     for f in fields:
         assert f in str(err.value), f"{f!r} not named in: {err.value}"
+
+
+def test_kv_channels_and_rope_scaling_reach_the_transformer_config():
+    from mcore_engine.model import build_transformer_config
+
+    cfg = _engine(model=dict(hidden_size=66, kv_channels=32, rope_scaling_factor=8.0))  # heads * d != hidden
+    assert build_transformer_config(cfg).kv_channels == 32
+    assert build_transformer_config(_engine()).kv_channels == 16  # None: hidden // heads
+    assert EngineConfig.from_dict(cfg.to_dict()) == cfg
 
 
 def test_world_size_checked_without_process_groups():

@@ -84,9 +84,8 @@ _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def head_dim(cfg: ModelConfig) -> int:
-    """Per-head channels ``d`` (``kv_channels`` when the config has one, else hidden / heads)."""
-    kv_channels = getattr(cfg, "kv_channels", None)
-    return kv_channels if kv_channels else cfg.hidden_size // cfg.num_attention_heads
+    """Per-head channels ``d`` (``cfg.kv_channels`` when set, else hidden / heads)."""
+    return cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
 
 
 def canonical_unit(name: str, global_layer: int | None) -> str:
@@ -225,13 +224,26 @@ def hf_family(hf_config: Mapping[str, Any]) -> str:
                      f"{sorted(ARCHITECTURES)}")
 
 
-def _rope_theta(hf_config: Mapping[str, Any]) -> float:
-    params = dict(hf_config.get("rope_parameters") or {})
-    scaling = hf_config.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise ValueError(f"rope_scaling: rope type {rope_type!r} is not supported (only 'default' RoPE)")
-    return float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
+# Megatron-Core's Llama-3 RoPE scaling has only ``factor`` as a parameter; the rest is hard-coded.
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rope(hf_config: Mapping[str, Any]) -> tuple[float, float | None]:
+    """(rope theta, Llama-3 scaling factor or None) from ``rope_parameters`` (transformers >= 5) or
+    the legacy ``rope_theta`` / ``rope_scaling`` keys; ``ValueError`` for what Megatron cannot do."""
+    params = {**(hf_config.get("rope_scaling") or {}), **(hf_config.get("rope_parameters") or {})}
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    theta = float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"rope_scaling: rope type {rope_type!r} is not supported (only 'default' and "
+                         "'llama3' RoPE)")
+    wrong = {k: params.get(k) for k, v in _LLAMA3_FIXED.items() if params.get(k) != v}
+    if wrong or not isinstance(params.get("factor"), (int, float)) or params["factor"] <= 0:
+        raise ValueError(f"rope_scaling: llama3 RoPE needs a factor > 0 (got {params.get('factor')!r}) and "
+                         f"Megatron-Core's fixed {_LLAMA3_FIXED}; the checkpoint has {wrong}")
+    return theta, float(params["factor"])
 
 
 def from_hf_config(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfig:
@@ -239,7 +251,8 @@ def from_hf_config(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfi
 
     Refuses (``ValueError`` naming the field) what the Megatron model here cannot express: other
     architectures, activations other than SiLU, RoPE scaling, sliding-window attention, MLP or
-    output-projection biases, and a head_dim other than hidden / heads when ``ModelConfig`` has no
+    output-projection biases, RoPE scaling other than Llama-3's with Megatron-Core's fixed
+    parameters (-> ``rope_scaling_factor``). A ``head_dim`` other than hidden / heads becomes
     ``kv_channels``.
     """
     family = hf_family(hf_config)
@@ -252,6 +265,7 @@ def from_hf_config(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfi
         raise ValueError("attention_bias: the output-projection bias it implies is not supported")
     if hf_config.get("use_sliding_window"):
         raise ValueError("use_sliding_window: sliding-window attention is not supported")
+    theta, rope_factor = _rope(hf_config)
     fields: dict[str, Any] = dict(
         num_layers=int(hf_config["num_hidden_layers"]),
         hidden_size=hidden,
@@ -260,7 +274,8 @@ def from_hf_config(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfi
         ffn_hidden_size=int(hf_config["intermediate_size"]),
         vocab_size=int(hf_config["vocab_size"]),
         max_sequence_length=int(hf_config["max_position_embeddings"]),
-        rotary_base=_rope_theta(hf_config),
+        rotary_base=theta,
+        rope_scaling_factor=rope_factor,
         normalization="RMSNorm",
         norm_epsilon=float(hf_config["rms_norm_eps"]),
         swiglu=True,
@@ -271,9 +286,6 @@ def from_hf_config(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfi
     )
     d = hf_config.get("head_dim") or hidden // heads
     if d != hidden // heads or hidden % heads:
-        if "kv_channels" not in ModelConfig.__dataclass_fields__:
-            raise ValueError(f"head_dim: {d} != hidden_size / num_attention_heads = {hidden / heads:g}, "
-                             "which ModelConfig cannot express (no kv_channels field)")
         fields["kv_channels"] = int(d)
     fields.update(overrides)
     return ModelConfig(**fields)
@@ -301,7 +313,7 @@ def to_hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
         num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.query_groups,
         head_dim=head_dim(cfg), hidden_act="silu", max_position_embeddings=cfg.max_sequence_length,
         rms_norm_eps=cfg.norm_epsilon, rope_theta=cfg.rotary_base,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rotary_base},
+        rope_parameters=_rope_parameters(cfg),
         tie_word_embeddings=cfg.tie_word_embeddings, initializer_range=cfg.init_method_std,
         dtype=str(dtype).removeprefix("torch."), torch_dtype=str(dtype).removeprefix("torch."),
     )
@@ -311,3 +323,10 @@ def to_hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
     else:
         out.update(use_sliding_window=False, **({"attention_bias": False} if family == "qwen3" else {}))
     return out
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    if cfg.rope_scaling_factor is None:
+        return {"rope_type": "default", "rope_theta": cfg.rotary_base}
+    return {"rope_type": "llama3", "rope_theta": cfg.rotary_base, "factor": cfg.rope_scaling_factor,
+            **_LLAMA3_FIXED}

@@ -18,11 +18,11 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=88, num_hidde
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
 
 
-def hf_config(family: str, num_layers: int = 2):
-    """A transformers config object of the tiny model."""
+def hf_config(family: str, num_layers: int = 2, **overrides: Any):
+    """A transformers config object of the tiny model (``overrides``: other config fields)."""
     import transformers
 
-    common = _COMMON | {"num_hidden_layers": num_layers}
+    common = _COMMON | {"num_hidden_layers": num_layers} | overrides
 
     if family == "llama":
         return transformers.LlamaConfig(**common, rope_theta=5000.0, architectures=["LlamaForCausalLM"])
@@ -39,7 +39,8 @@ def hf_config_dict(family: str) -> dict[str, Any]:
 
 
 def save_tiny_model(family: str, path: Path, seed: int = 0, dtype: torch.dtype = torch.float32,
-                    max_shard_size: str | None = None, num_layers: int = 2) -> torch.nn.Module:
+                    max_shard_size: str | None = None, num_layers: int = 2,
+                    **overrides: Any) -> torch.nn.Module:
     """Random model of ``family`` in ``dtype`` saved (safetensors, sharded when ``max_shard_size`` is
     given, e.g. ``"100KB"``) to ``path``; returns it in eval mode.
 
@@ -51,7 +52,7 @@ def save_tiny_model(family: str, path: Path, seed: int = 0, dtype: torch.dtype =
     torch.manual_seed(seed)
     cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
            "qwen3": transformers.Qwen3ForCausalLM}[family]
-    model = cls(hf_config(family, num_layers)).eval()
+    model = cls(hf_config(family, num_layers, **overrides)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn_like(p)

@@ -72,13 +72,41 @@ def test_from_hf_config_refusals(change, field):
 
 def test_head_dim_other_than_hidden_over_heads():
     d = hf_config_dict("qwen3") | {"head_dim": 32}  # Qwen3-0.6B-like: heads * head_dim != hidden
-    if "kv_channels" in ModelConfig.__dataclass_fields__:
-        cfg = from_hf_config(d)
-        assert cfg.kv_channels == 32 and hf_shapes(cfg)["model.layers.0.self_attn.q_proj.weight"] == (128, 64)
-        assert to_hf_config(cfg)["head_dim"] == 32
-    else:
-        with pytest.raises(ValueError, match="head_dim: 32"):
-            from_hf_config(d)
+    cfg = from_hf_config(d)
+    assert cfg.kv_channels == 32 and hf_shapes(cfg)["model.layers.0.self_attn.q_proj.weight"] == (128, 64)
+    assert to_hf_config(cfg)["head_dim"] == 32
+    assert from_hf_config(hf_config_dict("qwen3")).kv_channels is None  # head_dim 16 = 64 / 4
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def test_llama3_rope_scaling_maps_to_rope_scaling_factor():
+    cfg = from_hf_config(hf_config_dict("llama") | {"rope_parameters": LLAMA3_ROPE})
+    assert cfg.rope_scaling_factor == 32.0 and cfg.rotary_base == 5e5
+    assert to_hf_config(cfg)["rope_parameters"] == LLAMA3_ROPE
+    assert from_hf_config(to_hf_config(cfg)) == cfg
+    # the legacy keys (transformers < 5): rope_theta at the top, rope_scaling with "rope_type" or "type"
+    legacy = {k: v for k, v in hf_config_dict("llama").items() if k != "rope_parameters"}
+    scaling = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+    for key in ("rope_type", "type"):
+        d = legacy | {"rope_theta": 5e5, "rope_scaling": {key: "llama3", **scaling}}
+        d["rope_scaling"].pop("rope_type" if key == "type" else "type", None)
+        assert from_hf_config(d) == cfg
+    assert from_hf_config(hf_config_dict("llama")).rope_scaling_factor is None
+    assert to_hf_config(from_hf_config(hf_config_dict("llama")))["rope_parameters"]["rope_type"] == "default"
+
+
+@pytest.mark.parametrize("change", [{"low_freq_factor": 2.0}, {"high_freq_factor": 8.0},
+                                    {"original_max_position_embeddings": 4096}, {"factor": -1.0},
+                                    {"rope_type": "yarn"}])
+def test_llama3_rope_scaling_other_than_megatrons_is_refused(change):
+    d = hf_config_dict("llama") | {"rope_parameters": LLAMA3_ROPE | change}
+    with pytest.raises(ValueError, match="rope_scaling") as err:
+        from_hf_config(d)
+    if "rope_type" not in change:
+        assert next(iter(change)) in str(err.value) or "factor" in str(err.value)
 
 
 def test_units_names_and_te_aliases():
