@@ -27,7 +27,7 @@ and a finalize that skips the per-token rescale), so the gradient is that of
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -36,6 +36,7 @@ import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 
 from mcore_engine.config import EngineConfig
+from mcore_engine.ops import scale_logits_by_temperature
 from mcore_engine.platform import apply_cpu_device_layer, get_device, init_distributed
 
 __all__ = ["MegatronEngine"]
@@ -49,6 +50,16 @@ def _finalize_grads_without_token_rescale(model, num_tokens=None, pg_collection=
     from megatron.core.distributed import finalize_model_grads
 
     finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
+
+def _merge_logits_func(outputs: dict[str, torch.Tensor], extra: dict[str, torch.Tensor]
+                       ) -> dict[str, torch.Tensor]:
+    """``outputs`` plus a ``logits_func``'s outputs; ``ValueError`` on a key both produce."""
+    clash = sorted(outputs.keys() & extra.keys())
+    if clash:
+        raise ValueError(f"logits_func returned {clash}, which the built-in outputs already hold; "
+                         "rename them or pass builtin_outputs=False")
+    return {**outputs, **extra}
 
 
 class MegatronEngine:
@@ -71,9 +82,10 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ set-up
     def initialize(self) -> None:
-        """Bring up distributed state, build the model chunks, wrap them in Megatron DDP, build the
-        Megatron optimizer and ``OptimizerParamScheduler``. Config errors raise before any process
-        group work."""
+        """Bring up distributed state, build the model chunks (with ``model.hf_path``: import that
+        Hugging Face folder's weights, each rank reading only its shards), wrap them in Megatron DDP,
+        build the Megatron optimizer and ``OptimizerParamScheduler``. Config errors raise before any
+        process group work; a checkpoint that does not match ``config.model`` raises ``ValueError``."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         from mcore_engine.model import build_model_chunks
@@ -86,6 +98,10 @@ class MegatronEngine:
         init_distributed(cfg.parallel, cfg.seed)
 
         chunks = build_model_chunks(cfg)
+        if cfg.model.hf_path is not None:  # before the DDP wrap and the optimizer's main-weight copies
+            from mcore_engine.hf import load_hf_weights
+
+            load_hf_weights(chunks, cfg.model.hf_path, cfg)
         for chunk in chunks:
             tcfg = chunk.config
             tcfg.calculate_per_token_loss = True          # no 1/num_microbatches, no DP averaging
@@ -151,15 +167,17 @@ class MegatronEngine:
                                       chunk_size=self.config.logits_chunk_size, **kwargs)
 
     # ------------------------------------------------------------------ forward / backward
-    def _prepare(self, batch: TensorDictBase, logits_processor_func: Callable | None):
+    def _prepare(self, batch: TensorDictBase, logits_processor_func: Callable | None,
+                 logits_func: Callable | None = None):
         from megatron.core import parallel_state
 
         from mcore_engine.step import prepare_step
 
         self._require_initialized()
-        if self.config.model.fused_lm_head and logits_processor_func is not None:
-            raise ValueError("logits_processor_func needs the logits, which model.fused_lm_head=True never "
-                             "builds; use the built-in top-k distillation or fused_lm_head: false")
+        for name, func in (("logits_processor_func", logits_processor_func), ("logits_func", logits_func)):
+            if self.config.model.fused_lm_head and func is not None:
+                raise ValueError(f"{name} needs the logits, which model.fused_lm_head=True never builds; "
+                                 "use the built-in outputs or fused_lm_head: false")
         par = self.config.parallel
         return prepare_step(
             batch, vocab_size=self.config.model.vocab_size,
@@ -172,7 +190,8 @@ class MegatronEngine:
             common_shape=self._interleaved)
 
     def _run(self, step, loss_function: LossFunction | None, forward_only: bool,
-             logits_processor_func: Callable | None) -> TensorDict:
+             logits_processor_func: Callable | None, logits_func: Callable | None = None,
+             builtin_outputs: bool = True) -> TensorDict:
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -184,12 +203,18 @@ class MegatronEngine:
         def loss_func(mb, model, output: torch.Tensor):
             inp = mb.inputs
             teacher = {"teacher_ids": inp.teacher_ids, "teacher_logprobs": inp.teacher_logprobs}
-            outputs = self._lm_head_outputs(
-                model, output, inp.labels, inp.temperature, calculate_entropy=flags.calculate_entropy,
-                calculate_sum_pi_squared=flags.calculate_sum_pi_squared,
-                distillation_use_topk=flags.distillation_use_topk, distillation_only=flags.distillation_only,
-                logits_processor_func=logits_processor_func,
-                batch=teacher, data_format=fmt)
+            outputs = {}
+            if builtin_outputs:
+                outputs = self._lm_head_outputs(
+                    model, output, inp.labels, inp.temperature, calculate_entropy=flags.calculate_entropy,
+                    calculate_sum_pi_squared=flags.calculate_sum_pi_squared,
+                    distillation_use_topk=flags.distillation_use_topk,
+                    distillation_only=flags.distillation_only, logits_processor_func=logits_processor_func,
+                    batch=teacher, data_format=fmt)
+            if logits_func is not None:
+                outputs = _merge_logits_func(outputs, logits_func(
+                    student_logits=scale_logits_by_temperature(output, inp.temperature), data=teacher,
+                    data_format=fmt))
             flat = {k: v.reshape(-1) for k, v in outputs.items()}
             if loss_function is None:
                 loss, metrics = output.new_zeros((), dtype=torch.float32), {}
@@ -271,14 +296,30 @@ class MegatronEngine:
 
     @torch.no_grad()
     def infer_batch(self, batch: TensorDictBase, loss_function: LossFunction | None = None, *,
-                    logits_processor_func: Callable | None = None) -> TensorDict:
+                    logits_processor_func: Callable | None = None, logits_func: Callable | None = None,
+                    builtin_outputs: bool = True) -> TensorDict:
         """Forward only, under ``no_grad`` and eval mode: per-token outputs in the layout of
-        ``input_ids`` (``log_probs`` unless distillation_only, ``entropy`` ... per the flags)."""
-        step = self._prepare(batch, logits_processor_func)
+        ``input_ids`` (``log_probs`` unless distillation_only, ``entropy`` ... per the flags).
+
+        ``logits_processor_func`` keeps the API.md contract (called only under the batch's
+        ``distillation_use_topk``). ``logits_func``, for inference-side work on the logits (sampling,
+        teacher top-k scoring), runs on every micro-batch WHATEVER the flags::
+
+            extra = logits_func(student_logits=logits / temperature,   # this rank's shard [..., V/tp]
+                                data={"teacher_ids": ..., "teacher_logprobs": ...}, data_format=fmt)
+
+        (``logits`` itself for a host-scalar temperature 1, else one scaled copy) and its dict of
+        per-token tensors (shape ``student_logits.shape[:-1]`` plus any trailing dims) is merged into
+        the outputs; a key that clashes with a built-in output is a ``ValueError``. With
+        ``builtin_outputs=False`` the flag-driven outputs (log-probs, entropy, ...) are not computed
+        at all and only ``logits_func``'s come back (``logits_func`` is then required)."""
+        if not builtin_outputs and logits_func is None:
+            raise ValueError("infer_batch: builtin_outputs=False needs a logits_func (nothing to compute)")
+        step = self._prepare(batch, logits_processor_func, logits_func)
         for chunk in self.model:
             chunk.eval()
         try:
-            return self._run(step, loss_function, True, logits_processor_func)
+            return self._run(step, loss_function, True, logits_processor_func, logits_func, builtin_outputs)
         finally:
             for chunk in self.model:
                 chunk.train()
@@ -306,6 +347,30 @@ class MegatronEngine:
         self._require_initialized()
         self.lr_scheduler.step(1)
         return float(self.optimizer.param_groups[0]["lr"])
+
+    # ------------------------------------------------------------------ weight export (Hugging Face names)
+    def per_tensor_generator(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream ``(hf_name, full_tensor)`` for the whole model in Hugging Face names and layouts
+        (TP shards gathered, vocab padding dropped), e.g. for weight sync to an inference engine:
+        ``mcore_engine.hf.iter_hf_tensors(self.model, self.config, dtype=dtype)``.
+
+        Collective over the tensor- and pipeline-parallel groups: every rank of the model-parallel
+        group must consume the generator to the end, in step; every rank receives every tensor.
+        ``dtype`` None: the training precision. Tensors may share storage with live parameters (copy
+        them to keep them past an update). Memory: one gathered parameter at a time."""
+        from mcore_engine.hf import iter_hf_tensors
+
+        self._require_initialized()
+        return iter_hf_tensors(self.model, self.config, dtype=dtype)
+
+    def export_hf(self, out_dir: str | os.PathLike, **kwargs: Any) -> None:
+        """Collective (every rank): write the model as a Hugging Face folder (safetensors +
+        ``config.json``; the tokenizer files of ``model.hf_path`` when set);
+        ``kwargs`` (``dtype``, ``max_shard_bytes``) go to ``mcore_engine.hf.export_hf``."""
+        from mcore_engine.hf import export_hf
+
+        self._require_initialized()
+        export_hf(self.model, self.config, out_dir, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_path(self, path: str | None) -> str:

@@ -227,6 +227,38 @@ def _single_rank(rank: int, world_size: int, tmp: str) -> None:
         assert {"distillation_loss", "topk_overlap", "grad_norm"} <= metrics.keys(), sorted(metrics)
         assert ("pg_clipfrac" in metrics) is not only and metrics["update_skipped"] == 0.0
 
+    # --- 3c. infer_batch(logits_func=...): runs whatever the flags, on the temperature-scaled logits,
+    #         merged with the built-in outputs or (builtin_outputs=False) alone ---
+    def row_stats(student_logits, data, data_format):
+        return {"max_logit": student_logits.float().amax(-1), "top2": student_logits.float().topk(2).values}
+
+    plain = make_batch(11, 5)                         # no flags at all: temperature 1
+    raw = engine.infer_batch(plain, logits_func=row_stats)
+    assert {"log_probs", "max_logit", "top2"} <= raw.keys() and "entropy" not in raw.keys()
+    assert_rel_close(flat_values(raw["log_probs"]), flat_values(engine.infer_batch(plain)["log_probs"]),
+                     TOL, "log_probs next to a logits_func")
+    assert raw["top2"].values().shape[-1] == 2
+    temps = torch.tensor([0.5, 2.0, 0.7, 1.3, 0.9])
+    for name, temperature in (("scalar", 0.7), ("per-sample", temps)):
+        hot = make_batch(11, 5)
+        if name == "scalar":
+            hot.set_non_tensor("temperature", temperature)
+        else:
+            hot.set("temperature", temperature)
+        with mock.patch.object(engine, "_lm_head_outputs", wraps=engine._lm_head_outputs) as builtin:
+            only = engine.infer_batch(hot, logits_func=row_stats, builtin_outputs=False)
+        builtin.assert_not_called()
+        assert set(only.keys()) - {"loss", "metrics"} == {"max_logit", "top2"}, sorted(only.keys())
+        per_token = temperature if name == "scalar" else torch.cat(
+            [t.expand(n) for t, n in zip(temps, raw["max_logit"].offsets().diff().tolist(), strict=True)])
+        assert_rel_close(flat_values(only["max_logit"]), flat_values(raw["max_logit"]) / per_token, TOL,
+                         f"logits_func sees logits / temperature ({name})")
+    clash = partial(engine.infer_batch, plain,
+                    logits_func=lambda **kw: {"log_probs": kw["student_logits"][..., 0]})
+    assert "log_probs" in _expect_value_error(clash, "logits_func key clash")
+    assert "logits_func" in _expect_value_error(partial(engine.infer_batch, plain, builtin_outputs=False),
+                                                "builtin_outputs=False without logits_func")
+
     # --- 4. non-finite gradients: update skipped, parameters and Adam state bit-identical ---
     def nan_loss(outputs, data, ctx):
         loss, metrics = policy_loss(outputs, data, ctx)

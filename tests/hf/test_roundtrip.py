@@ -4,7 +4,9 @@ One launch runs every family (Llama sharded in and out) at TP=1 (DP=2), TP=2 and
 logits and log-probs against the ``transformers`` forward (fp32, rel 1e-4), the streamed tensors and
 the exported folder bit for bit against the original safetensors, and a corrupt folder refused
 before any parameter changes; then a 4-layer Llama at PP=2 x VPP=2 and a bf16 checkpoint into a
-bf16 model at TP=2.
+bf16 model at TP=2. Last, ``MegatronEngine`` with ``model.hf_path`` (TP=2) on a Llama with Llama-3
+RoPE scaling and ``head_dim`` 32 != hidden / heads: RoPE frequencies and ``infer_batch`` log-probs
+against transformers, ``per_tensor_generator`` and ``export_hf`` bit for bit.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from tests.utils import assert_rel_close, rel_err, run_distributed
 CASES = [(family, tp, pp, None, "fp32") for tp, pp in ((1, 1), (2, 1), (1, 2)) for family in FAMILIES]
 CASES += [("llama4", 1, 2, 2, "fp32"), ("qwen2_bf16", 2, 1, None, "bf16")]
 TOL = 1e-4
+# Llama-3 RoPE scaling with Megatron-Core's fixed parameters (a large theta: several scaled bands)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def _engine_config(folder: Path, tp: int = 1, pp: int = 1, vpp: int | None = None,
@@ -58,7 +63,13 @@ def saved(tmp_path_factory) -> Path:
     with torch.no_grad():  # bf16 budget: the fp32 forward of the bf16 weights vs transformers' bf16 one
         logits["qwen2_bf16"] = model(ids).logits.float()
         logits["qwen2_bf16_fp32"] = model.float()(ids).logits
-    torch.save({"ids": ids, "logits": logits}, root / "reference.pt")
+    model = save_tiny_model("llama", root / "llama_rope", seed=6, head_dim=32, rope_parameters=LLAMA3_ROPE)
+    with torch.no_grad():
+        logits["llama_rope"] = model(ids).logits
+    inv_freq = model.model.rotary_emb.inv_freq.clone()
+    unscaled = 1 / 5e5 ** (torch.arange(0, 32, 2, dtype=torch.float32) / 32)
+    assert (inv_freq != unscaled).sum() >= 4, "the RoPE scaling must change several frequencies"
+    torch.save({"ids": ids, "logits": logits, "inv_freq": inv_freq}, root / "reference.pt")
     return root
 
 
@@ -95,13 +106,14 @@ def _forward(chunks: list[torch.nn.Module], ids: torch.Tensor) -> torch.Tensor |
 def _check_all_layouts(rank: int, world_size: int, root: Path) -> None:
     from mcore_engine.hf import export_hf, iter_hf_tensors
     from mcore_engine.model import build_model_chunks
-    from mcore_engine.platform import init_distributed
+    from mcore_engine.platform import destroy_distributed, init_distributed
 
     ref = torch.load(root / "reference.pt")
     ids, labels = ref["ids"], ref["ids"][:, 1:, None]
     for name, tp, pp, vpp, precision in CASES:
         what = f"{name} tp={tp} pp={pp} vpp={vpp} rank={rank}"
         cfg = _engine_config(root / name, tp, pp, vpp, precision)
+        destroy_distributed()  # each layout gets its own process groups
         init_distributed(cfg.parallel, seed=123)
         chunks = build_model_chunks(cfg)
         if (name, tp, pp) == ("qwen3", 2, 1):  # a corrupt folder is refused before any parameter changes
@@ -134,6 +146,36 @@ def _check_all_layouts(rank: int, world_size: int, root: Path) -> None:
         if (name, pp) == ("llama", 2):  # export dtype cast
             for n, t in iter_hf_tensors(chunks, cfg, dtype=torch.bfloat16):
                 assert torch.equal(t, original[n].to(torch.bfloat16)), f"{n} bf16 {what}"
+    _check_engine_hf_path(root, ref)
+
+
+def _check_engine_hf_path(root: Path, ref: dict) -> None:
+    """``MegatronEngine(model.hf_path=...)`` at TP=2: weights imported in ``initialize``."""
+    from tensordict import TensorDict
+
+    from mcore_engine import MegatronEngine
+    from mcore_engine.hf.mapping import unwrap_chunk
+
+    folder = root / "llama_rope"
+    engine = MegatronEngine(_engine_config(folder, tp=2))
+    assert engine.config.model.kv_channels == 32 and engine.config.model.rope_scaling_factor == 8.0
+    engine.initialize()  # same layout as the last case: the groups are kept
+    inv_freq = unwrap_chunk(engine.model[0]).rotary_pos_emb.inv_freq
+    assert_rel_close(inv_freq, ref["inv_freq"], 1e-6, "Llama-3 scaled RoPE frequencies")
+
+    ids = ref["ids"]
+    batch = TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool)},
+                       batch_size=[ids.shape[0]])
+    log_probs = engine.infer_batch(batch)["log_probs"][:, :-1]
+    expected = ref["logits"]["llama_rope"][:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    assert_rel_close(log_probs, expected, TOL, "engine log-probs with hf_path")
+
+    original = load_folder(folder)
+    streamed = {n: t.clone() for n, t in engine.per_tensor_generator()}
+    assert sorted(streamed) == sorted(original)
+    for n, t in original.items():
+        assert torch.equal(streamed[n], t), f"per_tensor_generator {n}"
+    engine.export_hf(root / "export_engine", max_shard_bytes=100_000)
 
 
 def test_import_logits_and_export_bit_exact(saved):
@@ -162,6 +204,12 @@ def test_import_logits_and_export_bit_exact(saved):
         assert from_hf_config(config) == from_hf_config(source_config)
         assert config["architectures"] == source_config["architectures"]
         assert config["dtype"] == str(t.dtype).removeprefix("torch.")
+    exported, config = load_folder(saved / "export_engine"), read_hf_config(saved / "export_engine")
+    original = load_folder(saved / "llama_rope")
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[n], original[n]) for n in original)
+    assert config["rope_parameters"] == LLAMA3_ROPE and config["head_dim"] == 32
+    assert from_hf_config(config) == from_hf_config(read_hf_config(saved / "llama_rope"))
     for name in FAMILIES:  # an exported folder loads in transformers and gives the same logits
         model = transformers.AutoModelForCausalLM.from_pretrained(_export_dir(saved, name, 2, 1, None)).eval()
         with torch.no_grad():
