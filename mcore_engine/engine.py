@@ -14,8 +14,14 @@ One step, as ``train_batch`` runs it::
     gather_results()                      # outputs, loss, metrics: last stage -> every rank
     optimizer_step()                      # empty_cache iff top-k distillation ran; clip; step or skip
 
+Inference: ``infer_batch`` (forward only); its ``logits_func`` runs a custom function on the scaled
+logits whatever the flags (sampling, teacher top-k scoring). Weights: ``model.hf_path`` imports a
+Hugging Face folder in ``initialize``; ``per_tensor_generator`` / ``export_hf`` stream or write the
+model in Hugging Face names (weight sync to inference engines).
+
 Helpers: ``mcore_engine.step`` (batch -> micro-batches, normalisers, results), ``mcore_engine.optim``
-(Megatron optimizer + scheduler, the non-finite-skipping step), ``mcore_engine.checkpoint``.
+(Megatron optimizer + scheduler, the non-finite-skipping step), ``mcore_engine.checkpoint``,
+``mcore_engine.hf`` (Hugging Face import / export).
 
 Loss normalisation: ``loss_function`` returns each micro-batch's CONTRIBUTION to the global loss
 (divided by ``ctx.global_num_tokens``, all-reduced over DP before the micro-batch loop), Megatron

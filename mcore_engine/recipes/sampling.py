@@ -1,8 +1,8 @@
 """A plain sampling loop and teacher top-k scoring over vocab-parallel logits, through the engine.
 
-Both run ``MegatronEngine.infer_batch`` with a custom ``logits_processor_func`` (the engine calls it
-on this rank's temperature-scaled vocab shard ``[..., V_local]`` when the batch sets
-``distillation_use_topk``; ``distillation_only`` skips the log-probs):
+Both run ``MegatronEngine.infer_batch(batch, logits_func=..., builtin_outputs=False)``: the engine
+calls the function on this rank's temperature-scaled vocab shard ``[..., V_local]`` and computes
+nothing else (no log-prob pass); the batch carries no distillation flags:
 
 - rollouts: no KV cache, one full forward per new token. Gumbel-max per shard + MAX-reduce::
 
@@ -42,7 +42,7 @@ def _tp_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
 
 
 class GumbelMaxSampler:
-    """``logits_processor_func`` drawing one token per position from ``softmax(student_logits)``.
+    """``logits_func`` drawing one token per position from ``softmax(student_logits)``.
 
     Returns ``{"sampled_ids": int64 [...]}`` (shape ``student_logits.shape[:-1]``), identical on all
     ranks of the tensor-parallel group. Call ``i`` seeds its noise with ``(seed, i, tp_rank)``, so
@@ -76,7 +76,7 @@ class GumbelMaxSampler:
 
 
 def topk_processor(k: int, *, vocab_size: int | None, group: dist.ProcessGroup | None = None):
-    """``logits_processor_func`` returning ``{"topk_log_probs": fp32 [..., k], "topk_ids": int64 [..., k]}``:
+    """``logits_func`` returning ``{"topk_log_probs": fp32 [..., k], "topk_ids": int64 [..., k]}``:
     the top-k of ``log_softmax(logits)`` over the global vocab (``vocab_parallel_topk``)."""
 
     def fn(student_logits: torch.Tensor, data=None, data_format: str = "thd") -> dict[str, torch.Tensor]:
@@ -106,12 +106,10 @@ def from_last_stage(out, key: str, shape: tuple[int, ...], dtype: torch.dtype) -
 
 
 def _inference_batch(tokens: torch.Tensor, *, micro_batch_size: int, temperature: float) -> TensorDict:
-    """Padded ``[B, S]`` batch (no padding) that makes the engine call the custom processor only."""
+    """Padded ``[B, S]`` batch without padding (an all-ones ``attention_mask``), no distillation flags."""
     batch = TensorDict({"input_ids": tokens, "attention_mask": torch.ones_like(tokens, dtype=torch.bool)},
                        batch_size=[tokens.shape[0]])
     batch.set_non_tensor("temperature", temperature)
-    batch.set_non_tensor("distillation_use_topk", True)   # -> logits_processor_func is called
-    batch.set_non_tensor("distillation_only", True)       # -> no log-prob pass
     batch.set_non_tensor("micro_batch_size_per_gpu", micro_batch_size)
     return batch
 
@@ -126,7 +124,7 @@ def sample_continuations(engine, prompts: torch.Tensor, num_new_tokens: int, *, 
     tokens = prompts
     for _ in range(num_new_tokens):
         batch = _inference_batch(tokens, micro_batch_size=micro_batch_size, temperature=temperature)
-        out = engine.infer_batch(batch, logits_processor_func=sampler)
+        out = engine.infer_batch(batch, logits_func=sampler, builtin_outputs=False)
         sampled = from_last_stage(out, "sampled_ids", tuple(tokens.shape), torch.int64)
         next_ids = sampled[:, -1].to(tokens.device)
         tokens = torch.cat([tokens, next_ids[:, None]], dim=1)
@@ -139,7 +137,7 @@ def teacher_topk(engine, tokens: torch.Tensor, k: int, *,
     ``[B, S, k]``); position t is about token t + 1 (the engine's output convention)."""
     batch = _inference_batch(tokens, micro_batch_size=micro_batch_size, temperature=1.0)
     processor = topk_processor(k, vocab_size=engine.config.model.vocab_size)
-    out = engine.infer_batch(batch, logits_processor_func=processor)
+    out = engine.infer_batch(batch, logits_func=processor, builtin_outputs=False)
     shape = (*tokens.shape, k)
     ids = from_last_stage(out, "topk_ids", shape, torch.int64)
     log_probs = from_last_stage(out, "topk_log_probs", shape, torch.float32)
