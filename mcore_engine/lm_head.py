@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from mcore_engine.ops import _common
 from mcore_engine.ops import stats as _stats
+from mcore_engine.ops.backend import ChunkBackend, chunk_backend
 from mcore_engine.ops.fused import OUTPUT_KEYS
 from mcore_engine.ops.temperature import Temperature, temperature_rows
 from mcore_engine.processor import _log_prob_labels, _teacher_tensors
@@ -41,62 +42,25 @@ def _shard(weight: torch.Tensor, group: dist.ProcessGroup | None, vocab_size: in
     return _common.make_shard(weight.new_empty(0, weight.shape[0], device="meta"), group, vocab_size)
 
 
-def grad_coefficients(fin: _stats.Finalized, layout: _stats.StatLayout, grads: dict[str, torch.Tensor | None],
-                      labels: torch.Tensor | None, ids: torch.Tensor | None):
-    """Per-token coefficients of ``stats.chunk_grad``: ``g = p (a + b (zm - mu) + c2 p) + scatter``.
-
-    ``grads``: upstream gradients ``[N]`` by output key (None: no gradient). Returns
-    ``(a, b, mu, c2, cols, vals)`` with ``cols``/``vals`` ``[N, n]`` global ids and values, or None when
-    nothing needs a gradient. The same mapping as ``ops.fused`` (API.md formulas):
-    d log_prob = e_y - p; d H = -p (z - mu); d s2 = 2 p (p - s2); d KL = p W - P 1[active] (+ tail).
-    """
-    g_lp, g_h, g_s2, g_kl = (grads.get(k) for k in ("log_probs", "entropy", "sum_pi_squared",
-                                                     "distillation_losses"))
-    if g_lp is None and g_h is None and g_s2 is None and g_kl is None:
-        return None
-    n = fin.inv_s.shape[0]
-    a = torch.zeros(n, dtype=torch.float32, device=fin.inv_s.device)
-    b = -g_h.reshape(n).float() if g_h is not None else None
-    c2 = None
-    cols, vals = [], []
-    if g_lp is not None:
-        g_lp = g_lp.reshape(n).float()
-        a -= g_lp
-        cols.append(labels[:, None])
-        vals.append(g_lp[:, None])
-    if g_s2 is not None:
-        c2 = 2 * g_s2.reshape(n).float()
-        a -= c2 * fin.s2
-    if g_kl is not None:
-        g_kl = g_kl.reshape(n).float()
-        a += g_kl * fin.kl_w
-        tv = -fin.kl_p
-        if fin.tail_r is not None:
-            a -= g_kl * fin.tail_r * fin.q_s
-            tv = tv + fin.tail_r[:, None] * fin.q
-        cols.append(ids)
-        vals.append(g_kl[:, None] * tv)
-    mu = fin.mu if b is not None else None
-    return (a, b, mu, c2, torch.cat(cols, 1) if cols else None, torch.cat(vals, 1) if vals else None)
-
-
 class _FusedLMHeadFunction(torch.autograd.Function):
     """Forward (per chunk of rows; ``x = hidden[r0:r1] @ weight[:V_valid].T``, freed after the chunk):
 
     1. m = row max of x / t (local) -> ONE all-reduce MAX.
-    2. zm = x / t - m; packed statistics (``stats.chunk_stats``) -> ONE all-reduce SUM.
+    2. zm = x / t - m; packed statistics (``backend.chunk_stats``) -> ONE all-reduce SUM.
     3. After the loop: finalize per token (``stats.finalize``).
-    Backward (per chunk, no collectives but one): recompute x and zm, form the logit gradient
-    ``G = stats.chunk_grad(...) / t`` in the compute dtype, then ``grad_hidden[r0:r1] = G @ W`` and
-    ``grad_weight += G.T @ hidden[r0:r1]``; finally ONE all-reduce SUM of ``grad_hidden`` over the group
-    (``hidden`` is replicated across it, as in Megatron's column-parallel output layer).
+    Backward (per chunk, no collectives but one): recompute x, form the fp32 logit gradient
+    ``G = backend.chunk_grad(...)`` (coefficients from ``stats.grad_coefficients``), then
+    ``grad_hidden[r0:r1] = G @ W`` and ``grad_weight += G.T @ hidden[r0:r1]``; finally ONE all-reduce
+    SUM of ``grad_hidden`` over the group (``hidden`` is replicated across it, as in Megatron's
+    column-parallel output layer).
     """
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None,
                 teacher_ids: torch.Tensor | None, teacher_log_probs: torch.Tensor | None,
                 t_rows: torch.Tensor | None, shard: _common.Shard, rows: int, layout: _stats.StatLayout,
-                clamp: float | None, t_scalar: float | None) -> tuple[torch.Tensor, ...]:
+                clamp: float | None, t_scalar: float | None,
+                backend: ChunkBackend) -> tuple[torch.Tensor, ...]:
         h = hidden.reshape(-1, hidden.shape[-1])
         w = weight[:shard.v_valid]
         n = h.shape[0]
@@ -107,19 +71,19 @@ class _FusedLMHeadFunction(torch.autograd.Function):
             x = h[r0:r1] @ w.T
             tc = t_rows[r0:r1] if t_rows is not None else t_scalar
             # --- 1. global row max ---
-            m = _common.all_reduce_(_stats.row_max(x, tc), dist.ReduceOp.MAX, shard)
+            m = _common.all_reduce_(backend.row_max(x, tc), dist.ReduceOp.MAX, shard)
             row_max[r0:r1] = m
             # --- 2. packed local statistics -> one SUM ---
             label = (_stats.local_columns(labels[r0:r1], shard.offset, shard.v_valid)
                      if labels is not None else None)
             teacher = (_stats.local_columns(teacher_ids[r0:r1], shard.offset, shard.v_valid)
                        if teacher_ids is not None else None)
-            _stats.chunk_stats(_stats.shifted(x, tc, m), layout, stats[r0:r1], label=label, teacher=teacher)
+            backend.chunk_stats(x, tc, m, layout, stats[r0:r1], label=label, teacher=teacher)
             _common.all_reduce_(stats[r0:r1], dist.ReduceOp.SUM, shard)
             del x
         # --- 3. finalize per token ---
         fin = _stats.finalize(stats, layout, teacher_log_probs=teacher_log_probs, clamp=clamp)
-        ctx.shard, ctx.rows, ctx.layout, ctx.t_scalar = shard, rows, layout, t_scalar
+        ctx.shard, ctx.rows, ctx.layout, ctx.t_scalar, ctx.backend = shard, rows, layout, t_scalar, backend
         ctx.keys = _output_keys(layout)
         ctx.fin = fin  # per-token fp32 tensors only
         ctx.save_for_backward(hidden, weight, labels, teacher_ids, t_rows, row_max)
@@ -132,11 +96,10 @@ class _FusedLMHeadFunction(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None):
         hidden, weight, labels, ids, t_rows, row_max = ctx.saved_tensors
         shard: _common.Shard = ctx.shard
-        none = (None,) * 9
-        coef = grad_coefficients(ctx.fin, ctx.layout, dict(zip(ctx.keys, grads, strict=True)), labels, ids)
+        none = (None,) * 10
+        coef = _stats.grad_coefficients(ctx.fin, dict(zip(ctx.keys, grads, strict=True)), labels, ids)
         if coef is None:
             return (None, None) + none
-        a, b, mu, c2, cols_all, vals_all = coef
         h = hidden.reshape(-1, hidden.shape[-1])
         w = weight[:shard.v_valid]
         n = h.shape[0]
@@ -150,15 +113,9 @@ class _FusedLMHeadFunction(torch.autograd.Function):
             r1 = min(r0 + ctx.rows, n)
             x = h[r0:r1] @ w.T
             tc = t_rows[r0:r1] if t_rows is not None else ctx.t_scalar
-            cc = vc = None
-            if cols_all is not None:
-                cc, inside = _stats.local_columns(cols_all[r0:r1], shard.offset, shard.v_valid)
-                vc = vals_all[r0:r1] * inside
-            gz = _stats.chunk_grad(_stats.shifted(x, tc, row_max[r0:r1]), ctx.fin.inv_s[r0:r1], a[r0:r1],
-                                   b[r0:r1] if b is not None else None, mu[r0:r1] if mu is not None else None,
-                                   c2[r0:r1] if c2 is not None else None, cc, vc)
-            if tc is not None:
-                gz.div_(tc[:, None] if isinstance(tc, torch.Tensor) else tc)
+            # d/dx in fp32 (the torch backend's own workspace; Triton allocates it)
+            gz = ctx.backend.chunk_grad(x, tc, row_max[r0:r1], ctx.fin.inv_s[r0:r1],
+                                        *coef.chunk(r0, r1, shard.offset, shard.v_valid))
             del x
             # grad_hidden from the logit gradient in the compute dtype (as the logits path has it);
             # grad_weight accumulates from the fp32 one (no extra rounding, no extra copy).
@@ -193,7 +150,8 @@ def fused_lm_head_outputs(
     labels ``[...]``, teacher_* ``[..., k]``; outputs fp32 ``[...]``. Differentiable w.r.t. ``hidden``
     (gradient all-reduced over ``group``) and ``weight``; the logits are computed in ``weight.dtype``.
     Other arguments as ``vocab_parallel_logits_outputs``.
-    Memory: see the module docstring; ``chunk_size`` rows per chunk (default ~2**21 / V_local).
+    Memory: see the module docstring; ``chunk_size`` rows per chunk (default ~2**21 / V_local, with the
+    Triton backend ~2**26 / V_local).
     """
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
         raise ValueError(f"hidden must be a floating tensor [..., H], got "
@@ -229,7 +187,10 @@ def fused_lm_head_outputs(
     if kl_tail and not k:
         raise ValueError("kl_tail=True requires teacher_ids and teacher_log_probs")
     clamp = _common.check_clamp(log_prob_min_clamp)
-    rows = _common.check_chunk_size(chunk_size, shard.v_local)
+    backend = chunk_backend(hidden.device)
+    # Each chunk materialises its logits [rows, V_local] whatever the backend: at most ~2**26 elements.
+    rows = _common.check_chunk_size(chunk_size, shard.v_local,
+                                    default_elements=min(backend.chunk_elements, 2**26))
     t = temperature_rows(temperature, lead, hidden.device)
     layout = _stats.StatLayout(entropy=bool(entropy), sum_pi_squared=bool(sum_pi_squared),
                                label=labels is not None, k=k, tail=bool(kl_tail))
@@ -238,7 +199,7 @@ def fused_lm_head_outputs(
         return {}
     outs = _FusedLMHeadFunction.apply(hidden, weight, labels, teacher_ids, teacher_log_probs,
                                       t if isinstance(t, torch.Tensor) else None, shard, rows, layout, clamp,
-                                      t if isinstance(t, float) else None)
+                                      t if isinstance(t, float) else None, backend)
     return {key: o.view(lead) for key, o in zip(keys, outs, strict=True)}
 
 

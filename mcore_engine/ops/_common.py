@@ -98,10 +98,11 @@ def check_ids(ids: torch.Tensor, name: str, shape: tuple[int, ...], vocab_size: 
                              f"[{lo}, {hi}]")
 
 
-def check_chunk_size(chunk_size: int | None, v_local: int) -> int:
-    """Rows per chunk: ``chunk_size`` if a positive int, else about DEFAULT_CHUNK_ELEMENTS / V_local."""
+def check_chunk_size(chunk_size: int | None, v_local: int,
+                     default_elements: int = DEFAULT_CHUNK_ELEMENTS) -> int:
+    """Rows per chunk: ``chunk_size`` if a positive int, else about ``default_elements / V_local``."""
     if chunk_size is None:
-        return max(1, DEFAULT_CHUNK_ELEMENTS // v_local)
+        return max(1, default_elements // v_local)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int (rows per chunk) or None, got {chunk_size!r}")
     return chunk_size

@@ -2,11 +2,13 @@
 
 ``vocab_parallel_logits_outputs`` computes any subset of {log-probs, entropy, sum-pi-squared,
 top-k forward KL} from ONE loop over row chunks: per chunk one MAX and one packed SUM all-reduce
-(``stats.py`` defines the statistics). The public ops and the logits processor are thin wrappers.
+(``stats.py`` defines the statistics; ``backend.py`` picks the torch or Triton chunk math once per
+call). The public ops and the logits processor are thin wrappers.
 
-Memory: forward keeps two (briefly three) fp32 ``[chunk, V_local]`` workspaces and saves only the logits (the
-caller's tensor, no copy) plus O(N (8 + 2k)) fp32 statistics; backward recomputes the softmax
-chunk by chunk (no collectives) into one gradient of the logits' shape and dtype.
+Memory: forward keeps two (briefly three) fp32 ``[chunk, V_local]`` workspaces (torch backend; the
+Triton kernels keep none) and saves only the logits (the caller's tensor, no copy) plus
+O(N (8 + 2k)) fp32 statistics; backward recomputes the softmax chunk by chunk (no collectives) into
+one gradient of the logits' shape and dtype.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.distributed as dist
 
 from mcore_engine.ops import _common
 from mcore_engine.ops import stats as _stats
+from mcore_engine.ops.backend import ChunkBackend, chunk_backend
 from mcore_engine.ops.temperature import Temperature, temperature_rows
 
 OUTPUT_KEYS = ("log_probs", "entropy", "sum_pi_squared", "distillation_losses", "student_mass",
@@ -34,6 +37,7 @@ class _Plan:
     layout: _stats.StatLayout
     clamp: float | None
     t_scalar: float | None  # host-scalar temperature != 1 (None: unit or per-row tensor)
+    backend: ChunkBackend  # the chunk math: torch (the reference) or the Triton kernels
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -50,11 +54,12 @@ def _chunk_t(plan: _Plan, t_rows: torch.Tensor | None, r0: int, r1: int) -> floa
 class _VocabParallelLogitsFunction(torch.autograd.Function):
     """Forward (per chunk of rows; ``x = logits.view(N, V_local)[:, :V_valid]``):
 
-    1. m = row max of x / t (local) -> ONE all-reduce MAX.
-    2. zm = x / t - m; packed statistics (``stats.chunk_stats``) -> ONE all-reduce SUM.
+    1. m = row max of x / t (local, ``backend.row_max``) -> ONE all-reduce MAX.
+    2. zm = x / t - m; packed statistics (``backend.chunk_stats``) -> ONE all-reduce SUM.
     3. After the loop: finalize per token (``stats.finalize``).
-    Backward: per chunk, recompute zm and p = exp(zm) / S, form the gradient (``stats.chunk_grad``),
-    divide by t and write it into one preallocated gradient (padded columns get 0).
+    Backward: per-token coefficients (``stats.grad_coefficients``); per chunk, recompute zm and
+    p = exp(zm) / S and write the gradient divided by t (``backend.chunk_grad``) into one preallocated
+    gradient (padded columns get 0). ``backend`` (``plan.backend``) is the torch or Triton chunk math.
     """
 
     @staticmethod
@@ -72,14 +77,14 @@ class _VocabParallelLogitsFunction(torch.autograd.Function):
             r1 = min(r0 + plan.rows, n)
             xc, tc = x[r0:r1, :shard.v_valid], _chunk_t(plan, t_rows, r0, r1)
             # --- 1. global row max ---
-            m = _common.all_reduce_(_stats.row_max(xc, tc), dist.ReduceOp.MAX, shard)
+            m = _common.all_reduce_(plan.backend.row_max(xc, tc), dist.ReduceOp.MAX, shard)
             row_max[r0:r1] = m
             # --- 2. packed local statistics -> one SUM ---
             label = (_stats.local_columns(flat_labels[r0:r1], shard.offset, shard.v_valid)
                      if flat_labels is not None else None)
             teacher = (_stats.local_columns(flat_ids[r0:r1], shard.offset, shard.v_valid)
                        if flat_ids is not None else None)
-            _stats.chunk_stats(_stats.shifted(xc, tc, m), lay, stats[r0:r1], label=label, teacher=teacher)
+            plan.backend.chunk_stats(xc, tc, m, lay, stats[r0:r1], label=label, teacher=teacher)
             _common.all_reduce_(stats[r0:r1], dist.ReduceOp.SUM, shard)
         # --- 3. finalize per token ---
         tlp = teacher_log_probs.reshape(n, lay.k) if teacher_log_probs is not None else None
@@ -98,39 +103,13 @@ class _VocabParallelLogitsFunction(torch.autograd.Function):
         shard = plan.shard
         (logits, labels, ids, t_rows, row_max, inv_s, mu, s2, kl_w, kl_p, tail_r, q,
          q_s) = ctx.saved_tensors
-        g = {k: gr for k, gr in zip(plan.keys, grads, strict=True) if k not in _NO_GRAD_KEYS}
-        g_lp, g_h = g.get("log_probs"), g.get("entropy")
-        g_s2, g_kl = g.get("sum_pi_squared"), g.get("distillation_losses")
         none = (None,) * 6
-        if g_lp is None and g_h is None and g_s2 is None and g_kl is None:
+        fin = _stats.Finalized({}, inv_s, mu, s2, kl_w, kl_p, tail_r, q, q_s)
+        coef = _stats.grad_coefficients(fin, dict(zip(plan.keys, grads, strict=True)), labels, ids)
+        if coef is None:
             return none
-        # --- per-token coefficients of g = p * (a + b (zm - mu) + c2 p) + scatter(cols, vals) ---
-        n = row_max.shape[0]
-        a = torch.zeros(n, dtype=torch.float32, device=logits.device)
-        b = -g_h.reshape(n).float() if g_h is not None else None
-        c2 = None
-        cols, vals = [], []
-        if g_lp is not None:
-            g_lp = g_lp.reshape(n).float()
-            a -= g_lp
-            cols.append(labels[:, None])
-            vals.append(g_lp[:, None])
-        if g_s2 is not None:
-            c2 = 2 * g_s2.reshape(n).float()
-            a -= c2 * s2
-        if g_kl is not None:
-            g_kl = g_kl.reshape(n).float()
-            a += g_kl * kl_w
-            tv = -kl_p
-            if tail_r is not None:
-                a -= g_kl * tail_r * q_s
-                tv = tv + tail_r[:, None] * q
-            cols.append(ids)
-            vals.append(g_kl[:, None] * tv)
-        mu = mu if mu is not None else a  # any [N] tensor: ignored when b is None
-        cols_all = torch.cat(cols, 1) if cols else None
-        vals_all = torch.cat(vals, 1) if vals else None
         # --- recompute chunk by chunk into one gradient ---
+        n = row_max.shape[0]
         x = _common.flat_rows(logits)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         gflat = grad.view(n, shard.v_local)
@@ -139,16 +118,9 @@ class _VocabParallelLogitsFunction(torch.autograd.Function):
         for r0 in range(0, n, plan.rows):
             r1 = min(r0 + plan.rows, n)
             xc, tc = x[r0:r1, :shard.v_valid], _chunk_t(plan, t_rows, r0, r1)
-            cc = vc = None
-            if cols_all is not None:
-                cc, inside = _stats.local_columns(cols_all[r0:r1], shard.offset, shard.v_valid)
-                vc = vals_all[r0:r1] * inside
-            gz = _stats.chunk_grad(_stats.shifted(xc, tc, row_max[r0:r1]), inv_s[r0:r1], a[r0:r1],
-                                   b[r0:r1] if b is not None else None, mu[r0:r1],
-                                   c2[r0:r1] if c2 is not None else None, cc, vc)
-            if tc is not None:
-                gz.div_(tc[:, None] if isinstance(tc, torch.Tensor) else tc)
-            gflat[r0:r1, :shard.v_valid] = gz
+            plan.backend.chunk_grad(xc, tc, row_max[r0:r1], inv_s[r0:r1],
+                                    *coef.chunk(r0, r1, shard.offset, shard.v_valid),
+                                    out=gflat[r0:r1, :shard.v_valid])
         return (grad,) + none[1:]
 
 
@@ -175,7 +147,8 @@ def vocab_parallel_logits_outputs(
 
     Shapes: logits ``[..., V_local]`` (this rank's shard); labels ``[...]``; teacher_* ``[..., k]``;
     outputs fp32 ``[...]``. Differentiable w.r.t. ``logits`` (not the temperature or the teacher).
-    Memory: O(N (8 + 2k)) saved fp32 + two (briefly three) fp32 ``[chunk_size, V_local]`` workspaces.
+    Memory: O(N (8 + 2k)) saved fp32 + two (briefly three) fp32 ``[chunk_size, V_local]`` workspaces
+    (torch backend; on CUDA with Triton, none, and ``chunk_size=None`` then means larger chunks).
     ``teacher_arg_names``: how ValueErrors name the teacher tensors (wrappers pass their own names).
     """
     group = _common.resolve_group(group)
@@ -205,12 +178,13 @@ def vocab_parallel_logits_outputs(
     if kl_tail and not k:
         raise ValueError(f"kl_tail=True requires {ids_name} and {lp_name}")
     clamp = _common.check_clamp(log_prob_min_clamp)
-    rows = _common.check_chunk_size(chunk_size, shard.v_local)
+    backend = chunk_backend(logits.device)
+    rows = _common.check_chunk_size(chunk_size, shard.v_local, default_elements=backend.chunk_elements)
     t = temperature_rows(temperature, lead, logits.device)
     layout = _stats.StatLayout(entropy=bool(entropy), sum_pi_squared=bool(sum_pi_squared),
                                label=labels is not None, k=k, tail=bool(kl_tail))
     plan = _Plan(shard=shard, rows=rows, layout=layout, clamp=clamp,
-                 t_scalar=t if isinstance(t, float) else None)
+                 t_scalar=t if isinstance(t, float) else None, backend=backend)
     if not plan.keys:
         return {}
     outs = _VocabParallelLogitsFunction.apply(logits, labels, teacher_ids, teacher_log_probs,

@@ -1,8 +1,10 @@
 """THE per-token statistics of one chunk of vocab-sharded logits, forward and backward.
 
 Pure functions on one chunk of rows (``x: [c, V_valid]``, this rank's valid columns; ``t`` the
-temperature: None, a float or a per-row ``[c]`` tensor). The torch path in ``fused.py`` calls them;
-a Triton backend must reproduce exactly these definitions. With ``z = x / t`` in float32,
+temperature: None, a float or a per-row ``[c]`` tensor). The torch backend (``backend.py``) is made of
+them; the Triton backend (``mcore_engine_kernels``) reproduces exactly these definitions. The per-token
+steps around the chunk loop (``finalize``, ``grad_coefficients``) are shared by ``fused.py`` and the
+fused lm-head. With ``z = x / t`` in float32,
 ``m`` the GLOBAL row max of z and ``e = exp(z - m)``, the packed local statistics of a row are
 
     S = sum_j e_j                         (always, column 0)
@@ -31,7 +33,9 @@ about 3x the error of plain fp32 autograd at a logit gap of 16 (rel. 7e-3 vs 2.5
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -232,3 +236,73 @@ def finalize(stats: torch.Tensor, layout: StatLayout, *, teacher_log_probs: torc
         out["student_mass"] = q_s
         out["teacher_mass"] = p_mass
     return Finalized(out, inv_s, mu, s2, kl_w, kl_p, tail_r, q, q_s)
+
+
+class GradCoefficients(NamedTuple):
+    """Per-token coefficients of :func:`chunk_grad` for all rows (fp32 ``[N]``; ``cols``/``vals`` ``[N, n]``).
+
+    ``g = p * (a + b (zm - mu) + c2 p)``, then ``g[row, cols] += vals``; ``cols`` are GLOBAL ids
+    (made local per chunk by :meth:`chunk`). ``b``/``mu``, ``c2``, ``cols``/``vals`` are None when
+    their term is absent.
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor | None
+    mu: torch.Tensor | None
+    c2: torch.Tensor | None
+    cols: torch.Tensor | None
+    vals: torch.Tensor | None
+
+    def chunk(self, r0: int, r1: int, offset: int, v_valid: int) -> tuple[torch.Tensor | None, ...]:
+        """Rows ``[r0, r1)`` as ``(a, b, mu, c2, cols, vals)``: columns local to this shard, vals 0 off it."""
+        cols = vals = None
+        if self.cols is not None:
+            cols, inside = local_columns(self.cols[r0:r1], offset, v_valid)
+            vals = self.vals[r0:r1] * inside
+        a, b, mu, c2 = (v[r0:r1] if v is not None else None for v in (self.a, self.b, self.mu, self.c2))
+        return a, b, mu, c2, cols, vals
+
+
+def grad_coefficients(fin: Finalized, grads: Mapping[str, torch.Tensor | None], labels: torch.Tensor | None,
+                      ids: torch.Tensor | None) -> GradCoefficients | None:
+    """Upstream gradients + :func:`finalize`'s per-token terms -> the coefficients of :func:`chunk_grad`.
+
+    ``grads``: upstream gradient ``[N]`` (any shape with N elements) by output key, None or missing
+    for no gradient (``student_mass`` / ``teacher_mass`` are ignored: no gradient). ``labels [N]`` and
+    ``ids [N, k]`` global ids (needed iff their output has a gradient). None when nothing needs a
+    gradient. With ``g_*`` the upstream gradients and ``p`` the softmax (API.md formulas)::
+
+        d log_prob / dz = onehot(y) - p           -> a -= g_lp;        point (y, g_lp)
+        d H / dz        = -p (z - mu)             -> b = -g_H
+        d s2 / dz       = 2 p (p - s2)            -> c2 = 2 g_s2;      a -= c2 s2
+        d KL / dz       = p W - P 1[active]       -> a += g_kl W;      points (ids, -g_kl P_active)
+        tail: + (p_t / q_t) (q 1[ids] - q Q_S)    -> a -= g_kl r Q_S;  points += g_kl r q
+    """
+    g_lp, g_h, g_s2, g_kl = (grads.get(k) for k in ("log_probs", "entropy", "sum_pi_squared",
+                                                     "distillation_losses"))
+    if g_lp is None and g_h is None and g_s2 is None and g_kl is None:
+        return None
+    n = fin.inv_s.shape[0]
+    a = torch.zeros(n, dtype=torch.float32, device=fin.inv_s.device)
+    b = -g_h.reshape(n).float() if g_h is not None else None
+    c2 = None
+    cols, vals = [], []
+    if g_lp is not None:
+        g_lp = g_lp.reshape(n).float()
+        a -= g_lp
+        cols.append(labels.reshape(n, 1))
+        vals.append(g_lp[:, None])
+    if g_s2 is not None:
+        c2 = 2 * g_s2.reshape(n).float()
+        a -= c2 * fin.s2
+    if g_kl is not None:
+        g_kl = g_kl.reshape(n).float()
+        a += g_kl * fin.kl_w
+        tv = -fin.kl_p
+        if fin.tail_r is not None:
+            a -= g_kl * fin.tail_r * fin.q_s
+            tv = tv + fin.tail_r[:, None] * fin.q
+        cols.append(ids)
+        vals.append(g_kl[:, None] * tv)
+    return GradCoefficients(a, b, fin.mu if b is not None else None, c2,
+                            torch.cat(cols, 1) if cols else None, torch.cat(vals, 1) if vals else None)
