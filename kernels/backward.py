@@ -3,7 +3,7 @@
 For ``x [c, V_valid]`` (this rank's valid columns), temperature ``t`` (None / float / ``[c]``),
 the saved global row statistics ``m, inv_s = 1 / S`` and per-row coefficients ``a, b, mu, c2 [c]``:
 
-    zm = x.float() / t - m[:, None]
+    zm = (x.float() / t - m[:, None]).clamp_min(ZM_FLOOR)     # stats.ZM_FLOOR: -inf logits add 0
     p = zm.exp() * inv_s[:, None]
     g = p * (a + b * (zm - mu) + c2 * p)                      # b, c2 None -> those terms are 0
     g[row, cols] += vals                                      # point terms (label, teacher ids); 0 off-shard
@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ._common import (
+    ZM_FLOOR,
     check_chunk,
     check_rows,
     divide_by_temperature,
@@ -69,14 +70,14 @@ def _chunk_grad_kernel(
         cols = start + tl.arange(0, BLOCK_V)
         valid = cols < hi
         x = tl.load(x_row + cols * stride_xc, mask=valid, other=0.0).to(tl.float32)  # masked: never stored
-        zm = divide_by_temperature(x, t_ptr, row, t_scalar, T_MODE) - m
+        zm = tl.maximum(divide_by_temperature(x, t_ptr, row, t_scalar, T_MODE) - m, ZM_FLOOR)
         p = tl.exp(zm) * inv_s
         inner = tl.zeros([BLOCK_V], tl.float32) + a
         if HAS_B:
             inner += b * (zm - mu)
         if HAS_C2:
             inner += c2 * p
-        g = tl.where(p > 0, p * inner, 0.0)  # guards 0 * inf for -inf logits
+        g = p * inner  # finite inner at -inf logits (zm floored): p * inner = 0 there
         for i in tl.static_range(N_PTS):
             col_i = tl.load(pcol_ptr + row * stride_pr + i * stride_pk)
             if (col_i >= start) & (col_i < start + BLOCK_V):  # scalar test: most tiles skip the compare

@@ -5,7 +5,8 @@ valid columns of the chunk, ``t`` None / float / ``[c]``):
 
     m_local = x.amax(-1).float() / t                            # row_max          -> [c]
     # ... ops: all-reduce MAX -> global m ...
-    zm = x.float() / t - m[:, None]; e = zm.exp()               # chunk_stats      -> out [c, width]
+    zm = (x.float() / t - m[:, None]).clamp_min(ZM_FLOOR)      # chunk_stats      -> out [c, width]
+    e = zm.exp()
     out[:, 0] = e.sum(-1)                                       # S
     out[:, layout.a] = (e * zm).sum(-1)                         # A        (layout.entropy)
     out[:, layout.b] = (e * e).sum(-1)                          # B        (layout.sum_pi_squared)
@@ -27,12 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_chunk, check_rows, divide_by_temperature, row_vector, temperature_args
+from ._common import ZM_FLOOR, check_chunk, check_rows, divide_by_temperature, row_vector, temperature_args
 from .launch import LaunchConfig, get_config, num_splits, split_cols
 
 
 class StatLayoutLike(Protocol):
-    """The column layout of ``mcore_engine.ops.stats.StatLayout`` (duck-typed: kernels never import ops)."""
+    """The column layout of ``mcore_engine.ops.stats.StatLayout`` (duck-typed)."""
 
     entropy: bool
     sum_pi_squared: bool
@@ -75,7 +76,7 @@ def _shifted_point(x_row, stride_xc, col, inside, lo, hi, m, t_ptr, row, t_scala
     """``z[col] - m`` if ``col`` is in this shard and in this program's range [lo, hi), else 0."""
     own = inside & (col >= lo) & (col < hi)
     x = tl.load(x_row + col * stride_xc, mask=own, other=0.0).to(tl.float32)
-    zm = divide_by_temperature(x, t_ptr, row, t_scalar, T_MODE) - m
+    zm = tl.maximum(divide_by_temperature(x, t_ptr, row, t_scalar, T_MODE) - m, ZM_FLOOR)
     return tl.where(own, zm, 0.0)
 
 
@@ -110,11 +111,12 @@ def _chunk_stats_kernel(
         cols = start + tl.arange(0, BLOCK_V)
         valid = cols < hi
         x = tl.load(x_row + cols * stride_xc, mask=valid, other=float("-inf")).to(tl.float32)
-        zm = divide_by_temperature(x, t_ptr, row, t_scalar, T_MODE) - m
-        e = tl.exp(zm)  # 0 on masked columns (exp(-inf))
+        # floored (stats.ZM_FLOOR): e = 0 and e * zm = 0 on -inf logits and masked columns
+        zm = tl.maximum(divide_by_temperature(x, t_ptr, row, t_scalar, T_MODE) - m, ZM_FLOOR)
+        e = tl.exp(zm)
         s_acc += e
         if COL_A >= 0:
-            a_acc += e * tl.where(e > 0, zm, 0.0)  # guards 0 * -inf for -inf logits
+            a_acc += e * zm
         if COL_B >= 0:
             b_acc += e * e
         if COL_TAIL >= 0:

@@ -1,26 +1,21 @@
 """The ops' one-pass function with its chunk math on the Triton kernels: values and gradients, 1 and 2 ranks.
 
-The ops' own chunk loop, collectives, finalisation and gradient coefficients drive the kernels. With
-a dispatch point in the ops (``fused.chunk_backend(device) -> ChunkBackend``) it is forced to the
-Triton backend (CPU tensors, interpreter). Without one, ``fused`` calls ``stats.row_max``,
-``stats.chunk_stats(stats.shifted(...))`` and ``stats.chunk_grad(stats.shifted(...))`` per chunk and
-``TritonStats`` stands in for that module (``shifted`` just defers ``(x, t, m)``). Compared with the
-float64 reference from the formulas and with the unpatched torch path.
+The ops' own chunk loop, collectives, finalisation and gradient coefficients drive the kernels: the
+ops' one dispatch point (``fused.chunk_backend(device)``, from ``ops/backend.py``) is forced to the
+Triton backend (CPU tensors under the interpreter; CUDA tensors on a GPU). Compared with the float64
+reference from the formulas and with the torch backend; -inf logits give the torch path's values.
 """
 
 from __future__ import annotations
 
 import contextlib
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-from mcore_engine_kernels import backward, forward
 from mcore_engine_kernels.launch import LaunchConfig
 
-from mcore_engine.ops import fused, vocab_parallel_logits_outputs
-from mcore_engine.ops import stats as torch_stats
+from mcore_engine.ops import backend, fused, vocab_parallel_logits_outputs
 from tests.ops._cases import Case, case_inputs, shard_of, weighted_sum
 from tests.utils import REL_TOL, assert_rel_close, reference_logits_outputs, run_distributed
 
@@ -38,41 +33,8 @@ CASES = [
 FLAGS = dict(entropy=True, sum_pi_squared=True)
 
 
-class TritonStats(SimpleNamespace):
-    """``mcore_engine.ops.stats`` with the chunk math on the Triton kernels (everything else delegated)."""
-
-    def __init__(self, splits: int | None, config: LaunchConfig | None):
-        super().__init__(splits=splits, config=config, launches=0)
-
-    def __getattr__(self, name):
-        return getattr(torch_stats, name)
-
-    def row_max(self, x, t):
-        self.launches += 1
-        return forward.row_max(x, t, splits=self.splits, config=self.config)
-
-    def shifted(self, x, t, m):
-        return SimpleNamespace(x=x, t=t, m=m)  # deferred: the kernels recompute z - m on the fly
-
-    def chunk_stats(self, zm, layout, out, *, label=None, teacher=None):
-        self.launches += 1
-        return forward.chunk_stats(zm.x, zm.t, zm.m, layout, out, label=label, teacher=teacher,
-                                   splits=self.splits, config=self.config)
-
-    def chunk_grad(self, zm, inv_s, a, b, mu, c2, cols, vals):
-        self.launches += 1
-        out = torch.empty(zm.x.shape, dtype=torch.float32, device=zm.x.device)
-        backward.chunk_grad(zm.x, zm.t, zm.m, inv_s, a, b, mu, c2, cols, vals, out,
-                            splits=self.splits, config=self.config)
-        # ``fused`` divides the returned gradient w.r.t. z by t; the kernel already did.
-        t = zm.t
-        return out if t is None else out.mul_(t[:, None] if isinstance(t, torch.Tensor) else t)
-
-
 def _forced_triton_backend(splits: int | None, config: LaunchConfig | None, calls: list[str]):
     """The ops' Triton backend with this test's launch geometry, counting launches."""
-    from mcore_engine.ops import backend
-
     tb = backend.triton_backend()
 
     def launcher(fn):
@@ -87,25 +49,15 @@ def _forced_triton_backend(splits: int | None, config: LaunchConfig | None, call
 
 @contextlib.contextmanager
 def triton_chunk_math(splits: int | None, config: LaunchConfig | None):
-    """Run ``fused`` on the kernels: through its dispatch point if it has one, else via ``TritonStats``."""
-    if hasattr(fused, "chunk_backend"):
-        calls: list[str] = []
-        saved, forced = fused.chunk_backend, _forced_triton_backend(splits, config, calls)
-        fused.chunk_backend = lambda device: forced
-        try:
-            yield
-        finally:
-            fused.chunk_backend = saved
-        assert {"row_max", "chunk_stats", "chunk_grad"} <= set(calls), f"kernels not all run: {calls}"
-        return
-    saved, shim = fused._stats, TritonStats(splits, config)
-    fused._stats = shim
+    """Run ``fused`` on the kernels through its dispatch point; every kernel must have run."""
+    calls: list[str] = []
+    saved, forced = fused.chunk_backend, _forced_triton_backend(splits, config, calls)
+    fused.chunk_backend = lambda device: forced
     try:
         yield
     finally:
-        fused._stats = saved
-    chunks = 3  # at least one chunk: row max, statistics, gradient
-    assert shim.launches >= chunks, f"the ops did not run the kernels ({shim.launches} launches)"
+        fused.chunk_backend = saved
+    assert {"row_max", "chunk_stats", "chunk_grad"} <= set(calls), f"kernels not all run: {calls}"
 
 
 def _kwargs(case: Case, inp: dict) -> dict:
@@ -148,9 +100,38 @@ def test_fused_outputs_with_triton_chunk_math_one_rank(entry):
     _check(*entry, rank=0, world=1)
 
 
+def _check_neg_inf_logits(rank: int, world: int) -> None:
+    """-inf logits (masked entries, one at a label, one at a teacher id, a whole column of shard 0):
+    the kernels floor z - m at ``stats.ZM_FLOOR`` as the torch path does, so values and gradients are
+    finite and equal to the torch backend's (a label at -inf has the log-prob ~ -1.8e19 / t)."""
+    case = Case(15, (3, 4), 150, F32, temperature="0.7", chunk_size=5, k=4, kl_tail=True)
+    inp = case_inputs(case, world)
+    full, labels, ids = inp["full"].view(-1, case.v_local * world), inp["labels"].view(-1), inp["teacher_ids"]
+    g = torch.Generator().manual_seed(7)
+    full.view(-1)[torch.randperm(full.numel(), generator=g)[:40]] = float("-inf")
+    full[:, case.v_local - 1] = float("-inf")
+    full[0, labels[0]] = float("-inf")
+    full[1, ids.view(-1, case.k)[1, 0]] = float("-inf")
+    name = f"-inf logits rank {rank}/{world}"
+    torch_out, torch_grad = _outputs_and_grad(case, inp, rank, world)
+    with triton_chunk_math(3, SMALL):
+        out, grad = _outputs_and_grad(case, inp, rank, world)
+    assert torch_out["log_probs"].view(-1)[0] < -1e19, "the label at -inf did not get the floored log-prob"
+    for key, ref in torch_out.items():
+        assert torch.isfinite(ref).all() and torch.isfinite(out[key]).all(), f"{name} {key} not finite"
+        assert_rel_close(out[key], ref, REL_TOL[F32], f"{name} {key} vs torch path")
+    assert torch.isfinite(grad).all(), f"{name}: non-finite gradient"
+    assert_rel_close(grad, torch_grad, REL_TOL[F32], f"{name} grad vs torch path")
+
+
+def test_neg_inf_logits_match_torch_path_one_rank():
+    _check_neg_inf_logits(rank=0, world=1)
+
+
 def _two_rank_checks(rank: int, world: int) -> None:
     for entry in CASES[1:2]:  # padded vocab, per-token temperature, clamp, tail, splits
         _check(*entry, rank=rank, world=world)
+    _check_neg_inf_logits(rank, world)
 
 
 def test_fused_outputs_with_triton_chunk_math_two_ranks():
