@@ -2,13 +2,15 @@
 
 The ops' own chunk loop, collectives, finalisation and gradient coefficients drive the kernels: the
 ops' one dispatch point (``fused.chunk_backend(device)``, from ``ops/backend.py``) is forced to the
-Triton backend (CPU tensors under the interpreter; CUDA tensors on a GPU). Compared with the float64
-reference from the formulas and with the torch backend; -inf logits give the torch path's values.
+Triton backend (CPU tensors under the interpreter; CUDA tensors on a GPU, where the 2-rank check
+all-reduces CUDA tensors over gloo). Compared with the float64 reference from the formulas and with
+the torch backend (forced the same way); -inf logits give the torch path's values.
 """
 
 from __future__ import annotations
 
 import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ import torch.distributed as dist
 from mcore_engine_kernels.launch import LaunchConfig
 
 from mcore_engine.ops import backend, fused, vocab_parallel_logits_outputs
+from tests.kernels._helpers import DEVICE
 from tests.ops._cases import Case, case_inputs, shard_of, weighted_sum
 from tests.utils import REL_TOL, assert_rel_close, reference_logits_outputs, run_distributed
 
@@ -51,13 +54,15 @@ def _forced_triton_backend(splits: int | None, config: LaunchConfig | None, call
 def triton_chunk_math(splits: int | None, config: LaunchConfig | None):
     """Run ``fused`` on the kernels through its dispatch point; every kernel must have run."""
     calls: list[str] = []
-    saved, forced = fused.chunk_backend, _forced_triton_backend(splits, config, calls)
-    fused.chunk_backend = lambda device: forced
-    try:
+    forced = _forced_triton_backend(splits, config, calls)
+    with mock.patch.object(fused, "chunk_backend", lambda device: forced):
         yield
-    finally:
-        fused.chunk_backend = saved
     assert {"row_max", "chunk_stats", "chunk_grad"} <= set(calls), f"kernels not all run: {calls}"
+
+
+def torch_chunk_math():
+    """Run ``fused`` on the torch backend (the reference), also on a CUDA machine."""
+    return mock.patch.object(fused, "chunk_backend", lambda device: backend.TORCH_BACKEND)
 
 
 def _kwargs(case: Case, inp: dict) -> dict:
@@ -67,11 +72,14 @@ def _kwargs(case: Case, inp: dict) -> dict:
 
 
 def _outputs_and_grad(case: Case, inp: dict, rank: int, world: int):
-    x = shard_of(inp["full"], rank, case.v_local)
+    """Outputs and logits gradient computed on ``DEVICE`` (CUDA when present), returned on the CPU."""
+    x = shard_of(inp["full"], rank, case.v_local).detach().to(DEVICE).requires_grad_()
+    kwargs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in _kwargs(case, inp).items()}
     group = dist.group.WORLD if world > 1 else None
-    out = vocab_parallel_logits_outputs(x, **_kwargs(case, inp), group=group, chunk_size=case.chunk_size)
+    out = vocab_parallel_logits_outputs(x, **kwargs, group=group, chunk_size=case.chunk_size)
+    out = {k: v.cpu() for k, v in out.items()}
     weighted_sum(out, inp["weights"]).backward()
-    return out, x.grad
+    return out, x.grad.cpu()
 
 
 def _check(case: Case, splits, config, rank: int, world: int) -> None:
@@ -83,7 +91,8 @@ def _check(case: Case, splits, config, rank: int, world: int) -> None:
     (ref_grad,) = torch.autograd.grad(weighted_sum(ref, inp["weights"]), full64)
     ref_grad = ref_grad[..., rank * case.v_local:(rank + 1) * case.v_local]
 
-    torch_out, torch_grad = _outputs_and_grad(case, inp, rank, world)
+    with torch_chunk_math():
+        torch_out, torch_grad = _outputs_and_grad(case, inp, rank, world)
     with triton_chunk_math(splits, config):
         out, grad = _outputs_and_grad(case, inp, rank, world)
     assert set(out) == set(ref), name
@@ -113,7 +122,8 @@ def _check_neg_inf_logits(rank: int, world: int) -> None:
     full[0, labels[0]] = float("-inf")
     full[1, ids.view(-1, case.k)[1, 0]] = float("-inf")
     name = f"-inf logits rank {rank}/{world}"
-    torch_out, torch_grad = _outputs_and_grad(case, inp, rank, world)
+    with torch_chunk_math():
+        torch_out, torch_grad = _outputs_and_grad(case, inp, rank, world)
     with triton_chunk_math(3, SMALL):
         out, grad = _outputs_and_grad(case, inp, rank, world)
     assert torch_out["log_probs"].view(-1)[0] < -1e19, "the label at -inf did not get the floored log-prob"
