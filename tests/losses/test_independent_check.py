@@ -535,3 +535,60 @@ def test_distillation_only_skips_policy_loss(mode, monkeypatch):
     loss_fn(outputs, {"loss_mask": mask[:5], "seq_ids": seq_ids[:5]}, ctx)
     with pytest.raises(ValueError):
         loss_fn({"log_probs": logp[:5]}, {"loss_mask": mask[:5], "seq_ids": seq_ids[:5]}, ctx)
+
+
+# ----------------------------------------------------------------------------- 2 gloo ranks
+def _two_rank_checks(rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    # (1) vocab-parallel tail KL: the vocab sharded over the 2 ranks, padded (61 real ids of 64)
+    gen = torch.Generator().manual_seed(2024)
+    T, V, K, v_true = 19, 64, 6, 61
+    v_loc = V // world_size
+    logits = torch.randn(T, V, generator=gen, dtype=F64) * 2
+    ids, t_lp = _teacher(gen, T, V, K, vocab_size=v_true)
+    g_up = torch.randn(T, generator=gen, dtype=F64)
+    x64 = logits[:, :v_true].float().double().requires_grad_()
+    ref = ref_forward_kl(x64, ids, t_lp.double(), tail=True, clamp=-9.0)
+    ref["distillation_losses"].backward(g_up)
+    shard = logits[:, rank * v_loc:(rank + 1) * v_loc].float().requires_grad_()
+    out = forward_kl_topk_tail(shard, {"teacher_ids": ids, "teacher_logprobs": t_lp}, log_prob_min_clamp=-9.0,
+                               vocab_size=v_true, group=group)
+    for key in ("distillation_losses", "student_mass", "teacher_mass", "topk_overlap"):
+        assert_rel_close(out[key], ref[key].detach(), 1e-5, f"TP=2 {key}")
+    out["distillation_losses"].backward(g_up.float())
+    full_grad = torch.cat([x64.grad, torch.zeros(T, V - v_true, dtype=F64)], 1)
+    assert_rel_close(shard.grad, full_grad[:, rank * v_loc:(rank + 1) * v_loc], 1e-5, "TP=2 grad")
+
+    # (2) data parallel: each rank its own sequences, global ctx; all-reduced sum == whole-batch loss
+    n_seqs = 10
+    (seq_of_token, tokens_of_seq, mask, seq_ids, _, _, _, logp, old, adv,
+     ref_lp) = _dppo_setup(gen, n_seqs)
+    mode = "seq-mean-token-mean"
+    lp64 = logp.double().requires_grad_()
+    pg, *_ = ref_pg_losses(lp64, old.double(), adv.double(), 0.2, 0.2, 3.0)
+    kl = ref_kl(lp64, ref_lp.double(), "k3")
+    ref_loss = (ref_agg(pg, mask, seq_of_token, mode, float(mask.sum()), n_seqs)
+                + 0.1 * ref_agg(kl, mask, seq_of_token, mode, float(mask.sum()), n_seqs))
+    ref_loss.backward()
+    loss_fn = distillation_ppo_loss(loss_agg_mode=mode, kl_loss_coef=0.1, kl_loss_type="k3")
+    ctx = LossContext.from_counts(float(mask.sum()), float(n_seqs), dp_size=world_size)
+    lp = logp.clone().requires_grad_()
+    mine = [t for s in range(rank, n_seqs, world_size) for t in tokens_of_seq[s]]
+    idx = torch.tensor(mine)
+    loss, _ = loss_fn({"log_probs": lp[idx]}, {"loss_mask": mask[idx], "seq_ids": seq_ids[idx],
+                                              "advantages": adv[idx], "old_log_probs": old[idx],
+                                              "ref_log_probs": ref_lp[idx]}, ctx)
+    loss.backward()
+    total, grad = loss.detach().clone(), lp.grad.clone()
+    dist.all_reduce(total, group=group)
+    dist.all_reduce(grad, group=group)
+    assert_rel_close(total, ref_loss.detach(), 1e-5, "DP=2 loss")
+    assert_rel_close(grad, lp64.grad, 1e-5, "DP=2 grad")
+
+
+def test_two_ranks_vocab_parallel_and_data_parallel():
+    from tests.utils import run_distributed
+
+    run_distributed(_two_rank_checks, 2)
