@@ -84,18 +84,22 @@ def agg_loss(values: torch.Tensor, loss_mask: torch.Tensor, seq_ids: torch.Tenso
         mode: one of ``AGG_MODES``.
         ctx: global normalisers (``global_num_tokens``, ``global_num_seqs``).
     Returns:
-        0-d tensor of ``values.dtype``, differentiable w.r.t. ``values``. Never modifies inputs.
+        0-d tensor of ``values.dtype`` (sums accumulate in at least float32), differentiable
+        w.r.t. ``values``. Never modifies inputs.
     """
     _check(values, loss_mask, seq_ids, mode)
-    mask = loss_mask.to(values.dtype)
-    masked = _masked(values, mask)
+    acc = torch.promote_types(values.dtype, torch.float32)
+    mask = loss_mask.to(acc)
+    masked = _masked(values.to(acc), mask)
     if mode == "token-mean":
-        return masked.sum() / ctx.global_num_tokens.to(values.dtype)
-    seqs = ctx.global_num_seqs.to(values.dtype)
-    if mode == "seq-mean-token-sum":
-        return masked.sum() / seqs
-    counts = tokens_per_sequence(mask, seq_ids).clamp_min(1)
-    return (masked / counts).sum() / seqs
+        total = masked.sum() / ctx.global_num_tokens.to(acc)
+    elif mode == "seq-mean-token-sum":
+        total = masked.sum() / ctx.global_num_seqs.to(acc)
+    else:
+        counts = tokens_per_sequence(mask, seq_ids)
+        counts = torch.where(counts > 0, counts, torch.ones((), dtype=acc, device=counts.device))  # 0/0 -> 0
+        total = (masked / counts).sum() / ctx.global_num_seqs.to(acc)
+    return total.to(values.dtype)
 
 
 def token_mean_metric(values: torch.Tensor, loss_mask: torch.Tensor, ctx: LossContext) -> torch.Tensor:

@@ -181,9 +181,6 @@ def test_agg_loss_fractional_weights_token_modes():
         assert_rel_close(got, ref, 1e-6, mode)
 
 
-@pytest.mark.xfail(strict=True, reason="seq-mean-token-mean clamps the per-sequence weight sum at 1 "
-                   "(tokens_per_sequence(...).clamp_min(1)), so float loss_mask weights whose sequence "
-                   "sum is in (0, 1) are not 'used as given': sum(v*m)/sum(m) becomes sum(v*m)/1")
 def test_agg_loss_fractional_weights_seq_mean_token_mean():
     values = torch.tensor([1.0, 3.0, -2.0, 5.0], dtype=F64)
     w = torch.tensor([0.25, 0.25, 0.5, 0.5], dtype=F64)           # sequence sums 0.5 and 1.0
