@@ -126,7 +126,8 @@ def jagged_batch(desc: dict, rows: slice, *, teacher: bool, extra: dict | None =
 
 
 def padded_batch(desc: dict, rows: slice, extra: dict) -> TensorDict:
-    td = TensorDict({k: v[rows].clone() for k, v in desc.items()}, batch_size=[desc["input_ids"][rows].shape[0]])
+    td = TensorDict({k: v[rows].clone() for k, v in desc.items()},
+                    batch_size=[desc["input_ids"][rows].shape[0]])
     for k, v in extra.items():
         td.set_non_tensor(k, v)
     return td
@@ -174,7 +175,8 @@ def bit_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = torch.as_tensor(a, dtype=torch.float64).reshape(-1), torch.as_tensor(b, dtype=torch.float64).reshape(-1)
+    a = torch.as_tensor(a, dtype=torch.float64).reshape(-1)
+    b = torch.as_tensor(b, dtype=torch.float64).reshape(-1)
     if a.shape != b.shape:
         return math.inf
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -223,7 +225,8 @@ def run_steps(engine, descs, rows: slice, micro: dict) -> dict:
     """The measured sequence, identical for the reference and every layout (``micro``: micro-batching
     flags, chosen differently per layout so the outputs must not depend on them)."""
     res = {}
-    out = engine.infer_batch(jagged_batch(descs["infer_jagged"], rows, teacher=False, extra={**INFER_FLAGS, **micro}))
+    out = engine.infer_batch(jagged_batch(descs["infer_jagged"], rows, teacher=False,
+                                          extra={**INFER_FLAGS, **micro}))
     res["infer_jagged"] = output_values(out, INFER_KEYS)
     pmask = descs["infer_padded"]["attention_mask"][rows]
     out = engine.infer_batch(padded_batch(descs["infer_padded"], rows, {
@@ -308,6 +311,11 @@ def compare_step(checks: Checks, ref: dict, res: dict, rows: slice, dp: bool, re
     checks.add("step_changes_logprobs", moved > 100 * REL_TOL, f"ref log-probs moved by rel {moved:.3e}")
 
 
+def _with_values(nt: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """A jagged tensor with ``nt``'s offsets and new ``values``."""
+    return torch.nested.nested_tensor_from_jagged(values, nt.offsets())
+
+
 def bad_batches(descs, rows: slice, micro: dict) -> dict[str, TensorDict]:
     """Malformed batches (each one defect) for ``train_batch``."""
     desc = descs["train"][0]
@@ -320,16 +328,15 @@ def bad_batches(descs, rows: slice, micro: dict) -> dict[str, TensorDict]:
     b = good()
     v = b["input_ids"].values().clone()
     v[3] = VOCAB  # inside the padded vocab (256), outside the true one
-    bad["id_eq_vocab"] = b.set("input_ids", torch.nested.nested_tensor_from_jagged(v, b["input_ids"].offsets()))
+    bad["id_eq_vocab"] = b.set("input_ids", _with_values(b["input_ids"], v))
     b = good()
     v = b["input_ids"].values().clone()
     v[-1] = -1
-    bad["id_negative"] = b.set("input_ids", torch.nested.nested_tensor_from_jagged(v, b["input_ids"].offsets()))
+    bad["id_negative"] = b.set("input_ids", _with_values(b["input_ids"], v))
     b = good()
     v = b["teacher_ids"].values().clone()
     v[0, 2] = VOCAB + 3
-    bad["teacher_id_out_of_vocab"] = b.set("teacher_ids",
-                                           torch.nested.nested_tensor_from_jagged(v, b["teacher_ids"].offsets()))
+    bad["teacher_id_out_of_vocab"] = b.set("teacher_ids", _with_values(b["teacher_ids"], v))
     b = good()
     del b["teacher_logprobs"]
     bad["missing_teacher_logprobs"] = b
@@ -338,8 +345,7 @@ def bad_batches(descs, rows: slice, micro: dict) -> dict[str, TensorDict]:
     bad["missing_input_ids"] = b
     b = good()
     lp = b["teacher_logprobs"].values()[:, : K - 1].clone()
-    bad["teacher_wrong_k"] = b.set("teacher_logprobs",
-                                   torch.nested.nested_tensor_from_jagged(lp, b["teacher_logprobs"].offsets()))
+    bad["teacher_wrong_k"] = b.set("teacher_logprobs", _with_values(b["teacher_logprobs"], lp))
     n = b.batch_size[0]
     long_desc = {**desc, "ids": list(desc["ids"]), "teacher": list(desc["teacher"]),
                  "loss_mask": list(desc["loss_mask"]), "advantages": list(desc["advantages"])}
@@ -426,7 +432,8 @@ def run_layout(mode: str, workdir: str) -> None:
             check_resume(checks, mode, hf, descs, rows, micro, workdir, res)))
         # bad batches on an engine that has optimizer state (after the resumed step)
         if resumed:
-            checks.guarded("bad_batches", lambda: check_bad_batches(checks, resumed[0], descs, rows, micro, dp))
+            checks.guarded("bad_batches",
+                           lambda: check_bad_batches(checks, resumed[0], descs, rows, micro, dp))
             checks.guarded("bad_batches_trained", lambda: _bad_after(checks, resumed[0], descs, rows, micro))
     if dist.get_rank() == 0:
         with open(os.path.join(workdir, f"{mode}.json"), "w") as f:
@@ -472,11 +479,13 @@ def check_resume(checks: Checks, mode, hf, descs, rows, micro, workdir, res) -> 
     checks.add("resume_loss_bit_identical", loss == want["loss"], f"{loss!r} vs {want['loss']!r}")
     checks.add("resume_grad_norm_bit_identical", m["grad_norm"] == want["metrics"]["grad_norm"],
                f"{m['grad_norm']!r} vs {want['metrics']['grad_norm']!r}")
-    checks.add("resume_lr_identical", m["lr"] == want["metrics"]["lr"], f"{m['lr']!r} vs {want['metrics']['lr']!r}")
+    checks.add("resume_lr_identical", m["lr"] == want["metrics"]["lr"],
+               f"{m['lr']!r} vs {want['metrics']['lr']!r}")
     fresh.lr_scheduler_step()
     same = bit_equal(params(fresh), res["params_after2"])
     checks.add("resume_params_bit_identical", same, f"parameters after step 2 bit-identical={same}")
-    after = fresh.infer_batch(jagged_batch(descs["infer_jagged"], rows, teacher=False, extra={**INFER_FLAGS, **micro}))
+    after = fresh.infer_batch(jagged_batch(descs["infer_jagged"], rows, teacher=False,
+                                           extra={**INFER_FLAGS, **micro}))
     got = flat(after["log_probs"])
     checks.add("resume_next_logprobs_bit_identical", torch.equal(got, res["after2"]["log_probs"]),
                f"max abs diff {float((got - res['after2']['log_probs']).abs().max()):.3e}")
@@ -495,6 +504,21 @@ def _bad_after(checks: Checks, engine, descs, rows, micro) -> None:
         and engine.optimizer.param_groups[0]["lr"] == lr
     checks.add("bad_after_training_teacher_wrong_k", raised.startswith("ValueError") and same,
                f"{raised}; unchanged={same}")
+
+    # non-finite gradients: the step is skipped, parameters and step counter unchanged, on every rank
+    def nan_loss(outputs, data, ctx):
+        loss, metrics = my_loss(outputs, data, ctx)
+        return loss * float("nan"), metrics
+
+    good = jagged_batch(descs["train"][0], rows, teacher=True,
+                        extra={"calculate_entropy": True, "distillation_use_topk": True, **micro})
+    before, step, skipped = params(engine), engine.global_step, engine.num_skipped_steps
+    out = engine.train_batch(good, nan_loss)
+    m = out.get_non_tensor("metrics")
+    same = bit_equal(before, params(engine)) and engine.global_step == step
+    checks.add("nonfinite_grad_step_skipped", same and m["update_skipped"] == 1.0
+               and engine.num_skipped_steps == skipped + 1,
+               f"update_skipped={m['update_skipped']}, grad_norm={m['grad_norm']}, unchanged={same}")
 
 
 def main() -> None:
