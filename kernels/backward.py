@@ -3,7 +3,7 @@
 For ``x [c, V_valid]`` (this rank's valid columns), temperature ``t`` (None / float / ``[c]``),
 the saved global row statistics ``m, inv_s = 1 / S`` and per-row coefficients ``a, b, mu, c2 [c]``:
 
-    zm = (x.float() / t - m[:, None]).clamp_min(ZM_FLOOR)     # stats.ZM_FLOOR: -inf logits add 0
+    zm = (x.float() / t - m[:, None]).clamp_min(ZM_FLOOR)     # ops.stats.ZM_FLOOR: -inf logits add 0
     p = zm.exp() * inv_s[:, None]
     g = p * (a + b * (zm - mu) + c2 * p)                      # b, c2 None -> those terms are 0
     g[row, cols] += vals                                      # point terms (label, teacher ids); 0 off-shard

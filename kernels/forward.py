@@ -5,8 +5,8 @@ valid columns of the chunk, ``t`` None / float / ``[c]``):
 
     m_local = x.amax(-1).float() / t                            # row_max          -> [c]
     # ... ops: all-reduce MAX -> global m ...
-    zm = (x.float() / t - m[:, None]).clamp_min(ZM_FLOOR)      # chunk_stats      -> out [c, width]
-    e = zm.exp()
+    zm = (x.float() / t - m[:, None]).clamp_min(ZM_FLOOR)       # chunk_stats      -> out [c, width]
+    e = zm.exp()                                                # (ZM_FLOOR: -inf logits add 0)
     out[:, 0] = e.sum(-1)                                       # S
     out[:, layout.a] = (e * zm).sum(-1)                         # A        (layout.entropy)
     out[:, layout.b] = (e * e).sum(-1)                          # B        (layout.sum_pi_squared)

@@ -146,3 +146,34 @@ def _two_rank_checks(rank: int, world: int) -> None:
 
 def test_fused_outputs_with_triton_chunk_math_two_ranks():
     run_distributed(_two_rank_checks, 2)
+
+
+def test_fused_lm_head_with_triton_chunk_math_matches_torch_backend():
+    """The fused lm-head's chunk math through the same dispatch point: outputs and both gradients."""
+    from mcore_engine import lm_head
+
+    g = torch.Generator().manual_seed(21)
+    hidden = torch.randn(2, 5, 16, generator=g)
+    weight = torch.randn(211, 16, generator=g) / 2
+    labels = torch.randint(0, 200, (2, 5), generator=g)
+    ids = torch.rand(2, 5, 200, generator=g).argsort(-1)[..., :3]
+    tlp = torch.randn(2, 5, 3, generator=g).log_softmax(-1) - 0.2
+    t = torch.rand(2, 5, generator=g) + 0.5
+    upstream = torch.randn(4, 2, 5, generator=g)
+    runs = []
+    for be in (backend.TORCH_BACKEND, _forced_triton_backend(2, SMALL, calls := [])):
+        h, w = hidden.to(DEVICE).requires_grad_(), weight.to(DEVICE).requires_grad_()
+        with mock.patch.object(lm_head, "chunk_backend", lambda device, be=be: be):
+            out = lm_head.fused_lm_head_outputs(
+                h, w, labels=labels.to(DEVICE), teacher_ids=ids.to(DEVICE), teacher_log_probs=tlp.to(DEVICE),
+                entropy=True, sum_pi_squared=True, kl_tail=True, temperature=t.to(DEVICE), vocab_size=200,
+                chunk_size=4)
+        keys = ("log_probs", "entropy", "sum_pi_squared", "distillation_losses")
+        sum(((out[k].cpu() * u).sum() for k, u in zip(keys, upstream, strict=True))).backward()
+        runs.append(({k: v.detach().cpu() for k, v in out.items()}, h.grad.cpu(), w.grad.cpu()))
+    assert {"row_max", "chunk_stats", "chunk_grad"} <= set(calls), f"kernels not all run: {calls}"
+    (ref, ref_gh, ref_gw), (got, gh, gw) = runs
+    for key in ref:
+        assert_rel_close(got[key], ref[key], REL_TOL[F32], f"lm-head {key} vs torch backend")
+    assert_rel_close(gh, ref_gh, REL_TOL[F32], "lm-head grad hidden vs torch backend")
+    assert_rel_close(gw, ref_gw, REL_TOL[F32], "lm-head grad weight vs torch backend")
