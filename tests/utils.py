@@ -74,6 +74,15 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, er
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; re-raise failures.
 
+    A launch whose ranks died without a Python traceback from ``fn`` (failed start-up, a gloo abort)
+    is relaunched once; a failure inside ``fn`` is reported at once.
+    """
+    run_distributed_retrying(fn, world_size, *args, attempts=2)
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+    """One launch of ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
+
     ``fn`` must be a module-level function (it is pickled by reference). The default process group
     is initialised before ``fn`` runs and destroyed after it.
     """
@@ -109,7 +118,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> None
         errors.append(err_q.get())
     if errors or any(p.exitcode != 0 for p in procs):
         msg = "\n".join(f"--- rank {r} ({phase}) ---\n{tb}" for r, phase, tb in sorted(errors))
-        startup_only = bool(errors) and all(phase != "run" for _, phase, _ in errors)
+        # No Python traceback from inside ``fn``: the ranks failed to start or died in C++ (gloo
+        # aborts with "terminate called without an active exception" when its peers are slow to
+        # start on an overloaded machine). Such runs are worth one relaunch.
+        startup_only = all(phase != "run" for _, phase, _ in errors)
         cls = _StartupError if startup_only else AssertionError
         raise cls(f"distributed run failed (exit codes {[p.exitcode for p in procs]}):\n{msg}")
 
@@ -164,7 +176,7 @@ def run_distributed_retrying(fn: Callable[..., Any], world_size: int, *args: Any
     started: typically ``EADDRINUSE``, another process took the free port before rank 0 bound it."""
     for attempt in range(attempts):
         try:
-            run_distributed(fn, world_size, *args)
+            _run_once(fn, world_size, *args)
             return
         except _StartupError:
             if attempt == attempts - 1:
