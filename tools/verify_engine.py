@@ -86,7 +86,7 @@ def make_global_batches() -> dict[str, dict]:
     infer_jagged = {"ids": seqs, "temperature": torch.tensor([0.7, 1.0, 1.3, 0.9, 2.0, 1.1]),
                     "teacher": teach}
     # left-padded batch (+ a right-padded row), teacher top-k, scalar temperature
-    plen = [11, 4, 16, 7]
+    plen = [11, 4, 16, 7, 3, 9]
     S = 18
     pad_ids = torch.zeros(len(plen), S, dtype=torch.int64)
     mask = torch.zeros(len(plen), S, dtype=torch.bool)
@@ -408,10 +408,13 @@ def run_layout(mode: str, workdir: str) -> None:
     descs = make_global_batches()
     ref = torch.load(os.path.join(workdir, "ref.pt"), weights_only=False)
     hf = os.path.join(workdir, "hf")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
     dp = mode == "dp2"
     n = len(descs["infer_jagged"]["ids"])
-    rows = slice(rank * n // world, (rank + 1) * n // world) if dp else slice(None)
+    # DP: uneven contiguous halves (rank 0 holds 4 sequences, rank 1 holds 2) -> different token and
+    # micro-batch counts per rank, seq_ids offsets that matter
+    cut = [0, 4, n]
+    rows = slice(cut[rank], cut[rank + 1]) if dp else slice(None)
     # a different micro-batching per layout: results must not depend on it
     micro = {"tp2": {"micro_batch_size_per_gpu": 2}, "pp2": {"micro_batch_size_per_gpu": 2},
              "dp2": {"use_dynamic_bsz": True, "max_token_len_per_gpu": 40}}[mode]
