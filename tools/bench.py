@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--quick", action="store_true", help="small sizes (N=256, V_local=2048), 1 repeat")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    p.add_argument("--time-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment of the time processes (both implementations), e.g. "
+                        "MALLOC_TRIM_THRESHOLD_=268435456 to see the times without glibc trimming churn")
     p.add_argument("--timeout", type=int, default=600, help="seconds per worker process")
     args = p.parse_args(argv)
     if args.quick:
@@ -77,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name} must be >= 1")
     if any(t < 1 for t in args.tp):
         p.error("--tp: sizes must be >= 1")
+    if any("=" not in kv for kv in args.time_env):
+        p.error("--time-env: expected KEY=VALUE")
+    args.time_env = dict(kv.split("=", 1) for kv in args.time_env)
     if args.device == "auto":
         import torch
 
@@ -90,7 +96,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_workers(spec: dict, timeout: int) -> list[dict]:
+def run_workers(spec: dict, timeout: int, extra_env: dict[str, str] | None = None) -> list[dict]:
     """Start ``spec['tp']`` fresh worker processes (one per rank); return their JSON results."""
     path = os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(spec["tp"]),
@@ -99,6 +105,7 @@ def run_workers(spec: dict, timeout: int) -> list[dict]:
         env.pop(key, None)
     if spec["mode"] == "memory":  # every buffer > 64 KiB its own mmap: RSS tracks live tensors
         env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    env.update(extra_env or {})
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "bench_worker.py"), json.dumps(spec)],
                               env=dict(env, RANK=str(r)), cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(spec["tp"])]
@@ -128,7 +135,7 @@ def measure(args: argparse.Namespace, config: str, impl: str, tp: int) -> dict:
                 k=args.k, temperature=args.temperature, repeats=args.repeats, seed=args.seed,
                 device=args.device, chunk_size=args.chunk_size)
     mem = run_workers(dict(spec, mode="memory"), args.timeout)
-    tim = run_workers(dict(spec, mode="time"), args.timeout)
+    tim = run_workers(dict(spec, mode="time"), args.timeout, args.time_env)
     mem = sorted(mem, key=lambda r: r["rank"])
     return {"peak_mb": max(r["peak_mb"] for r in mem), "time_ms": max(r["time_ms"] for r in tim),
             "cpu_ms": max(r["cpu_ms"] for r in tim), "checks": [r["checks"] for r in mem]}
@@ -170,7 +177,8 @@ def header(args: argparse.Namespace, load: tuple[float, float]) -> list[str]:
         f"versions: python {platform.python_version()}, torch {torch.__version__}, megatron-core {mcore}",
         f"size per rank: N={args.tokens} tokens x V_local={args.vocab} {args.dtype} logits = "
         f"{logits_mb:.0f} MB (1 xL); T={args.temperature}, k={args.k}, repeats={args.repeats}; "
-        f"one thread per rank; ours chunk_size={args.chunk_size or 'default'}",
+        f"one thread per rank; ours chunk_size={args.chunk_size or 'default'}"
+        + (f"; time-process env {args.time_env}" if args.time_env else ""),
         "peak = memory above the inputs over one forward+backward (max over ranks); time = median step, "
         "wall (process CPU time); the time target uses wall",
         f"load average (1 min) at start / end: {load[0]:.1f} / {load[1]:.1f}"
