@@ -4,7 +4,7 @@ Runs ``tools/verify_engine.py`` under ``torchrun``: once with one rank (TP=1 ref
 written with ``export_hf``), then once per layout with two gloo ranks (TP=2, PP=2, DP=2, weights
 imported through ``model.hf_path``). Each layout run writes ``{check: {"ok", "detail"}}``; the tests
 below assert the checks group by group (parity with TP=1 at fp32 rel err 1e-5, bit-identical resume,
-bad batches rejected with parameters untouched). Runtime: ~70 s on 2 CPU cores (4 launches).
+bad batches rejected with parameters untouched). Runtime: 35-65 s on 2 shared CPU cores (4 launches).
 """
 
 from __future__ import annotations
