@@ -1,13 +1,18 @@
 """Triton backward of one chunk: ``mcore_engine.ops.stats.chunk_grad`` fused with ``/ t`` and the cast.
 
 For ``x [c, V_valid]`` (this rank's valid columns), temperature ``t`` (None / float / ``[c]``),
-the saved global row statistics ``m, inv_s = 1 / S`` and per-row coefficients ``a, b, mu, c2 [c]``:
+the saved global row statistics ``m, inv_s = 1 / S`` and per-row coefficients ``a, b, mu, c2 [c]``
+(and, for the KL tail, ``a_tail [c]`` with ``tail_cols [c, k]``: -1 off-shard and for repeats):
 
     zm = (x.float() / t - m[:, None]).clamp_min(ZM_FLOOR)     # ops.stats.ZM_FLOOR: -inf logits add 0
     p = zm.exp() * inv_s[:, None]
-    g = p * (a + b * (zm - mu) + c2 * p)                      # b, c2 None -> those terms are 0
+    g = p * ((a + a_tail) + b * (zm - mu) + c2 * p)           # b, c2, a_tail None -> those terms are 0
+    g[row, tail_cols] = (p * (a + b * (zm - mu) + c2 * p))[row, tail_cols]   # no a_tail at the ids
     g[row, cols] += vals                                      # point terms (label, teacher ids); 0 off-shard
     out = (g / t).to(out.dtype)                               # gradient w.r.t. the logits chunk
+
+The teacher columns are set from the value without ``a_tail`` (~1 / q_tail, up to 1e20), never
+formed with it and then cancelled (``ops.stats.chunk_grad``: the same math as the torch path).
 
 Grid ``(c, splits)``; each program streams its column range in ``block_v`` tiles and writes ``out``
 directly (a view into the caller's preallocated gradient, in the logits' dtype). Point terms are
@@ -46,10 +51,12 @@ def _chunk_grad_kernel(
     c2_ptr,  # [c] fp32 (HAS_C2)
     pcol_ptr,  # [c, N_PTS] int64 point columns (clamped), strides (stride_pr, stride_pk)
     pval_ptr,  # [c, N_PTS] fp32 point values (0 off-shard), strides (stride_vr, stride_vk)
+    a_tail_ptr,  # [c] fp32 (N_TAIL > 0)
+    tcol_ptr,  # [c, N_TAIL] int64 tail columns (-1: none), strides (stride_tr, stride_tk)
     out_ptr,  # [c, V] out, any float dtype, strides (stride_or, stride_oc)
-    stride_xr, stride_xc, stride_pr, stride_pk, stride_vr, stride_vk, stride_or, stride_oc,
-    t_scalar, n_cols, cols_per_split,
-    HAS_B: tl.constexpr, HAS_C2: tl.constexpr, N_PTS: tl.constexpr,
+    stride_xr, stride_xc, stride_pr, stride_pk, stride_vr, stride_vk, stride_tr, stride_tk,
+    stride_or, stride_oc, t_scalar, n_cols, cols_per_split,
+    HAS_B: tl.constexpr, HAS_C2: tl.constexpr, N_PTS: tl.constexpr, N_TAIL: tl.constexpr,
     T_MODE: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -61,6 +68,9 @@ def _chunk_grad_kernel(
     m = tl.load(m_ptr + row)
     inv_s = tl.load(inv_s_ptr + row)
     a = tl.load(a_ptr + row)
+    a_full = a
+    if N_TAIL > 0:
+        a_full = a + tl.load(a_tail_ptr + row)
     if HAS_B:
         b = tl.load(b_ptr + row)
         mu = tl.load(mu_ptr + row)
@@ -72,12 +82,21 @@ def _chunk_grad_kernel(
         x = tl.load(x_row + cols * stride_xc, mask=valid, other=0.0).to(tl.float32)  # masked: never stored
         zm = tl.maximum(divide_by_temperature(x, t_ptr, row, t_scalar, T_MODE) - m, ZM_FLOOR)
         p = tl.exp(zm) * inv_s
-        inner = tl.zeros([BLOCK_V], tl.float32) + a
+        inner = tl.zeros([BLOCK_V], tl.float32) + a_full
         if HAS_B:
             inner += b * (zm - mu)
         if HAS_C2:
             inner += c2 * p
         g = p * inner  # finite inner at -inf logits (zm floored): p * inner = 0 there
+        for i in tl.static_range(N_TAIL):
+            tcol_i = tl.load(tcol_ptr + row * stride_tr + i * stride_tk)
+            if (tcol_i >= start) & (tcol_i < start + BLOCK_V):  # -1 never matches
+                inner0 = tl.zeros([BLOCK_V], tl.float32) + a
+                if HAS_B:
+                    inner0 += b * (zm - mu)
+                if HAS_C2:
+                    inner0 += c2 * p
+                g = tl.where(cols == tcol_i, p * inner0, g)
         for i in tl.static_range(N_PTS):
             col_i = tl.load(pcol_ptr + row * stride_pr + i * stride_pk)
             if (col_i >= start) & (col_i < start + BLOCK_V):  # scalar test: most tiles skip the compare
@@ -91,12 +110,14 @@ def _chunk_grad_kernel(
 def chunk_grad(x: torch.Tensor, t: float | torch.Tensor | None, m: torch.Tensor, inv_s: torch.Tensor,
                a: torch.Tensor, b: torch.Tensor | None, mu: torch.Tensor | None, c2: torch.Tensor | None,
                cols: torch.Tensor | None, vals: torch.Tensor | None, out: torch.Tensor, *,
+               a_tail: torch.Tensor | None = None, tail_cols: torch.Tensor | None = None,
                splits: int | None = None, config: LaunchConfig | None = None) -> torch.Tensor:
     """Write the gradient w.r.t. the logits chunk ``x [c, V_valid]`` into ``out [c, V_valid]`` (returned).
 
     The math is the module docstring's. ``m, inv_s, a`` (and ``mu`` with ``b``; ``mu`` is ignored
     without ``b``) are fp32 ``[c]``; ``cols [c, n]`` int64 (clamped local columns) with ``vals [c, n]``
-    fp32, or both None. ``out`` has the logits' dtype (any float dtype) and may be a strided view into
+    fp32, or both None; ``a_tail [c]`` fp32 with ``tail_cols [c, k]`` int64 (local columns, -1 for
+    none), or both None. ``out`` has the logits' dtype (any float dtype) and may be a strided view into
     the full gradient. Allocates nothing.
     """
     check_chunk(x)
@@ -115,6 +136,13 @@ def chunk_grad(x: torch.Tensor, t: float | torch.Tensor | None, m: torch.Tensor,
         n_pts = cols.shape[-1] if cols.dim() == 2 else -1
         check_rows(cols, "cols", (rows, n_pts), torch.int64)
         check_rows(vals, "vals", (rows, n_pts), torch.float32)
+    if (a_tail is None) != (tail_cols is None):
+        raise ValueError("a_tail and tail_cols must be given together or both be None")
+    a_tail = row_vector(a_tail, "a_tail", rows)
+    n_tail = 0
+    if tail_cols is not None:
+        n_tail = tail_cols.shape[-1] if tail_cols.dim() == 2 else -1
+        check_rows(tail_cols, "tail_cols", (rows, n_tail), torch.int64)
     t_ptr, t_scalar, t_mode = temperature_args(t, rows, x.device)
     if rows == 0 or n_cols == 0:
         return out
@@ -122,11 +150,13 @@ def chunk_grad(x: torch.Tensor, t: float | torch.Tensor | None, m: torch.Tensor,
     splits = splits or num_splits(rows, n_cols, cfg.block_v, x.device)
     pr, pk = cols.stride() if n_pts else (0, 0)
     vr, vk = vals.stride() if n_pts else (0, 0)
+    tr, tk = tail_cols.stride() if n_tail else (0, 0)
     _chunk_grad_kernel[(rows, splits)](
-        x, t_ptr, m, inv_s, a, b, mu, c2, cols, vals, out,
-        x.stride(0), x.stride(1), pr, pk, vr, vk, out.stride(0), out.stride(1),
+        x, t_ptr, m, inv_s, a, b, mu, c2, cols, vals, a_tail if n_tail else None,
+        tail_cols if n_tail else None, out,
+        x.stride(0), x.stride(1), pr, pk, vr, vk, tr, tk, out.stride(0), out.stride(1),
         t_scalar, n_cols, split_cols(n_cols, splits, cfg.block_v),
-        HAS_B=b is not None, HAS_C2=c2 is not None, N_PTS=n_pts,
+        HAS_B=b is not None, HAS_C2=c2 is not None, N_PTS=n_pts, N_TAIL=n_tail,
         T_MODE=t_mode, EMULATE_RTNE=emulate_rtne(out), BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
     )
     return out

@@ -80,11 +80,12 @@ def _kernel_rows(timed, device: torch.device, n: int, v: int, k: int, reps: int,
     inv_s = torch.rand(n, device=device)
     coef = [torch.randn(n, device=device) for _ in range(4)]  # a, b, mu, c2
     cols, vals = torch.cat([labels[:, None], ids], 1), torch.randn(n, k + 1, device=device)
+    tail = dict(a_tail=torch.randn(n, device=device), tail_cols=ids)  # the KL tail's restore at the ids
     grad = torch.empty_like(x)
     nbytes = x.numel() * x.element_size()
 
     def torch_grad():
-        gz = ts.chunk_grad(ts.shifted(x, t, m), inv_s, *coef, cols, vals)
+        gz = ts.chunk_grad(ts.shifted(x, t, m), inv_s, *coef, cols, vals, **tail)
         grad.copy_(gz.div_(t[:, None]))
 
     cases = [
@@ -92,7 +93,8 @@ def _kernel_rows(timed, device: torch.device, n: int, v: int, k: int, reps: int,
         (f"chunk_stats (all, k={k}, tail)",
          lambda: chunk_stats(x, t, m, lay, out, label=label, teacher=teacher),
          lambda: ts.chunk_stats(ts.shifted(x, t, m), lay, out, label=label, teacher=teacher), nbytes),
-        (f"chunk_grad ({k + 1} points)", lambda: chunk_grad(x, t, m, inv_s, *coef, cols, vals, grad),
+        (f"chunk_grad ({k + 1} points, tail)",
+         lambda: chunk_grad(x, t, m, inv_s, *coef, cols, vals, grad, **tail),
          torch_grad, 2 * nbytes),
     ]
     rows = []

@@ -6,7 +6,8 @@ max ``m`` (fp32 ``[c]``), with the definitions of ``stats.py``::
 
     row_max(x, t) -> [c]                                              (x / t).amax(-1) in fp32
     chunk_stats(x, t, m, layout, out, *, label, teacher) -> out      packed statistics [c, layout.width]
-    chunk_grad(x, t, m, inv_s, a, b, mu, c2, cols, vals, out=None)  d/dx = stats.chunk_grad(...) / t
+    chunk_grad(x, t, m, inv_s, a, b, mu, c2, cols, vals, a_tail=None, tail_cols=None, out=None)
+                                                                      d/dx = stats.chunk_grad(...) / t
 
 ``chunk_grad`` writes into ``out`` (any float dtype, e.g. a view of the preallocated logits gradient)
 and returns it; with ``out=None`` it returns the gradient in a new fp32 ``[c, V_valid]`` tensor (the
@@ -52,8 +53,8 @@ def _torch_chunk_stats(x, t, m, layout, out, *, label=None, teacher=None):
     return _stats.chunk_stats(_stats.shifted(x, t, m), layout, out, label=label, teacher=teacher)
 
 
-def _torch_chunk_grad(x, t, m, inv_s, a, b, mu, c2, cols, vals, out=None):
-    gz = _stats.chunk_grad(_stats.shifted(x, t, m), inv_s, a, b, mu, c2, cols, vals)
+def _torch_chunk_grad(x, t, m, inv_s, a, b, mu, c2, cols, vals, a_tail=None, tail_cols=None, out=None):
+    gz = _stats.chunk_grad(_stats.shifted(x, t, m), inv_s, a, b, mu, c2, cols, vals, a_tail, tail_cols)
     if t is not None:
         gz.div_(t[:, None] if isinstance(t, torch.Tensor) else t)
     return gz if out is None else out.copy_(gz)
@@ -68,10 +69,11 @@ def triton_backend() -> ChunkBackend:
     """The Triton kernels as a backend (imports Triton)."""
     from mcore_engine_kernels import backward, forward
 
-    def chunk_grad(x, t, m, inv_s, a, b, mu, c2, cols, vals, out=None, **launch):
+    def chunk_grad(x, t, m, inv_s, a, b, mu, c2, cols, vals, a_tail=None, tail_cols=None, out=None, **launch):
         if out is None:
             out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        return backward.chunk_grad(x, t, m, inv_s, a, b, mu, c2, cols, vals, out, **launch)
+        return backward.chunk_grad(x, t, m, inv_s, a, b, mu, c2, cols, vals, out, a_tail=a_tail,
+                                   tail_cols=tail_cols, **launch)
 
     return ChunkBackend("triton", forward.row_max, forward.chunk_stats, chunk_grad, TRITON_CHUNK_ELEMENTS)
 

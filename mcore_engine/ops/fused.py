@@ -91,7 +91,7 @@ class _VocabParallelLogitsFunction(torch.autograd.Function):
         fin = _stats.finalize(stats, lay, teacher_log_probs=tlp, clamp=plan.clamp)
         ctx.plan = plan
         ctx.save_for_backward(logits, flat_labels, flat_ids, t_rows, row_max, fin.inv_s, fin.mu, fin.s2,
-                              fin.kl_w, fin.kl_p, fin.tail_r, fin.q, fin.q_s)
+                              fin.kl_w, fin.kl_p, fin.tail_r, fin.tail_p, fin.q)
         ctx.set_materialize_grads(False)
         outs = tuple(fin.outputs[k].clone() for k in plan.keys)
         ctx.mark_non_differentiable(*(o for k, o in zip(plan.keys, outs, strict=True) if k in _NO_GRAD_KEYS))
@@ -101,10 +101,10 @@ class _VocabParallelLogitsFunction(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None):
         plan: _Plan = ctx.plan
         shard = plan.shard
-        (logits, labels, ids, t_rows, row_max, inv_s, mu, s2, kl_w, kl_p, tail_r, q,
-         q_s) = ctx.saved_tensors
+        (logits, labels, ids, t_rows, row_max, inv_s, mu, s2, kl_w, kl_p, tail_r, tail_p,
+         q) = ctx.saved_tensors
         none = (None,) * 6
-        fin = _stats.Finalized({}, inv_s, mu, s2, kl_w, kl_p, tail_r, q, q_s)
+        fin = _stats.Finalized({}, inv_s, mu, s2, kl_w, kl_p, tail_r, tail_p, q)
         coef = _stats.grad_coefficients(fin, dict(zip(plan.keys, grads, strict=True)), labels, ids)
         if coef is None:
             return none
@@ -144,6 +144,10 @@ def vocab_parallel_logits_outputs(
                                 [+ p_t * log(p_t / q_t), p_t = 1 - P.sum(-1), q_t = 1 - log_q.exp().sum(-1)
                                  when kl_tail]
         "student_mass" = log_q.exp().sum(-1); "teacher_mass" = P.sum(-1)         (no gradient)
+
+    The tail masses are floored at ``stats.TAIL_EPS`` (1e-20; q_t is summed over the ids outside the
+    top-k set, no ``1 - sum``): no tail gradient once q_t < 1e-20, and the tail term vanishes when
+    P.sum(-1) >= 1. The tail gradient is exact as q_t -> 0 (``stats.grad_coefficients``).
 
     Shapes: logits ``[..., V_local]`` (this rank's shard); labels ``[...]``; teacher_* ``[..., k]``;
     outputs fp32 ``[...]``. Differentiable w.r.t. ``logits`` (not the temperature or the teacher).

@@ -149,25 +149,44 @@ def chunk_stats(zm: torch.Tensor, layout: StatLayout, out: torch.Tensor, *,
 
 def chunk_grad(zm: torch.Tensor, inv_s: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None,
                mu: torch.Tensor, c2: torch.Tensor | None, cols: torch.Tensor | None,
-               vals: torch.Tensor | None) -> torch.Tensor:
+               vals: torch.Tensor | None, a_tail: torch.Tensor | None = None,
+               tail_cols: torch.Tensor | None = None) -> torch.Tensor:
     """Gradient w.r.t. ``z`` of one chunk, in a workspace of this call (``zm`` is consumed).
 
     With ``p = exp(zm) * inv_s`` (``inv_s = 1 / S``, global) and per-row coefficients ``[c]``:
 
-        g = p * (a + b * (zm - mu) + c2 * p);  g[row, cols] += vals   (``vals`` is 0 off-shard)
+        off_ids = 1 - onehot(tail_cols)          # [c, V_valid]: 0 at the teacher ids (tail only)
+        g = p * (a + a_tail * off_ids + b * (zm - mu) + c2 * p);  g[row, cols] += vals   (0 off-shard)
 
-    ``b`` = -g_entropy (mu = A / S), ``c2`` = 2 g_sum_pi2, ``a`` collects the remaining terms. Allocates
-    ``p`` (``[c, V_valid]``).
+    ``b`` = -g_entropy (mu = A / S), ``c2`` = 2 g_sum_pi2, ``a`` collects the remaining terms.
+    ``a_tail [c]`` (the KL tail's ``-g r Q_S``, up to ~1e20) with ``tail_cols [c, k]`` (local column of
+    each in-shard teacher id, -1 off-shard and for repeats): one pass over all columns with
+    ``a + a_tail``, then the teacher columns are SET to the value without ``a_tail``, recomputed from
+    their gathered ``zm`` (``[c, k]`` work): they never see the large term, so nothing cancels.
+    Allocates ``p`` (``[c, V_valid]``).
     """
+    tail = a_tail is not None and zm.shape[-1] > 0
+    a_full = a + a_tail if a_tail is not None else a
+    if tail:
+        hit = tail_cols >= 0
+        tcol = tail_cols.clamp_min(0)
+        zt = zm.gather(1, tcol)  # before zm is consumed
     p = zm.exp().mul_(inv_s[:, None])
     if b is None and c2 is None:  # log-probs / KL only: g = p * a, in p's storage
-        g = p.mul_(a[:, None])
+        g = p.mul_(a_full[:, None])
     else:
-        g = zm.sub_(mu[:, None]).mul_(b[:, None]).add_(a[:, None]) if b is not None \
-            else torch.addcmul(a[:, None], p, c2[:, None], out=zm)
+        g = zm.sub_(mu[:, None]).mul_(b[:, None]).add_(a_full[:, None]) if b is not None \
+            else torch.addcmul(a_full[:, None], p, c2[:, None], out=zm)
         if b is not None and c2 is not None:
             g.addcmul_(p, c2[:, None])
         g.mul_(p)
+    if tail:
+        pt = zt.exp().mul_(inv_s[:, None])
+        inner = a[:, None] if b is None else zt.sub_(mu[:, None]).mul_(b[:, None]).add_(a[:, None])
+        if c2 is not None:
+            inner = inner + pt * c2[:, None]
+        g.scatter_reduce_(1, tcol, (~hit).to(g.dtype), reduce="prod")  # 0 at the teacher columns
+        g.scatter_add_(1, tcol, pt.mul_(inner).mul_(hit))
     if cols is not None and g.shape[-1]:
         g.scatter_add_(1, cols, vals)
     return g
@@ -184,8 +203,8 @@ class Finalized:
     kl_w: torch.Tensor | None  # W = sum_{i active} P_i
     kl_p: torch.Tensor | None  # [N, k] P_i * active_i
     tail_r: torch.Tensor | None  # p_tail / q_tail (0 where q_tail was floored)
+    tail_p: torch.Tensor | None  # p_tail (0 where q_tail was floored) = tail_r * q_tail
     q: torch.Tensor | None  # [N, k] q_i (tail only)
-    q_s: torch.Tensor | None  # sum_S q_i (tail only)
 
 
 def finalize(stats: torch.Tensor, layout: StatLayout, *, teacher_log_probs: torch.Tensor | None,
@@ -197,12 +216,16 @@ def finalize(stats: torch.Tensor, layout: StatLayout, *, teacher_log_probs: torc
         KL = sum_i P_i (max(log P_i, c) - max(log q_i, c))   (a term with P_i = 0 counts 0)
         active_i = log q_i >= c
         tail: p_t = max(1 - sum P, eps), q_t = max(T / S, eps), KL += p_t log(p_t / q_t)
+
+    ``eps = TAIL_EPS``. The floors make the tail term's GRADIENT zero once ``T / S <= eps`` (the value
+    keeps the floored ``log q_t``), and the term vanish (``|value| <= ~1e-18``, gradient norm ``O(eps)``)
+    when the teacher's top-k probabilities sum to >= 1.
     """
     s = stats[:, 0]
     log_s = s.log()
     inv_s = s.reciprocal()
     out: dict[str, torch.Tensor] = {}
-    mu = s2 = kl_w = kl_p = tail_r = q = q_s = None
+    mu = s2 = kl_w = kl_p = tail_r = tail_p = q = None
     if layout.label:
         out["log_probs"] = stats[:, layout.y] - log_s
     if layout.entropy:
@@ -223,27 +246,31 @@ def finalize(stats: torch.Tensor, layout: StatLayout, *, teacher_log_probs: torc
             kl_p = big_p * (log_q >= clamp)
         kl = terms.masked_fill_(big_p == 0, 0.0).sum(-1)  # 0 log 0 = 0: teacher ids with log-prob -inf
         kl_w = kl_p.sum(-1)
-        q = log_q.exp()
-        q_s = q.sum(-1)
+        q_all = log_q.exp()
+        q_s = q_all.sum(-1)
         p_mass = big_p.sum(-1)
         if layout.tail:
+            q = q_all
             p_t = (1 - p_mass).clamp_min(TAIL_EPS)
             q_raw = stats[:, layout.t] * inv_s
             q_t = q_raw.clamp_min(TAIL_EPS)
             kl = kl + p_t * (p_t.log() - q_t.log())
-            tail_r = (p_t / q_t) * (q_raw > TAIL_EPS)
+            unfloored = q_raw > TAIL_EPS
+            tail_r = (p_t / q_t) * unfloored
+            tail_p = p_t * unfloored
         out["distillation_losses"] = kl
         out["student_mass"] = q_s
         out["teacher_mass"] = p_mass
-    return Finalized(out, inv_s, mu, s2, kl_w, kl_p, tail_r, q, q_s)
+    return Finalized(out, inv_s, mu, s2, kl_w, kl_p, tail_r, tail_p, q)
 
 
 class GradCoefficients(NamedTuple):
     """Per-token coefficients of :func:`chunk_grad` for all rows (fp32 ``[N]``; ``cols``/``vals`` ``[N, n]``).
 
-    ``g = p * (a + b (zm - mu) + c2 p)``, then ``g[row, cols] += vals``; ``cols`` are GLOBAL ids
-    (made local per chunk by :meth:`chunk`). ``b``/``mu``, ``c2``, ``cols``/``vals`` are None when
-    their term is absent.
+    ``g = p * (a + a_tail [j not a tail id] + b (zm - mu) + c2 p)``, then ``g[row, cols] += vals``;
+    ``cols`` and ``tail_ids [N, k]`` are GLOBAL ids (made local per chunk by :meth:`chunk`; a tail id
+    of -1 is none: the repeats of a teacher id). ``b``/``mu``, ``c2``, ``cols``/``vals``,
+    ``a_tail``/``tail_ids`` are None when their term is absent.
     """
 
     a: torch.Tensor
@@ -252,15 +279,30 @@ class GradCoefficients(NamedTuple):
     c2: torch.Tensor | None
     cols: torch.Tensor | None
     vals: torch.Tensor | None
+    a_tail: torch.Tensor | None = None
+    tail_ids: torch.Tensor | None = None
 
     def chunk(self, r0: int, r1: int, offset: int, v_valid: int) -> tuple[torch.Tensor | None, ...]:
-        """Rows ``[r0, r1)`` as ``(a, b, mu, c2, cols, vals)``: columns local to this shard, vals 0 off it."""
-        cols = vals = None
+        """Rows ``[r0, r1)`` as ``(a, b, mu, c2, cols, vals, a_tail, tail_cols)`` (:func:`chunk_grad`'s
+        arguments): columns local to this shard, vals 0 off it, tail_cols -1 off it."""
+        cols = vals = tail_cols = None
         if self.cols is not None:
             cols, inside = local_columns(self.cols[r0:r1], offset, v_valid)
             vals = self.vals[r0:r1] * inside
-        a, b, mu, c2 = (v[r0:r1] if v is not None else None for v in (self.a, self.b, self.mu, self.c2))
-        return a, b, mu, c2, cols, vals
+        if self.tail_ids is not None:
+            tail_cols, inside = local_columns(self.tail_ids[r0:r1], offset, v_valid)
+            tail_cols = tail_cols.masked_fill(~inside, -1)
+        a, b, mu, c2, a_tail = (v[r0:r1] if v is not None else None
+                                for v in (self.a, self.b, self.mu, self.c2, self.a_tail))
+        return a, b, mu, c2, cols, vals, a_tail, tail_cols
+
+
+def first_occurrence(ids: torch.Tensor) -> torch.Tensor:
+    """``[N, k]`` bool: True at the first occurrence of each id in its row (repeats are False)."""
+    srt, perm = ids.sort(dim=-1, stable=True)
+    first = torch.ones_like(ids, dtype=torch.bool)
+    first[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    return torch.empty_like(first).scatter_(1, perm, first)
 
 
 def grad_coefficients(fin: Finalized, grads: Mapping[str, torch.Tensor | None], labels: torch.Tensor | None,
@@ -276,7 +318,13 @@ def grad_coefficients(fin: Finalized, grads: Mapping[str, torch.Tensor | None], 
         d H / dz        = -p (z - mu)             -> b = -g_H
         d s2 / dz       = 2 p (p - s2)            -> c2 = 2 g_s2;      a -= c2 s2
         d KL / dz       = p W - P 1[active]       -> a += g_kl W;      points (ids, -g_kl P_active)
-        tail: + (p_t / q_t) (q 1[ids] - q Q_S)    -> a -= g_kl r Q_S;  points += g_kl r q
+        tail, r = p_t / q_t (q_t = T / S = 1 - Q_S, S the teacher ids counted once, Q_S = sum_S q):
+          j not in S: -r Q_S p_j                  -> a_tail = -g_kl r Q_S   (not at the ids: tail_ids)
+          j in S:      r q_t q_j = p_t q_j        -> points += g_kl p_t q   (first occurrences only)
+
+    The tail's ``j in S`` form is the well-conditioned one: ``a_tail`` grows like ``1 / q_t`` (up to
+    1e20) and never reaches the teacher columns (:func:`chunk_grad`), so there is no ``-r Q_S p_j +
+    r q_j`` to cancel as ``q_t -> 0``. Both tail parts are 0 where ``q_t`` was floored (:func:`finalize`).
     """
     g_lp, g_h, g_s2, g_kl = (grads.get(k) for k in ("log_probs", "entropy", "sum_pi_squared",
                                                      "distillation_losses"))
@@ -285,7 +333,7 @@ def grad_coefficients(fin: Finalized, grads: Mapping[str, torch.Tensor | None], 
     n = fin.inv_s.shape[0]
     a = torch.zeros(n, dtype=torch.float32, device=fin.inv_s.device)
     b = -g_h.reshape(n).float() if g_h is not None else None
-    c2 = None
+    c2 = a_tail = tail_ids = None
     cols, vals = [], []
     if g_lp is not None:
         g_lp = g_lp.reshape(n).float()
@@ -300,9 +348,13 @@ def grad_coefficients(fin: Finalized, grads: Mapping[str, torch.Tensor | None], 
         a += g_kl * fin.kl_w
         tv = -fin.kl_p
         if fin.tail_r is not None:
-            a -= g_kl * fin.tail_r * fin.q_s
-            tv = tv + fin.tail_r[:, None] * fin.q
+            first = first_occurrence(ids)
+            q_once = fin.q * first
+            a_tail = -g_kl * fin.tail_r * q_once.sum(-1)
+            tv = tv + fin.tail_p[:, None] * q_once
+            tail_ids = ids.masked_fill(~first, -1)
         cols.append(ids)
         vals.append(g_kl[:, None] * tv)
     return GradCoefficients(a, b, fin.mu if b is not None else None, c2,
-                            torch.cat(cols, 1) if cols else None, torch.cat(vals, 1) if vals else None)
+                            torch.cat(cols, 1) if cols else None, torch.cat(vals, 1) if vals else None,
+                            a_tail, tail_ids)

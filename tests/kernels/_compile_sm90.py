@@ -12,7 +12,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
-STATS_PTRS = ("t_ptr", "m_ptr", "inv_s_ptr", "a_ptr", "b_ptr", "mu_ptr", "c2_ptr", "pval_ptr", "part_ptr")
+STATS_PTRS = ("t_ptr", "m_ptr", "inv_s_ptr", "a_ptr", "b_ptr", "mu_ptr", "c2_ptr", "pval_ptr", "part_ptr",
+              "a_tail_ptr")
 
 
 def compile_(fn, ptrs: dict[str, str], consts: dict, cfg: LaunchConfig, nones: tuple[str, ...] = ()) -> None:
@@ -39,11 +40,12 @@ def main() -> None:
         no_ids = () if k else ("ycol_ptr", "yin_ptr", "tcol_ptr", "tin_ptr")
         compile_(forward._chunk_stats_kernel, {**x, **ids}, {**cols, "T_MODE": t_mode},
                  DEFAULT_CONFIGS["chunk_stats"], no_t + no_ids)
-        flags = {"HAS_B": bool(k), "HAS_C2": not k, "N_PTS": k, "T_MODE": t_mode,
+        flags = {"HAS_B": bool(k), "HAS_C2": not k, "N_PTS": k, "N_TAIL": k, "T_MODE": t_mode,
                  "EMULATE_RTNE": dt == "bf16"}
-        no_terms = ("c2_ptr",) if k else ("b_ptr", "mu_ptr", "pcol_ptr", "pval_ptr")
-        compile_(backward._chunk_grad_kernel, {**x, "pcol_ptr": "*i64", "out_ptr": f"*{dt}"}, flags,
-                 DEFAULT_CONFIGS["chunk_grad"], no_t + no_terms)
+        no_terms = ("c2_ptr",) if k else ("b_ptr", "mu_ptr", "pcol_ptr", "pval_ptr", "a_tail_ptr", "tcol_ptr")
+        pts = {"pcol_ptr": "*i64", "tcol_ptr": "*i64", "out_ptr": f"*{dt}"}
+        compile_(backward._chunk_grad_kernel, {**x, **pts}, flags, DEFAULT_CONFIGS["chunk_grad"],
+                 no_t + no_terms)
     print("compiled")
 
 

@@ -13,13 +13,15 @@ from tests.utils import assert_rel_close, rel_err
 
 SMALL = LaunchConfig(block_v=128, num_warps=4)
 
-# (seed, dtype, temperature, rows, v_local, v_valid, offset, terms, splits, config)
+# (seed, dtype, temperature, rows, v_local, v_valid, offset, terms, splits, config); tail: the scale of
+# a_tail (the KL tail's coefficient, excluded at the teacher ids), 0 for none.
 CASES = [
-    (1, F32, "none", 37, 1000, 1000, 0, dict(b=True, c2=True, points=6), None, None),
-    (2, F32, "rows", 17, 1000, 953, 1000, dict(b=True, c2=False, points=4), 5, SMALL),
-    (3, BF16, "float", 29, 517, 517, 517, dict(b=False, c2=True, points=1), 3, SMALL),
-    (4, BF16, "rows", 23, 700, 650, 0, dict(b=True, c2=True, points=5), None, None),
-    (5, F16, "float", 19, 333, 333, 333, dict(b=False, c2=False, points=0), 2, SMALL),
+    (1, F32, "none", 37, 1000, 1000, 0, dict(b=True, c2=True, points=6, tail=1e9), None, None),
+    (2, F32, "rows", 17, 1000, 953, 1000, dict(b=True, c2=False, points=4, tail=0), 5, SMALL),
+    (3, BF16, "float", 29, 517, 517, 517, dict(b=False, c2=True, points=1, tail=0), 3, SMALL),
+    (4, BF16, "rows", 23, 700, 650, 0, dict(b=True, c2=True, points=5, tail=1.0), None, None),
+    (5, F16, "float", 19, 333, 333, 333, dict(b=False, c2=False, points=0, tail=0), 2, SMALL),
+    (6, F32, "float", 21, 800, 777, 0, dict(b=False, c2=False, points=7, tail=1e12), 4, SMALL),
 ]
 
 
@@ -30,12 +32,17 @@ def _stats_of(x, t, m):
     return (1 / e.sum(-1)).float(), ((e * zm).sum(-1) / e.sum(-1)).float()
 
 
-def _reference_grad64(x, t, m, inv_s, a, b, mu, c2, cols, vals):
-    """The module docstring's formula in float64: ``(p (a + b (zm - mu) + c2 p) + scatter) / t``."""
+def _reference_grad64(x, t, m, inv_s, a, b, mu, c2, cols, vals, a_tail=None, tail_cols=None):
+    """The module docstring's formula in float64: ``(p (a + a_tail [not tail] + b (zm - mu) + c2 p)
+    + scatter) / t``."""
     tt = 1.0 if t is None else (t.double()[:, None] if isinstance(t, torch.Tensor) else t)
     zm = x.double() / tt - m.double()[:, None]
     p = zm.exp() * inv_s.double()[:, None]
     inner = a.double()[:, None] + torch.zeros_like(p)
+    if a_tail is not None:
+        at_ids = torch.zeros_like(p, dtype=torch.bool)
+        at_ids.scatter_(1, tail_cols.clamp_min(0), tail_cols >= 0)
+        inner = inner + a_tail.double()[:, None] * ~at_ids
     if b is not None:
         inner = inner + b.double()[:, None] * (zm - mu.double()[:, None])
     if c2 is not None:
@@ -70,25 +77,39 @@ def test_chunk_grad_matches_float64_and_torch_path(case):
         gids = torch.cat([inp["labels"][:, None], inp["ids"][:, :n - 1]], 1)
         cols, inside = torch_stats.local_columns(gids, offset, v_valid)
         vals = rnd(rows, n) * inside
+    a_tail = tail_cols = None
+    if terms["tail"]:
+        # The teacher ids (with one repeat per row), local; -1 off-shard and for the repeats.
+        tids = torch.cat([inp["ids"][:, :n - 1], inp["ids"][:, :1]], 1)
+        first = torch_stats.first_occurrence(tids)
+        tail_cols, inside = torch_stats.local_columns(tids, offset, v_valid)
+        tail_cols = tail_cols.masked_fill(~(inside & first), -1)
+        a_tail = rnd(rows) * terms["tail"]
     x_before = inp["full"].clone()
 
     # The chunk's columns of a full-width gradient (padded columns must stay untouched).
     grad = torch.full((rows, v_local), float("nan"), dtype=dtype, device=DEVICE)
     out = grad[:, :v_valid]
-    res = chunk_grad(x, t, m, inv_s, a, b, mu, c2, cols, vals, out, splits=splits, config=cfg)
+    res = chunk_grad(x, t, m, inv_s, a, b, mu, c2, cols, vals, out, a_tail=a_tail, tail_cols=tail_cols,
+                     splits=splits, config=cfg)
     assert res is out and out.dtype == dtype
     assert torch.isfinite(out).all(), "some gradient element was not written"
     assert torch.isnan(grad[:, v_valid:]).all(), "chunk_grad wrote past the valid columns"
     assert torch.equal(inp["full"], x_before), "chunk_grad modified its input"
 
-    ref = _reference_grad64(x, t, m, inv_s, a, b, mu, c2, cols, vals)
+    ref = _reference_grad64(x, t, m, inv_s, a, b, mu, c2, cols, vals, a_tail, tail_cols)
     # Error budget: the rounding of the exact result to the output dtype, plus fp32 arithmetic.
     budget = rel_err(ref.to(dtype), ref) + 1e-5
     assert rel_err(out, ref) <= budget, f"grad vs float64: {rel_err(out, ref):.3e} > {budget:.3e}"
+    if a_tail is not None:  # the teacher columns alone: the huge a_tail must not leak into them
+        at = tail_cols.clamp_min(0)
+        sub, sub_ref = out.gather(1, at)[tail_cols >= 0], ref.gather(1, at)[tail_cols >= 0]
+        budget = rel_err(sub_ref.to(dtype), sub_ref) + 1e-5
+        assert rel_err(sub, sub_ref) <= budget, f"teacher columns: {rel_err(sub, sub_ref):.3e} > {budget:.3e}"
 
     # The ops' torch path: recompute zm, chunk_grad (w.r.t. z), divide by t, cast to the logits' dtype.
     gz = torch_stats.chunk_grad(torch_stats.shifted(x, t, m), inv_s, a, b, mu if b is not None else a, c2,
-                                cols, vals)
+                                cols, vals, a_tail, tail_cols)
     if t is not None:
         gz = gz / (t[:, None] if isinstance(t, torch.Tensor) else t)
     assert_rel_close(out, gz.to(dtype), 1e-5 if dtype == F32 else 1e-2, "grad vs torch path")
@@ -105,5 +126,10 @@ def test_bad_input_raises_value_error_naming_argument():
     with pytest.raises(ValueError, match="cols and vals"):
         chunk_grad(x, None, r, r, r, None, None, None, torch.zeros(5, 1, dtype=torch.long, device=DEVICE),
                    None, out)
+    with pytest.raises(ValueError, match="a_tail and tail_cols"):
+        chunk_grad(x, None, r, r, r, None, None, None, None, None, out, a_tail=r)
+    with pytest.raises(ValueError, match="tail_cols must be"):
+        chunk_grad(x, None, r, r, r, None, None, None, None, None, out, a_tail=r,
+                   tail_cols=torch.zeros(4, 2, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError, match="out must be"):
         chunk_grad(x, None, r, r, r, None, None, None, None, None, out[:, :39])

@@ -20,6 +20,7 @@ from mcore_engine_kernels.launch import LaunchConfig
 from mcore_engine.ops import backend, fused, vocab_parallel_logits_outputs
 from tests.kernels._helpers import DEVICE
 from tests.ops._cases import Case, case_inputs, shard_of, weighted_sum
+from tests.ops.test_fused import check_concentrated_tail
 from tests.utils import REL_TOL, assert_rel_close, reference_logits_outputs, run_distributed
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -177,3 +178,10 @@ def test_fused_lm_head_with_triton_chunk_math_matches_torch_backend():
         assert_rel_close(got[key], ref[key], REL_TOL[F32], f"lm-head {key} vs torch backend")
     assert_rel_close(gh, ref_gh, REL_TOL[F32], "lm-head grad hidden vs torch backend")
     assert_rel_close(gw, ref_gw, REL_TOL[F32], "lm-head grad weight vs torch backend")
+
+
+def test_concentrated_student_tail_on_the_kernels():
+    """q_tail down to 1e-24 with every output: the kernel sets the teacher columns without the tail's
+    ~1 / q_tail coefficient (as the torch path does), so their gradient stays exact."""
+    with triton_chunk_math(2, SMALL):
+        check_concentrated_tail(0, 1, DEVICE)

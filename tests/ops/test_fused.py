@@ -155,12 +155,58 @@ def _check_all_padding_shards(rank: int, world: int) -> None:
     assert (ids < 9).all()
 
 
+def check_concentrated_tail(rank: int, world: int, device: str | torch.device = "cpu") -> None:
+    """KL tail with every other output when the student puts almost all its mass on the teacher's ids:
+    q_tail from ~1e-2 down to ~1e-24 (floored: no tail gradient), one row with a repeated id. The
+    tail's coefficient ~1 / q_tail must not reach the teacher columns (nor their other terms).
+    ``device``: where the op runs (the Triton kernel tests pass CUDA on a GPU)."""
+    gen = torch.Generator().manual_seed(41)
+    v_local, k, t = 31, 5, 0.7
+    vocab = v_local * world
+    gaps = torch.tensor([3.0, 7.0, 11.0, 14.0, 21.0, 42.0, 60.0, 11.0])
+    n = len(gaps)
+    full = torch.randn(n, vocab, generator=gen, dtype=torch.float64) * 1.5
+    ids = torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(n)])
+    ids[-1, 3] = ids[-1, 1]  # a repeated teacher id: counts once in the tail mass
+    full.scatter_(1, ids, gaps[:, None].double() * t + torch.randn(n, k, generator=gen, dtype=torch.float64))
+    full = full.float()
+    t_lp = torch.tensor([0.3, 0.2, 0.1, 0.05, 0.05]).log().expand(n, k).contiguous()
+    labels = torch.randint(0, vocab, (n,), generator=gen)
+    weights = {key: torch.randn(n, generator=gen, dtype=torch.float64)
+               for key in ("log_probs", "entropy", "sum_pi_squared", "distillation_losses")}
+
+    # float64 reference; q_tail summed over the complement of the (distinct) ids, floors as documented
+    full64 = full.double().requires_grad_()
+    ref = reference_logits_outputs(full64, labels=labels, **FLAGS, temperature=t)
+    log_q_all = (full64 / t).log_softmax(-1)
+    big_p = t_lp.double().exp()
+    outside = torch.ones_like(full64, dtype=torch.bool).scatter(1, ids, False)
+    q_t = (log_q_all.exp() * outside).sum(-1).clamp_min(1e-20)
+    p_t = (1 - big_p.sum(-1)).clamp_min(1e-20)
+    ref["distillation_losses"] = (big_p * (t_lp.double() - log_q_all.gather(1, ids))).sum(-1) \
+        + p_t * (p_t.log() - q_t.log())
+    assert q_t.min() == 1e-20 and q_t[q_t > 1e-20].min() < 1e-15, "rows must span the tail's range"
+    (ref_grad,) = torch.autograd.grad(weighted_sum(ref, weights), full64)
+
+    x = shard_of(full, rank, v_local).detach().to(device).requires_grad_()
+    out = vocab_parallel_logits_outputs(x, labels=labels.to(device), teacher_ids=ids.to(device),
+                                        teacher_log_probs=t_lp.to(device), **FLAGS, kl_tail=True,
+                                        temperature=t, group=_group(world), chunk_size=3)
+    out = {key: v.cpu() for key, v in out.items()}
+    for key in weights:
+        assert_rel_close(out[key], ref[key], 1e-5, f"concentrated tail {key}")
+    weighted_sum(out, weights).backward()
+    assert_rel_close(x.grad.cpu(), ref_grad[:, rank * v_local:(rank + 1) * v_local], 1e-5,
+                     "concentrated tail grad")
+
+
 def _run_all(rank: int, world: int, case_indices: list[int]) -> None:
     for i in case_indices:
         _check_fused(CASES[i], rank, world)
     if world > 1:
         _check_all_padding_shards(rank, world)
     _check_chunk_invariance(rank, world)
+    check_concentrated_tail(rank, world)
     _check_topk(rank, world)
     _check_zero_tokens(rank, world)
 
