@@ -11,6 +11,9 @@ and q = softmax(student_logits) over the full global vocab::
     distillation_losses = sum_{i in S} p_i * (log p_i - log q_i)                # forward_kl_topk
                         + p_tail * log(p_tail / q_tail)                         # forward_kl_topk_tail
     p_tail = 1 - sum_S p,  q_tail = 1 - sum_S q   (q_tail from the mass outside S, computed stably)
+    Both tail masses are floored at 1e-20: the tail term's gradient is 0 once q_tail < 1e-20, and
+    the term vanishes (|value| <= ~1e-18) when the teacher's log-probs sum to >= 1 (p_tail floored).
+    Its gradient stays exact as q_tail -> 0 (at the top-k ids it is formed as p_tail * q_i).
     student_mass = sum_S q;  teacher_mass = sum_S p;  topk_overlap = |S & top-k(q)| / K   (no grad)
 
 The math runs in ``mcore_engine.ops.vocab_parallel_forward_kl_topk`` (chunked, vocab-parallel, no
