@@ -3,7 +3,8 @@
 Layout of a checkpoint folder ``path/``::
 
     rank_00000.pt ... rank_{W-1}.pt   one shard per global rank (torch.save of a plain dict)
-    meta.json                         written last: format, parallel layout, world size, shard list
+    meta.json                         written last: format, parallel layout, world size, shard list,
+                                      the engine's model and parallel config (``config``)
 
 Every rank writes its own shard: the state dicts of its model chunks, of its optimizer (the inner
 torch optimizer's state and the main parameters it steps, which are the fp32 master copies under
@@ -14,10 +15,18 @@ Atomicity: shards and meta go to ``path.tmp/``; rank 0 renames it to ``path`` on
 finished writing (a barrier), replacing an older checkpoint at ``path`` by a rename too. A ``path``
 (or ``path.tmp`` / ``path.old``) holding anything but checkpoint files is never deleted: the save
 is refused with ``ValueError`` before anything is written. A crash between the two renames leaves
-the previous checkpoint intact at ``path.old``. A folder
-without ``meta.json``, with a missing or unreadable shard, or written by another parallel layout
-is refused with ``ValueError`` on EVERY rank (the failure is agreed with one all-reduce, so no rank
-hangs in a collective while another raises). A shared filesystem is assumed.
+the previous checkpoint intact at ``path.old`` (and the interrupted new one, complete, at
+``path.tmp``); ``load_checkpoint(path)`` then finds no ``path``, loads ``path.old`` with a
+``RuntimeWarning`` saying so, and the next save cleans up. A folder without ``meta.json``, with a
+missing or unreadable shard, written by another parallel layout, or for another model (``config``:
+every ``ModelConfig`` field but the ones that do not define the weights, :data:`IGNORED_CONFIG`;
+the error names the differing fields) is refused with ``ValueError`` on EVERY rank (the failure is
+agreed with one all-reduce, so no rank hangs in a collective while another raises). A shared
+filesystem is assumed.
+
+RNG: loading restores the PROCESS-GLOBAL generators of every rank (torch CPU and CUDA, Python's
+``random``, NumPy's global state, Megatron's model-parallel tracker), as a bit-identical resume
+needs; anything else in the process drawing from them continues from the checkpoint's streams.
 
 Memory: one rank's state at a time on the host (``torch.save`` / ``torch.load`` on CPU).
 """
@@ -29,8 +38,9 @@ import os
 import random
 import re
 import shutil
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -41,11 +51,20 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from mcore_engine.engine import MegatronEngine
 
-__all__ = ["FORMAT", "CheckpointLayout", "engine_layout", "load_engine_state", "load_shard", "rng_state",
-           "save_engine_state", "save_shard", "set_rng_state"]
+__all__ = ["FORMAT", "IGNORED_CONFIG", "CheckpointLayout", "config_mismatch", "engine_config_record",
+           "engine_layout", "load_engine_state", "load_shard", "rng_state", "save_engine_state", "save_shard",
+           "set_rng_state"]
 
 FORMAT = "mcore-engine-per-rank-v1"
 _META = "meta.json"
+
+IGNORED_CONFIG: dict[str, frozenset[str]] = {
+    "model": frozenset({"hf_path", "fused_lm_head", "init_method_std", "max_sequence_length"}),
+    "parallel": frozenset({"sequence_parallel", "batch_p2p_comm"}),
+}
+"""Config fields a load may change: where the initial weights came from, how the lm head computes,
+the longest accepted sequence and communication options; every other ``model`` / ``parallel``
+field must match the checkpoint's."""
 
 
 @dataclass(frozen=True)
@@ -120,8 +139,22 @@ def _agree(error: str | None, what: str) -> None:
         raise ValueError(error if error is not None else f"{what}: refused because another rank failed")
 
 
-def save_shard(path: str, shard: dict[str, Any], layout: CheckpointLayout, *, step: int) -> None:
-    """Collective: write this rank's ``shard`` into checkpoint folder ``path`` atomically."""
+def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{"section.field": (checkpoint's, current)}`` for the fields of ``engine_config_record``
+    dicts that differ, :data:`IGNORED_CONFIG` left out."""
+    diff = {}
+    for section in sorted(saved.keys() | current.keys()):
+        ours, theirs = current.get(section) or {}, saved.get(section) or {}
+        for name in sorted(ours.keys() | theirs.keys()):
+            if name not in IGNORED_CONFIG.get(section, ()) and ours.get(name) != theirs.get(name):
+                diff[f"{section}.{name}"] = (theirs.get(name), ours.get(name))
+    return diff
+
+
+def save_shard(path: str, shard: dict[str, Any], layout: CheckpointLayout, *, step: int,
+               config: dict[str, Any] | None = None) -> None:
+    """Collective: write this rank's ``shard`` into checkpoint folder ``path`` atomically;
+    ``config`` (JSON-serialisable, e.g. :func:`engine_config_record`) goes into ``meta.json``."""
     path = os.path.abspath(path)
     tmp = path + ".tmp"
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -150,7 +183,7 @@ def save_shard(path: str, shard: dict[str, Any], layout: CheckpointLayout, *, st
     if rank == 0:
         try:
             meta = {"format": FORMAT, "layout": layout.to_dict(), "step": step,
-                    "shards": [_shard_name(r) for r in range(layout.world_size)]}
+                    "shards": [_shard_name(r) for r in range(layout.world_size)], "config": config}
             missing = [s for s in meta["shards"] if not os.path.isfile(os.path.join(tmp, s))]
             if missing:
                 raise OSError(f"shards missing after the barrier: {missing}")
@@ -171,7 +204,22 @@ def save_shard(path: str, shard: dict[str, Any], layout: CheckpointLayout, *, st
     _agree(error, "save_checkpoint")
 
 
-def _read_shard(path: str, layout: CheckpointLayout, rank: int) -> dict[str, Any]:
+def _resolve(path: str) -> str:
+    """``path``, or ``path.old`` (with a ``RuntimeWarning``) when a save crashed between its two
+    renames: no ``path``, a complete previous checkpoint at ``path.old``."""
+    old = path + ".old"
+    if os.path.lexists(path) or not os.path.isfile(os.path.join(old, _META)):
+        return path
+    tmp = path + ".tmp"
+    warnings.warn(f"load_checkpoint: {path!r} is missing but {old!r} holds the previous checkpoint: a save "
+                  f"was interrupted between its renames (its complete new state may be in {tmp!r}); "
+                  f"loading {old!r}. The next save_checkpoint({path!r}) cleans up.", RuntimeWarning,
+                  stacklevel=3)
+    return old
+
+
+def _read_shard(path: str, layout: CheckpointLayout, rank: int, config: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
     meta_path = os.path.join(path, _META)
     if not os.path.isdir(path):
         raise ValueError(f"load_checkpoint: {path!r} is not a checkpoint folder")
@@ -189,6 +237,11 @@ def _read_shard(path: str, layout: CheckpointLayout, rank: int) -> dict[str, Any
                 if meta.get("layout", {}).get(k) != v}
         raise ValueError(f"load_checkpoint: {path!r} was written under another parallel layout; "
                          f"(checkpoint, current) differ in {diff}")
+    if config is not None and meta.get("config") is not None:
+        diff = config_mismatch(meta["config"], config)
+        if diff:
+            raise ValueError(f"load_checkpoint: {path!r} was written for another model / parallel config; "
+                             f"(checkpoint, current) differ in {diff}")
     missing = [s for s in meta.get("shards", []) if not os.path.isfile(os.path.join(path, s))]
     if missing or len(meta.get("shards", [])) != layout.world_size:
         raise ValueError(f"load_checkpoint: {path!r} is torn: missing shards {missing} "
@@ -205,15 +258,18 @@ def _read_shard(path: str, layout: CheckpointLayout, rank: int) -> dict[str, Any
 
 
 def load_shard(path: str, layout: CheckpointLayout,
-               check: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Collective: read and check this rank's shard of checkpoint ``path`` (plus ``check(shard)``,
-    which raises ``ValueError`` on a mismatch); ``ValueError`` on every rank when any rank finds the
-    checkpoint torn, foreign or mismatched."""
-    path = os.path.abspath(path)
+               check: Callable[[dict[str, Any]], None] | None = None, *,
+               config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Collective: read and check this rank's shard of checkpoint ``path`` (``path.old`` after a save
+    that crashed between its renames, with a warning) against ``layout``, ``config`` (when both it
+    and the checkpoint have one; :func:`config_mismatch`) and ``check(shard)``, which raises
+    ``ValueError`` on a mismatch; ``ValueError`` on every rank when any rank finds the checkpoint
+    torn, foreign or mismatched."""
+    path = _resolve(os.path.abspath(path))
     rank = dist.get_rank() if dist.is_initialized() else 0
     shard, error = None, None
     try:
-        shard = _read_shard(path, layout, rank)
+        shard = _read_shard(path, layout, rank, config)
         if check is not None:
             check(shard)
     except ValueError as exc:
@@ -234,6 +290,11 @@ def engine_layout(engine: MegatronEngine) -> CheckpointLayout:
         data_parallel_size=world // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size),
         precision=engine.config.precision,
         use_distributed_optimizer=engine.config.optimizer.use_distributed_optimizer)
+
+
+def engine_config_record(engine: MegatronEngine) -> dict[str, Any]:
+    """``{"model": ModelConfig as dict, "parallel": ParallelConfig as dict}`` of ``engine``."""
+    return {"model": asdict(engine.config.model), "parallel": asdict(engine.config.parallel)}
 
 
 def _optimizer_state(optimizer) -> list[dict[str, Any]]:
@@ -279,7 +340,8 @@ def save_engine_state(engine: MegatronEngine, path: str) -> None:
         "num_skipped_steps": engine.num_skipped_steps,
         "rng": rng_state(),
     }
-    save_shard(path, shard, engine_layout(engine), step=engine.global_step)
+    save_shard(path, shard, engine_layout(engine), step=engine.global_step,
+               config=engine_config_record(engine))
 
 
 def _shapes(state: dict[str, Any]) -> dict[str, tuple]:
@@ -310,8 +372,10 @@ def _check_matches(engine: MegatronEngine, shard: dict[str, Any]) -> None:
 
 
 def load_engine_state(engine: MegatronEngine, path: str) -> None:
-    """Collective: restore ``engine`` from checkpoint ``path`` (checked before anything changes)."""
-    shard = load_shard(path, engine_layout(engine), check=partial(_check_matches, engine))
+    """Collective: restore ``engine`` from checkpoint ``path`` (checked before anything changes),
+    including every rank's process-global RNG states (module docstring)."""
+    shard = load_shard(path, engine_layout(engine), check=partial(_check_matches, engine),
+                       config=engine_config_record(engine))
     for chunk, state in zip(engine.model, shard["model"], strict=True):
         chunk.module.load_state_dict(state, strict=True)
     _load_optimizer_state(engine.optimizer, shard["optimizer"])

@@ -5,12 +5,16 @@ In-process: the folder protocol of ``save_shard`` / ``load_shard`` on one rank w
 truncated shard, other layout). Two gloo ranks (one launch): a TP=2 engine in fp32 and in bf16
 (fp32 main weights in the optimizer) and a DP=2 engine with the distributed optimizer (each rank
 holds a slice of the Adam state) resume bit-identically into the same and into a freshly
-initialised engine (weights, Adam state, scheduler, step counters, RNG), and a torn checkpoint or one
-written under another layout is refused with ``ValueError`` on both ranks, engine untouched.
+initialised engine (weights, Adam state, scheduler, step counters, RNG: loading restores the
+process-global generators), and a torn checkpoint, one written under another layout, or one for
+another model of the same shapes (``meta.json``'s config, differing fields named) is refused with
+``ValueError`` on both ranks, engine untouched. A save that crashed between its two renames loads
+the previous checkpoint from ``path.old`` with a warning.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -58,6 +62,42 @@ def test_crashed_save_leaves_previous_checkpoint(tmp_path):
     assert torch.equal(load_shard(path, LAYOUT)["weights"], shard["weights"])
     save_shard(path, _shard(), LAYOUT, step=2)
     assert not os.path.exists(path + ".tmp")
+
+
+def test_save_crashed_between_renames_loads_the_previous_checkpoint(tmp_path):
+    path = str(tmp_path / "ckpt")
+    first = _shard()
+    save_shard(path, first, LAYOUT, step=1)
+    save_shard(str(tmp_path / "next"), _shard(), LAYOUT, step=2)
+    os.rename(path, path + ".old")                   # the first rename of a save of step 2 ...
+    os.rename(str(tmp_path / "next"), path + ".tmp")  # ... its complete new folder, never renamed
+    with pytest.warns(RuntimeWarning, match="interrupted between its renames"):
+        assert torch.equal(load_shard(path, LAYOUT)["weights"], first["weights"])
+    third = _shard()
+    save_shard(path, third, LAYOUT, step=3)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert torch.equal(load_shard(path, LAYOUT)["weights"], third["weights"])
+
+
+def test_config_mismatch_is_refused_by_name(tmp_path):
+    from mcore_engine.checkpoint import engine_config_record
+
+    cfg = tiny_config()
+    engine = type("E", (), {"config": cfg})()
+    record = engine_config_record(engine)
+    path = str(tmp_path / "ckpt")
+    save_shard(path, _shard(), LAYOUT, step=1, config=record)
+    with open(os.path.join(path, "meta.json")) as f:
+        assert json.load(f)["config"]["model"]["hidden_size"] == 64
+    other = {"model": {**record["model"], "norm_epsilon": 1e-6, "hf_path": "/elsewhere",
+                       "fused_lm_head": True},
+             "parallel": {**record["parallel"], "sequence_parallel": True}}
+    with pytest.raises(ValueError, match="model.norm_epsilon") as info:
+        load_shard(path, LAYOUT, config=other)
+    assert "hf_path" not in str(info.value) and "sequence_parallel" not in str(info.value)
+    fine = {"model": {**record["model"], "hf_path": "/elsewhere", "max_sequence_length": 4096},
+            "parallel": record["parallel"]}
+    load_shard(path, LAYOUT, config=fine)  # fields that do not define the weights may change
 
 
 def _refused(path: str, layout: CheckpointLayout, needle: str) -> None:
@@ -147,6 +187,13 @@ def _resume(rank: int, world_size: int, tmp: str) -> None:
 
         fresh = MegatronEngine(tiny_config(**kwargs, seed=99))  # other weights
         fresh.initialize()
+        if name == "fp32":  # same shapes, another model: refused by name on both ranks, untouched
+            fresh.config.model.rotary_base = 5000
+            before = _snapshot(fresh)
+            with pytest.raises(ValueError, match="model.rotary_base"):
+                fresh.load_checkpoint(path)
+            _assert_identical(_snapshot(fresh), before, "refused checkpoint of another model")
+            fresh.config.model.rotary_base = engine.config.model.rotary_base
         fresh.load_checkpoint(path)
         assert _step(fresh, 2) == (loss, norm), f"{name}: loss / grad norm after a fresh resume"
         _assert_identical(_snapshot(fresh), after, f"{name}: resume into a fresh engine")
