@@ -12,8 +12,12 @@
 
 (the clamp: a batch without any loss token gives zero contributions, not 0 / 0).
 
-The failure flag rides on the same all-reduce, so a bad batch on one data-parallel rank raises
-``ValueError`` on every rank (no rank is left waiting in a collective) and nothing has been touched.
+The failure flag rides on the same all-gather, so a bad batch on one data-parallel rank raises on
+every rank (no rank is left waiting in a collective) and nothing has been touched: the failing rank
+re-raises its own exception (``ValueError`` for a bad batch, whatever else broke in splitting or
+packing), the others a ``ValueError`` naming the failing ranks. Counts travel as float64 (exact
+integers up to 2**53); the context holds them as float32 0-d tensors (``LossContext.from_counts``'s
+convention: one rounding, relative error below 6e-8).
 
 Fixed shapes: Megatron's interleaved schedule exchanges activation shapes with one batched
 send/recv per step; with PP=2 both directions go to the same peer and gloo pairs them the wrong way
@@ -94,15 +98,16 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
                  default_micro_batch_size: int, has_logits_processor_func: bool, pad_multiple: int,
                  min_num_micro_batches: int, device: torch.device,
                  dp_group: Any, common_shape: bool = False) -> PreparedStep:
-    """Validate and pack ``batch`` for one step; ``ValueError`` on every DP rank if any rank's batch
-    is bad (see the module docstring); ``common_shape`` pads every micro-batch to one model shape
-    (module docstring). Teacher tensors are required under ``distillation_use_topk``
-    unless a custom logits processor brings its own. ``min_num_micro_batches``: the micro-batch count
-    must be a multiple of it (``pp`` for the interleaved schedule; a token-budget split is refined to
-    reach one). Host syncs beyond ``validate_batch``'s: one, reading the gathered counts."""
-    error: ValueError | None = None
+    """Validate and pack ``batch`` for one step; an error on any DP rank (bad batch, or any exception
+    while splitting / packing) raises on every DP rank (see the module docstring); ``common_shape``
+    pads every micro-batch to one model shape (module docstring). Teacher tensors are required under
+    ``distillation_use_topk`` unless a custom logits processor brings its own.
+    ``min_num_micro_batches``: the micro-batch count must be a multiple of it (``pp`` for the
+    interleaved schedule; a token-budget split is refined to reach one). Host syncs beyond
+    ``validate_batch``'s: one, reading the gathered counts."""
+    error: Exception | None = None
     prepared = None
-    local_tokens = torch.zeros((), dtype=torch.float32, device=device)
+    local_tokens = torch.zeros((), dtype=torch.float64, device=device)
     local_seqs = 0
     try:
         flags = parse_step_flags(batch)
@@ -128,18 +133,19 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
             micro_batches.append(MicroBatch(
                 index=i, data=mb, inputs=dataclasses.replace(inputs, attention_mask=None),
                 sample_ids=sample_ids))
-            local_tokens = local_tokens + inputs.loss_mask.sum()
+            local_tokens = local_tokens + inputs.loss_mask.sum(dtype=torch.float64)
         if common_shape:
             shape = tuple(max(int(mb.inputs.input_ids.shape[d]) for mb in micro_batches) for d in (0, 1))
             micro_batches = [dataclasses.replace(mb, inputs=pad_inputs(mb.inputs, shape))
                              for mb in micro_batches]
         local_seqs = batch.batch_size[0]
         prepared = (flags, micro_batches, order)
-    except ValueError as exc:
+    except Exception as exc:  # any failure, not only validation: the other DP ranks must hear of it
         error = exc
 
-    local = torch.stack([local_tokens, torch.tensor(float(local_seqs), device=device),
-                         torch.tensor(0.0 if error is None else 1.0, device=device)])
+    local = torch.stack([local_tokens,
+                         torch.tensor(float(local_seqs), dtype=torch.float64, device=device),
+                         torch.tensor(0.0 if error is None else 1.0, dtype=torch.float64, device=device)])
     dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
     counts = local[None]                                                  # [dp, 3]
     if dp_size > 1:
@@ -149,16 +155,19 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
     host = counts[:, 1:].tolist()                                         # the step's one host sync
     if error is not None:
         raise error
-    if any(failed for _, failed in host):
-        raise ValueError("the batch on another data-parallel rank was rejected (see that rank's error); "
+    failed = [i for i, (_, bad) in enumerate(host) if bad]
+    if failed:
+        ranks = dist.get_process_group_ranks(dp_group) if dp_size > 1 else [0]
+        raise ValueError(f"the batch on data-parallel rank(s) {failed} (global rank(s) "
+                         f"{[ranks[i] for i in failed]}) was rejected (see that rank's error); "
                          "nothing was run")
     flags, micro_batches, order = prepared
     offset = int(sum(seqs for seqs, _ in host[: dist.get_rank(dp_group) if dp_size > 1 else 0]))
     if offset:
         micro_batches = [dataclasses.replace(mb, sample_ids=mb.sample_ids + offset) for mb in micro_batches]
     # clamp: a batch without any loss token gives zero contributions, not 0 / 0
-    ctx = LossContext(global_num_tokens=counts[:, 0].sum().clamp_min(1.0),
-                      global_num_seqs=counts[:, 1].sum(), dp_size=dp_size,
+    ctx = LossContext(global_num_tokens=counts[:, 0].sum().clamp_min(1.0).float(),
+                      global_num_seqs=counts[:, 1].sum().float(), dp_size=dp_size,
                       distillation_only=flags.distillation_only)
     max_len = max(int(mb.inputs.input_ids.shape[1]) for mb in micro_batches)
     max_rows = max(int(mb.inputs.input_ids.shape[0]) for mb in micro_batches)
