@@ -278,21 +278,23 @@ def gather_results(step: PreparedStep, store: list[dict[str, Any]], *, is_last_s
     ``outputs``), empty elsewhere. Loss and metrics are contributions (INTERFACES.md), so their sum
     over micro-batches and DP ranks is the global value. With PP > 1 the last stage broadcasts the
     keys and metrics (one object broadcast) and each output key as one flat tensor over all
-    micro-batches. Memory: one flat copy of the per-token outputs.
+    micro-batches. Host syncs: one on the last stage (the loss and every metric of every
+    micro-batch stacked into one float64 tensor ``[num_micro_batches, 1 + num_metrics]``, summed,
+    read once). Memory: one flat copy of the per-token outputs.
     """
     meta: dict[str, Any] | None = None
     per_mb: list[dict[str, torch.Tensor]] = []
     if is_last_stage:
         store = sorted(store, key=lambda r: r["index"])
         per_mb = [r["outputs"] for r in store]
-        metrics: dict[str, float] = {}
-        for r in store:
-            for k, v in r["metrics"].items():
-                metrics[k] = metrics.get(k, 0.0) + float(v)
+        names = sorted(set().union(*(r["metrics"].keys() for r in store)))
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        values = [v.reshape(()).to(device=device, dtype=torch.float64)
+                  for r in store for v in (r["loss"], *(r["metrics"].get(k, zero) for k in names))]
+        totals = torch.stack(values).view(len(store), 1 + len(names)).sum(0).tolist() if values else [0.0]
         keys = {k: (v.dtype, tuple(v.shape[step.micro_batches[0].inputs.input_ids.dim():]))
                 for k, v in (per_mb[0].items() if per_mb else ())}
-        meta = {"keys": keys, "loss": float(torch.stack([r["loss"] for r in store]).sum()),
-                "metrics": metrics}
+        meta = {"keys": keys, "loss": totals[0], "metrics": dict(zip(names, totals[1:], strict=True))}
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         box = [meta]
         dist.broadcast_object_list(box, src=pp_last_rank, group=pp_group)
