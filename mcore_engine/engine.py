@@ -20,7 +20,9 @@ Hugging Face folder in ``initialize``; ``per_tensor_generator`` / ``export_hf`` 
 model in Hugging Face names (weight sync to inference engines).
 
 Helpers: ``mcore_engine.step`` (batch -> micro-batches, normalisers, results), ``mcore_engine.optim``
-(Megatron optimizer + scheduler, the non-finite-skipping step), ``mcore_engine.checkpoint``,
+(Megatron optimizer + scheduler, the non-finite-skipping step), ``mcore_engine.loss_guard`` (a
+failing loss function fails the step on every rank, no rank left in the schedule),
+``mcore_engine.checkpoint``,
 ``mcore_engine.hf`` (Hugging Face import / export).
 
 Loss normalisation: ``loss_function`` returns each micro-batch's CONTRIBUTION to the global loss
@@ -201,12 +203,16 @@ class MegatronEngine:
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from mcore_engine.loss_guard import LossGuard
         from mcore_engine.step import attention_mask, collect_outputs, gather_results, loss_data
 
         flags, fmt = step.flags, self.config.data_format
-        self._last_distillation_use_topk = flags.distillation_use_topk
+        if not forward_only:  # optimizer_step's empty_cache hook follows the last pass WITH gradients
+            self._last_distillation_use_topk = flags.distillation_use_topk
+        guard = LossGuard()
+        needs_grad = not forward_only and torch.is_grad_enabled()
 
-        def loss_func(mb, model, output: torch.Tensor):
+        def outputs_and_loss(mb, model, output: torch.Tensor):
             inp = mb.inputs
             teacher = {"teacher_ids": inp.teacher_ids, "teacher_logprobs": inp.teacher_logprobs}
             outputs = {}
@@ -221,15 +227,17 @@ class MegatronEngine:
                 outputs = _merge_logits_func(outputs, logits_func(
                     student_logits=scale_logits_by_temperature(output, inp.temperature), data=teacher,
                     data_format=fmt))
-            flat = {k: v.reshape(-1) for k, v in outputs.items()}
-            if loss_function is None:
-                loss, metrics = output.new_zeros((), dtype=torch.float32), {}
-            else:
-                loss, metrics = loss_function(flat, loss_data(mb), step.ctx)
-            num_tokens = inp.loss_mask.sum().to(torch.int)
             kept = {k: v.detach() for k, v in outputs.items()}
-            return loss, num_tokens, {"index": mb.index, "loss": loss.detach(), "metrics": metrics,
-                                      "outputs": kept}
+            if loss_function is None:
+                return (output.new_zeros((), dtype=torch.float32), {}), kept
+            flat = {k: v.reshape(-1) for k, v in outputs.items()}
+            return loss_function(flat, loss_data(mb), step.ctx), kept
+
+        def loss_func(mb, model, output: torch.Tensor):
+            loss, metrics, kept = guard.run(partial(outputs_and_loss, mb, model, output), output,
+                                            needs_grad=needs_grad)
+            record = {"index": mb.index, "loss": loss.detach(), "metrics": metrics, "outputs": kept}
+            return loss, mb.inputs.loss_mask.sum().to(torch.int), record
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -247,6 +255,12 @@ class MegatronEngine:
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=len(step.micro_batches), seq_length=step.max_seq_len,
             micro_batch_size=step.max_rows, forward_only=forward_only)
+        try:
+            guard.raise_if_failed()
+        except Exception:
+            if not forward_only:  # drop the partial accumulation: the documented failure state
+                self.zero_grad()
+            raise
 
         per_mb, loss, metrics = gather_results(
             step, store, is_last_stage=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
@@ -269,9 +283,18 @@ class MegatronEngine:
         on EVERY rank (the last pipeline stage broadcasts them to the others), a TensorDict ``[B]``
         with the per-token outputs in the layout of ``input_ids`` plus non-tensor ``loss`` (global,
         0-d) and ``metrics`` (key -> float: the loss function's metric contributions summed over
-        micro-batches and DP ranks, i.e. global values). Records ``distillation_use_topk``
-        for ``optimizer_step``'s ``empty_cache()`` hook.
+        micro-batches and DP ranks, i.e. global values). Unless ``forward_only``, records
+        ``distillation_use_topk`` for ``optimizer_step``'s ``empty_cache()`` hook.
+
+        A loss function (or lm-head processor, ``logits_processor_func``) that raises, or returns
+        anything but ``(floating 0-d loss requiring grad, {name: number or one-element tensor})``,
+        fails the step on EVERY rank once the schedule has ended (``mcore_engine.loss_guard``: the
+        failing rank re-raises its exception, the others raise ``ValueError`` / ``RuntimeError``
+        naming it; no rank hangs). Afterwards the grad buffers are ZEROED (any earlier accumulation is
+        dropped too), parameters and optimizer state unchanged; RNG streams have advanced.
         """
+        if loss_function is None and not forward_only:
+            raise ValueError("forward_backward_batch: loss_function=None needs forward_only=True")
         step = self._prepare(batch, logits_processor_func)
         return self._run(step, loss_function, forward_only, logits_processor_func)
 
@@ -284,7 +307,9 @@ class MegatronEngine:
     def train_batch(self, batch: TensorDictBase, loss_function: LossFunction, *,
                     logits_processor_func: Callable | None = None) -> TensorDict:
         """Validate -> zero_grad -> forward_backward_batch -> optimizer_step. A bad batch raises
-        ``ValueError`` before any gradient or parameter changes. The metrics gain ``grad_norm``,
+        ``ValueError`` before any gradient or parameter changes; a failing loss function raises on
+        every rank with gradients zeroed and no update (see ``forward_backward_batch``). The metrics
+        gain ``grad_norm``,
         ``update_skipped`` (1.0 when non-finite gradients skipped the update) and ``lr``."""
         step = self._prepare(batch, logits_processor_func)
         for chunk in self.model:
@@ -304,8 +329,10 @@ class MegatronEngine:
     def infer_batch(self, batch: TensorDictBase, loss_function: LossFunction | None = None, *,
                     logits_processor_func: Callable | None = None, logits_func: Callable | None = None,
                     builtin_outputs: bool = True) -> TensorDict:
-        """Forward only, under ``no_grad`` and eval mode: per-token outputs in the layout of
-        ``input_ids`` (``log_probs`` unless distillation_only, ``entropy`` ... per the flags).
+        """Forward only, under ``no_grad`` and eval mode (each module's previous train / eval mode is
+        restored afterwards): per-token outputs in the layout of ``input_ids`` (``log_probs`` unless
+        distillation_only, ``entropy`` ... per the flags). Leaves gradients and the ``empty_cache``
+        hook of ``optimizer_step`` alone.
 
         ``logits_processor_func`` keeps the API.md contract (called only under the batch's
         ``distillation_use_topk``). ``logits_func``, for inference-side work on the logits (sampling,
@@ -322,13 +349,14 @@ class MegatronEngine:
         if not builtin_outputs and logits_func is None:
             raise ValueError("infer_batch: builtin_outputs=False needs a logits_func (nothing to compute)")
         step = self._prepare(batch, logits_processor_func, logits_func)
+        modes = [(module, module.training) for chunk in self.model for module in chunk.modules()]
         for chunk in self.model:
             chunk.eval()
         try:
             return self._run(step, loss_function, True, logits_processor_func, logits_func, builtin_outputs)
         finally:
-            for chunk in self.model:
-                chunk.train()
+            for module, training in modes:
+                module.training = training
 
     # ------------------------------------------------------------------ optimizer
     def optimizer_step(self) -> float:

@@ -7,8 +7,11 @@ forward-backward ran top-k distillation, and before the step.
 
 One gloo rank with a real tiny GPT (one launch, many checks): thd vs bshd vs padded input,
 micro-batch count / token-budget invariance, per-sample vs scalar temperature, the flag contract
-end to end, non-finite gradients skipping the update with parameters and Adam state untouched, and
-bad batches rejected with ``ValueError`` before any parameter or gradient changes.
+end to end (``infer_batch`` keeps the ``empty_cache`` hook and the train / eval mode), non-finite
+gradients skipping the update with parameters and Adam state untouched, a failing or malformed loss
+function (gradients zeroed, parameters untouched), and bad batches rejected with ``ValueError``
+before any parameter or gradient changes. In-process also: the loss-result checks and the guard's
+stand-in, one host read for all metrics, exact token counts past 2**24.
 """
 
 from __future__ import annotations
@@ -95,6 +98,81 @@ def test_optimizer_step_empties_cache_exactly_after_topk(topk):
         assert engine.optimizer_step() == 2.5
     assert calls == (["empty_cache", "step"] if topk else ["step"])
     assert engine.global_step == 1
+
+
+def test_loss_result_is_checked():
+    from mcore_engine.loss_guard import LossGuard, check_loss_result
+
+    x = torch.randn(5, requires_grad=True)
+    loss, metrics = check_loss_result((x.sum().reshape(1), {"a": 2, "b": x.sum() * 3}), needs_grad=True)
+    assert loss.shape == () and metrics["a"].dtype == torch.float64 and float(metrics["a"]) == 2.0
+    assert not metrics["b"].requires_grad
+    bad = {"not a pair": (x.sum(),), "vector loss": (x, {}), "int loss": (torch.tensor(3), {}),
+           "detached loss": (x.sum().detach(), {}), "per-token metric": (x.sum(), {"m": x.detach()}),
+           "metrics not a dict": (x.sum(), [1.0])}
+    for name, result in bad.items():
+        with pytest.raises(ValueError, match="loss_function"):
+            check_loss_result(result, needs_grad=True)
+        assert name
+    check_loss_result((x.sum().detach(), {}), needs_grad=False)  # forward only: no grad needed
+
+    # a failure: the stand-in (zero gradient into the model), then every later call is skipped
+    guard, calls = LossGuard(), []
+    output = torch.randn(2, 3, requires_grad=True)
+
+    def failing():
+        calls.append(1)
+        raise KeyError("advantages")
+
+    loss, metrics, extra = guard.run(failing, output, needs_grad=True)
+    loss.backward()
+    assert torch.equal(output.grad, torch.zeros(2, 3)) and metrics == {} and extra is None
+    guard.run(lambda: calls.append(2) or ((output.sum(), {}), None), output, needs_grad=True)
+    assert calls == [1], "a later micro-batch ran the loss function after a failure"
+    with pytest.raises(KeyError, match="advantages"):  # one rank: the original exception
+        guard.raise_if_failed()
+
+
+def test_gather_results_reads_the_host_once():
+    from mcore_engine.step import gather_results
+
+    store = [{"index": 2, "loss": torch.tensor(0.25), "outputs": {},
+              "metrics": {"tokens": torch.tensor(3), "x": torch.tensor(0.5, dtype=torch.float64)}},
+             {"index": 0, "loss": torch.tensor(0.5), "outputs": {}, "metrics": {"tokens": torch.tensor(4)}},
+             {"index": 1, "loss": torch.tensor(1.0), "outputs": {},
+              "metrics": {"tokens": torch.tensor(5), "x": torch.tensor(1.5)}}]
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    with mock.patch.object(torch.Tensor, "tolist", new=lambda t: reads.append(1) or real_tolist(t)), \
+            mock.patch.object(torch.Tensor, "item", side_effect=AssertionError("item()")), \
+            mock.patch.object(torch.Tensor, "__float__", side_effect=AssertionError("float()")):
+        _, loss, metrics = gather_results(None, store, is_last_stage=True, pp_group=None, pp_last_rank=0,
+                                          dp_group=None, device=torch.device("cpu"))
+    assert reads == [1], f"{len(reads)} host reads"
+    assert metrics == {"tokens": 12.0, "x": 2.0} and loss.dtype == torch.float32 and float(loss) == 1.75
+
+
+def test_token_counts_are_exact_beyond_float32():
+    """Three micro-batches with 2**24 + 1, 1 and 1 loss tokens: a float32 running sum gives 2**24."""
+    import mcore_engine.step as step_module
+
+    real = step_module.pack_micro_batch
+    counts = iter([2**24 + 1, 1, 1])
+
+    def pack(mb, **kwargs):
+        inputs = real(mb, **kwargs)
+        import dataclasses
+
+        return dataclasses.replace(inputs, loss_mask=torch.ones((), dtype=torch.int64).expand(next(counts)))
+
+    with mock.patch.object(step_module, "pack_micro_batch", side_effect=pack):
+        step = step_module.prepare_step(
+            make_batch(3, 3, micro_batch_size_per_gpu=1), vocab_size=250, max_sequence_length=64,
+            data_format="thd", default_micro_batch_size=1, has_logits_processor_func=False, pad_multiple=1,
+            min_num_micro_batches=1, device=torch.device("cpu"), dp_group=None)
+    # exact 2**24 + 3, rounded once to float32 (LossContext's dtype)
+    assert step.ctx.global_num_tokens.item() == float(torch.tensor(2**24 + 3.0).float())
+    assert step.ctx.global_num_tokens.item() != 2**24
 
 
 # ------------------------------------------------------------------ one real rank
@@ -207,8 +285,14 @@ def _single_rank(rank: int, world_size: int, tmp: str) -> None:
         out = engine.train_batch(distill, distill_loss)
         assert calls == [1], f"empty_cache calls after top-k distillation: {calls}"
         assert "log_probs" not in out.keys() and out.get_non_tensor("metrics")["update_skipped"] == 0.0
+        engine.zero_grad()
+        engine.forward_backward_batch(distill, distill_loss)   # top-k WITH gradients arms the hook,
+        engine.infer_batch(make_batch(7, 4, **flags))           # a forward-only pass leaves it armed
+        engine.forward_backward_batch(make_batch(7, 4, **flags), None, forward_only=True)
+        engine.optimizer_step()
+        assert calls == [1, 1], f"infer_batch reset the empty_cache hook: {calls}"
         engine.train_batch(make_batch(7, 4, **flags), policy_loss)
-        assert calls == [1], "empty_cache after a step without top-k distillation"
+        assert calls == [1, 1], "empty_cache after a step without top-k distillation"
 
     # --- 3b. the losses package end to end: a custom top-k processor equals the built-in one, and
     #         distillation_ppo_loss runs with and without distillation_only ---
@@ -253,6 +337,10 @@ def _single_rank(rank: int, world_size: int, tmp: str) -> None:
             [t.expand(n) for t, n in zip(temps, raw["max_logit"].offsets().diff().tolist(), strict=True)])
         assert_rel_close(flat_values(only["max_logit"]), flat_values(raw["max_logit"]) / per_token, TOL,
                          f"logits_func sees logits / temperature ({name})")
+    for training in (False, True):  # infer_batch restores the train / eval mode it found
+        engine.model[0].train(training)
+        engine.infer_batch(plain)
+        assert {m.training for m in engine.model[0].modules()} == {training}, f"mode {training} not kept"
     clash = partial(engine.infer_batch, plain,
                     logits_func=lambda **kw: {"log_probs": kw["student_logits"][..., 0]})
     assert "log_probs" in _expect_value_error(clash, "logits_func key clash")
@@ -275,6 +363,31 @@ def _single_rank(rank: int, world_size: int, tmp: str) -> None:
     assert (engine.global_step, engine.num_skipped_steps) == (step, skipped + 1)
     out = engine.train_batch(make_batch(8, 4, **flags), policy_loss)
     assert out.get_non_tensor("metrics")["update_skipped"] == 0.0 and engine.global_step == step + 1
+
+    # --- 4b. a failing or malformed loss function: the original exception (one rank), gradients
+    #         zeroed (the earlier accumulation too), parameters and Adam state untouched, no step ---
+    def broken_loss(outputs, data, ctx):
+        raise KeyError("old_log_probs")
+
+    def detached_loss(outputs, data, ctx):
+        return policy_loss(outputs, data, ctx)[0].detach(), {}
+
+    step = engine.global_step
+    for loss_fn, error, needle in ((broken_loss, KeyError, "old_log_probs"),
+                                   (detached_loss, ValueError, "does not require grad")):
+        engine.forward_backward_batch(make_batch(8, 4, **flags), policy_loss)  # accumulated gradients
+        before = _state(engine)
+        assert any(g.abs().sum() > 0 for g in before[1].values())
+        for call in (partial(engine.forward_backward_batch, make_batch(8, 4, **flags), loss_fn),
+                     partial(engine.train_batch, make_batch(8, 4, **flags), loss_fn)):
+            with pytest.raises(error, match=needle):
+                call()
+            after = _state(engine)
+            assert all(not g.any() for g in after[1].values()), f"{needle}: gradients not zeroed"
+            _assert_same_state(before, after, f"{needle}: failed step", grads=False)
+    assert engine.global_step == step
+    assert engine.train_batch(make_batch(8, 4, **flags), policy_loss).get_non_tensor("metrics")[
+        "update_skipped"] == 0.0
 
     # --- 5. bad batches: ValueError naming the problem, before any parameter or gradient change ---
     def with_key(key, value, base=None):

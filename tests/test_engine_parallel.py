@@ -6,7 +6,9 @@ and ``train_batch``, the global loss, the grad norm and the weights after one Ad
 and distributed optimizer), PP=2 (1F1B) and PP=2 x VPP=2 (interleaved; thd with one sequence per
 micro-batch, so micro-batch-count invariance is exercised too, and bshd with micro-batches padded to
 one shape), every one loaded with the reference weights, and checks all of it at fp32 relative-norm
-error 1e-5; a bf16 TP=2 run is held to 2e-2.
+error 1e-5; a bf16 TP=2 run is held to 2e-2. Under PP=2 and DP=2 a loss function that raises (or
+returns a malformed result) on one rank only, and an exception while packing on one DP rank, fail
+the step on both ranks promptly, gradients zeroed and parameters untouched.
 """
 
 from __future__ import annotations
@@ -67,6 +69,91 @@ LAYOUTS = [  # name, engine config, split the batch over DP ranks, extra step fl
 ]
 
 
+def _raises(call, error: type, *needles: str) -> None:
+    try:
+        call()
+    except error as exc:
+        assert all(n in str(exc) for n in needles), f"{error.__name__} without {needles}: {exc}"
+        return
+    raise AssertionError(f"no {error.__name__} ({needles})")
+
+
+def _assert_failed_cleanly(engine, before, what: str) -> None:
+    """Gradients zeroed, parameters untouched, no step."""
+    for chunk, params in zip(engine.model, before, strict=True):
+        for key, param in chunk.module.named_parameters():
+            assert not param.main_grad.any(), f"{what}: {key} gradient not zeroed"
+            assert torch.equal(param.detach(), params[key]), f"{what}: {key} changed"
+
+
+def _pipeline_failures(engine, batch) -> None:
+    """PP=2: only the last stage (rank 1) runs the loss; its failure must not leave rank 0 in the
+    schedule's p2p receive. Rank 1 re-raises its own error, rank 0 raises one naming rank 1."""
+    import torch.distributed as dist
+
+    rank, calls = dist.get_rank(), []
+
+    def broken(outputs, data, ctx):
+        calls.append(1)
+        if len(calls) == 2:  # the second micro-batch: the first one's backward has already run
+            raise KeyError("old_log_probs")
+        return policy_loss(outputs, data, ctx)
+
+    def malformed(outputs, data, ctx):
+        return float(policy_loss(outputs, data, ctx)[0]), {}
+
+    step, before = engine.global_step, local_params(engine)
+    if rank == 1:
+        _raises(lambda: engine.train_batch(batch, broken), KeyError, "old_log_probs")
+    else:
+        _raises(lambda: engine.train_batch(batch, broken), RuntimeError, "failed on rank(s) [1]",
+                "old_log_probs")
+    _assert_failed_cleanly(engine, before, "pp2: loss raising on the last stage")
+    needles = ("floating 0-d tensor",) if rank == 1 else ("failed on rank(s) [1]", "floating 0-d tensor")
+    _raises(lambda: engine.forward_backward_batch(batch, malformed), ValueError, *needles)
+    _assert_failed_cleanly(engine, before, "pp2: malformed loss result")
+    assert engine.global_step == step
+    engine.infer_batch(batch)  # the schedule's p2p state is clean
+
+
+def _data_parallel_failures(engine, batch) -> None:
+    """DP=2: a loss raising on DP rank 0 only, and a non-ValueError while packing on DP rank 1 only."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    import mcore_engine.step as step_module
+
+    rank, before = dist.get_rank(), local_params(engine)
+
+    def broken(outputs, data, ctx):
+        if rank == 0:
+            raise ValueError("advantages must be finite")
+        return policy_loss(outputs, data, ctx)
+
+    needles = ("advantages must be finite",) if rank == 0 else ("failed on rank(s) [0]", "advantages")
+    _raises(lambda: engine.train_batch(batch, broken), ValueError, *needles)
+    _assert_failed_cleanly(engine, before, "dp2: loss raising on one rank")
+
+    real = step_module.pack_micro_batch
+
+    def pack(mb, **kwargs):
+        if rank == 1:
+            raise RuntimeError("packing broke")
+        return real(mb, **kwargs)
+
+    with mock.patch.object(step_module, "pack_micro_batch", side_effect=pack):
+        if rank == 1:
+            _raises(lambda: engine.train_batch(batch, policy_loss), RuntimeError, "packing broke")
+        else:
+            _raises(lambda: engine.train_batch(batch, policy_loss), ValueError, "data-parallel rank(s) [1]",
+                    "global rank(s) [1]")
+    engine.infer_batch(batch)
+
+
+FAILURES = {"pp2-1f1b": _pipeline_failures, "dp2": _data_parallel_failures}
+
+
 def _layouts(rank: int, world_size: int, path: str) -> None:
     from megatron.core import parallel_state
 
@@ -108,6 +195,8 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
         for chunk, (got, want) in enumerate(zip(local_params(engine), expected, strict=True)):
             for key in want:
                 assert_rel_close(got[key], want[key], tol, f"{name}: chunk {chunk} {key} after one step")
+        if name in FAILURES:
+            FAILURES[name](engine, batch)
         del engine
         destroy_distributed()  # the next layout needs new process groups
 

@@ -1,0 +1,120 @@
+"""The loss function inside Megatron's schedule, made safe for every rank: failures become agreed.
+
+Megatron calls the per-micro-batch loss only on the last pipeline stage, in the middle of its
+schedule. An exception there would leave the other stages waiting in a p2p receive (and the
+data-parallel peers in the gradient all-reduce) until the collective timeout. :class:`LossGuard`
+turns such an exception into a failure every rank raises promptly::
+
+    try:    loss, metrics = check_loss_result(loss_function(outputs, data, ctx), needs_grad)
+    except Exception as exc:
+            guard.error = exc
+            loss = 0.0 * output.sum()        # stand-in: the schedule runs on, every gradient is 0
+    (after a failure the later micro-batches skip the processor and the loss function: stand-ins)
+    ... the schedule ends on every rank ...
+    guard.raise_if_failed()              # one MAX all-reduce of a flag over the world; on failure
+                                         # one all_gather_object of the messages
+
+The failing rank re-raises its own exception (traceback intact); every other rank raises
+``ValueError`` (the failing rank's error was a ``ValueError``, e.g. a malformed loss result) or
+``RuntimeError`` naming the failing global ranks and the first message. What the guard covers: the
+lm-head processor, ``logits_processor_func`` / ``logits_func`` and the loss function, each raising
+on every tensor-parallel rank alike (they see identical inputs), or raising before any
+tensor-parallel collective. Not covered: an exception in the model's forward or backward, or a
+user function that raises on one tensor-parallel rank between the processor's collectives.
+
+Cost: one all-reduce of one int and one host read per step (the step's results are read at the
+same point anyway); the failure path adds one object all-gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LossGuard", "check_loss_result"]
+
+
+def check_loss_result(result: Any, *, needs_grad: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(loss, metrics)`` from a loss function's return value, checked: ``loss`` a floating
+    one-element tensor (returned 0-d) that requires grad when ``needs_grad``; ``metrics`` a mapping
+    from ``str`` to numbers or one-element tensors (returned detached 0-d tensors on the loss's
+    device). ``ValueError`` naming what is wrong otherwise."""
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise ValueError(f"loss_function must return (loss, metrics), got {type(result).__name__}")
+    loss, metrics = result
+    if not isinstance(loss, torch.Tensor) or not loss.is_floating_point() or loss.numel() != 1:
+        what = (f"{loss.dtype} tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                else type(loss).__name__)
+        raise ValueError(f"loss_function's loss must be a floating 0-d tensor (the micro-batch's "
+                         f"contribution to the global loss), got a {what}")
+    if needs_grad and not loss.requires_grad:
+        raise ValueError("loss_function's loss does not require grad (detached, or not computed from "
+                         "`outputs`); for a micro-batch without loss tokens return e.g. "
+                         "(outputs['log_probs'] * data['loss_mask']).sum() / ctx.global_num_tokens")
+    if not isinstance(metrics, Mapping):
+        raise ValueError(f"loss_function's metrics must be a dict, got {type(metrics).__name__}")
+    clean: dict[str, torch.Tensor] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str):
+            raise ValueError(f"loss_function's metric names must be str, got {key!r}")
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            clean[key] = value.detach().reshape(())
+        elif isinstance(value, (int, float)):
+            clean[key] = torch.tensor(float(value), dtype=torch.float64, device=loss.device)
+        else:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"loss_function's metric {key!r} must be a number or a one-element tensor "
+                             f"(a contribution to the global value), got {shape}")
+    return (loss if loss.dim() == 0 else loss.sum()), clean  # not a view: Megatron frees outputs
+
+
+class LossGuard:
+    """One step's guard: :meth:`run` each micro-batch's loss computation, then :meth:`raise_if_failed`
+    on every rank (collective over the default process group)."""
+
+    def __init__(self) -> None:
+        self.error: Exception | None = None
+
+    def run(self, compute: Callable[[], tuple[Any, Any]], output: torch.Tensor, *, needs_grad: bool
+            ) -> tuple[torch.Tensor, dict[str, torch.Tensor], Any]:
+        """``compute()`` returns ``(loss_function's result, extra)``; :meth:`run` returns ``(loss,
+        metrics, extra)`` with the result checked by :func:`check_loss_result`, or, after a failure
+        (this micro-batch's or an earlier one's), the stand-in ``(0 * output.sum(), {}, None)``. The
+        stand-in keeps the schedule's backward well formed: the gradient it sends into the model is
+        exactly zero."""
+        if self.error is None:
+            try:
+                result, extra = compute()
+                loss, metrics = check_loss_result(result, needs_grad=needs_grad)
+                return loss, metrics, extra
+            except Exception as exc:  # re-raised, agreed, by raise_if_failed after the schedule
+                self.error = exc
+        return output.sum().float() * 0.0, {}, None
+
+    def raise_if_failed(self, what: str = "the loss function") -> None:
+        """Collective: raise on every rank when any rank's guard recorded an error (see the module
+        docstring); return quietly otherwise."""
+        error = self.error
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world == 1:
+            if error is not None:
+                raise error
+            return
+        from mcore_engine.platform import get_device
+
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=get_device().torch_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return
+        mine = None if error is None else (isinstance(error, ValueError), f"{type(error).__name__}: {error}")
+        reports: list[Any] = [None] * world
+        dist.all_gather_object(reports, mine)
+        if error is not None:
+            raise error
+        failed = [rank for rank, report in enumerate(reports) if report is not None]
+        is_value_error, message = reports[failed[0]]
+        cls = ValueError if is_value_error else RuntimeError
+        raise cls(f"{what} failed on rank(s) {failed} (this rank stopped with them): {message}")
