@@ -1,14 +1,14 @@
 """One chunked pass over vocab-sharded logits for every per-token output RL needs.
 
 ``vocab_parallel_logits_outputs`` computes any subset of {log-probs, entropy, sum-pi-squared,
-top-k forward KL} from ONE loop over row chunks: per chunk one MAX and one packed SUM all-reduce
-(``stats.py`` defines the statistics; ``backend.py`` picks the torch or Triton chunk math once per
-call). The public ops and the logits processor are thin wrappers.
+top-k forward KL} from ONE pass over row chunks with one MAX and one packed SUM all-reduce per pass
+under TP (``stats.py`` defines the statistics; ``backend.py`` picks the torch or Triton chunk math
+once per call). The public ops and the logits processor are thin wrappers.
 
-Memory: forward keeps two (briefly three) fp32 ``[chunk, V_local]`` workspaces (torch backend; the
-Triton kernels keep none) and saves only the logits (the caller's tensor, no copy) plus
-O(N (8 + 2k)) fp32 statistics; backward recomputes the softmax chunk by chunk (no collectives) into
-one gradient of the logits' shape and dtype.
+Memory: each pass (forward, backward) allocates two fp32 ``[chunk, V_local]`` workspaces ONCE and
+reuses them for every chunk (torch backend; the Triton kernels keep none). Forward saves only the
+logits (the caller's tensor, no copy) plus O(N (8 + 2k)) fp32 statistics; backward recomputes the
+softmax chunk by chunk (no collectives) into one gradient of the logits' shape and dtype.
 """
 
 from __future__ import annotations
@@ -47,15 +47,30 @@ class _Plan:
         return tuple(k for k in OUTPUT_KEYS if wanted[k])
 
 
+def _chunks(plan: _Plan, r0: int, r1: int) -> list[tuple[int, int]]:
+    """Row ranges ``[a, b)`` of the chunks covering rows ``[r0, r1)``."""
+    return [(a, min(a + plan.rows, r1)) for a in range(r0, r1, plan.rows)]
+
+
+def _blocks(plan: _Plan, n: int) -> list[tuple[int, int]]:
+    """Row ranges sharing one MAX and one SUM all-reduce: all rows under TP (one pair per pass, each
+    collective a few hundred KB), one chunk on a single shard (no collectives: each chunk is then read
+    twice in a row, while it is still in cache)."""
+    return [(0, n)] if plan.shard.world > 1 else _chunks(plan, 0, n)
+
+
 def _chunk_t(plan: _Plan, t_rows: torch.Tensor | None, r0: int, r1: int) -> float | torch.Tensor | None:
     return t_rows[r0:r1] if t_rows is not None else plan.t_scalar
 
 
 class _VocabParallelLogitsFunction(torch.autograd.Function):
-    """Forward (per chunk of rows; ``x = logits.view(N, V_local)[:, :V_valid]``):
+    """Forward (``x = logits.view(N, V_local)[:, :V_valid]``; under TP one block of all N rows, on a
+    single shard one block per chunk, see ``_blocks``):
 
-    1. m = row max of x / t (local, ``backend.row_max``) -> ONE all-reduce MAX.
-    2. zm = x / t - m; packed statistics (``backend.chunk_stats``) -> ONE all-reduce SUM.
+    1. Per chunk of the block: m = row max of x / t (local, ``backend.row_max``) into ``[N]``; then
+       ONE all-reduce MAX of the block's rows.
+    2. Per chunk: zm = x / t - m; packed statistics (``backend.chunk_stats``) into ``[N, width]``; then
+       ONE all-reduce SUM of the block's rows (each chunk is read twice either way).
     3. After the loop: finalize per token (``stats.finalize``).
     Backward: per-token coefficients (``stats.grad_coefficients``); per chunk, recompute zm and
     p = exp(zm) / S and write the gradient divided by t (``backend.chunk_grad``) into one preallocated
@@ -73,19 +88,23 @@ class _VocabParallelLogitsFunction(torch.autograd.Function):
         flat_ids = teacher_ids.reshape(n, lay.k) if teacher_ids is not None else None
         stats = torch.empty(n, lay.width, dtype=torch.float32, device=logits.device)
         row_max = torch.empty(n, dtype=torch.float32, device=logits.device)
-        for r0 in range(0, n, plan.rows):
-            r1 = min(r0 + plan.rows, n)
-            xc, tc = x[r0:r1, :shard.v_valid], _chunk_t(plan, t_rows, r0, r1)
-            # --- 1. global row max ---
-            m = _common.all_reduce_(plan.backend.row_max(xc, tc), dist.ReduceOp.MAX, shard)
-            row_max[r0:r1] = m
-            # --- 2. packed local statistics -> one SUM ---
-            label = (_stats.local_columns(flat_labels[r0:r1], shard.offset, shard.v_valid)
-                     if flat_labels is not None else None)
-            teacher = (_stats.local_columns(flat_ids[r0:r1], shard.offset, shard.v_valid)
-                       if flat_ids is not None else None)
-            plan.backend.chunk_stats(xc, tc, m, lay, stats[r0:r1], label=label, teacher=teacher)
-            _common.all_reduce_(stats[r0:r1], dist.ReduceOp.SUM, shard)
+        xv = x[:, :shard.v_valid]
+        ws = plan.backend.workspace(min(plan.rows, n), shard.v_valid, logits.device)
+        for b0, b1 in _blocks(plan, n):
+            # --- 1. global row max of the block's rows -> ONE all-reduce MAX ---
+            for r0, r1 in _chunks(plan, b0, b1):
+                row_max[r0:r1] = plan.backend.row_max(xv[r0:r1], _chunk_t(plan, t_rows, r0, r1))
+            _common.all_reduce_(row_max[b0:b1], dist.ReduceOp.MAX, shard)
+            # --- 2. packed local statistics of the block's rows -> ONE all-reduce SUM ---
+            for r0, r1 in _chunks(plan, b0, b1):
+                label = (_stats.local_columns(flat_labels[r0:r1], shard.offset, shard.v_valid)
+                         if flat_labels is not None else None)
+                teacher = (_stats.local_columns(flat_ids[r0:r1], shard.offset, shard.v_valid)
+                           if flat_ids is not None else None)
+                plan.backend.chunk_stats(xv[r0:r1], _chunk_t(plan, t_rows, r0, r1), row_max[r0:r1], lay,
+                                         stats[r0:r1], label=label, teacher=teacher, ws=ws)
+            _common.all_reduce_(stats[b0:b1], dist.ReduceOp.SUM, shard)
+        del ws
         # --- 3. finalize per token ---
         tlp = teacher_log_probs.reshape(n, lay.k) if teacher_log_probs is not None else None
         fin = _stats.finalize(stats, lay, teacher_log_probs=tlp, clamp=plan.clamp)
@@ -115,12 +134,12 @@ class _VocabParallelLogitsFunction(torch.autograd.Function):
         gflat = grad.view(n, shard.v_local)
         if shard.v_valid < shard.v_local:
             gflat[:, shard.v_valid:].zero_()
-        for r0 in range(0, n, plan.rows):
-            r1 = min(r0 + plan.rows, n)
+        ws = plan.backend.workspace(min(plan.rows, n), shard.v_valid, logits.device)
+        for r0, r1 in _chunks(plan, 0, n):
             xc, tc = x[r0:r1, :shard.v_valid], _chunk_t(plan, t_rows, r0, r1)
             plan.backend.chunk_grad(xc, tc, row_max[r0:r1], inv_s[r0:r1],
                                     *coef.chunk(r0, r1, shard.offset, shard.v_valid),
-                                    out=gflat[r0:r1, :shard.v_valid])
+                                    out=gflat[r0:r1, :shard.v_valid], ws=ws)
         return (grad,) + none[1:]
 
 
@@ -151,7 +170,7 @@ def vocab_parallel_logits_outputs(
 
     Shapes: logits ``[..., V_local]`` (this rank's shard); labels ``[...]``; teacher_* ``[..., k]``;
     outputs fp32 ``[...]``. Differentiable w.r.t. ``logits`` (not the temperature or the teacher).
-    Memory: O(N (8 + 2k)) saved fp32 + two (briefly three) fp32 ``[chunk_size, V_local]`` workspaces
+    Memory: O(N (8 + 2k)) saved fp32 + two fp32 ``[chunk_size, V_local]`` workspaces per pass
     (torch backend; on CUDA with Triton, none, and ``chunk_size=None`` then means larger chunks).
     ``teacher_arg_names``: how ValueErrors name the teacher tensors (wrappers pass their own names).
     """

@@ -14,8 +14,9 @@ fused lm-head. With ``z = x / t`` in float32,
     z_i - m for the k teacher ids         (iff in this shard, else 0)
     T = sum_{j not in teacher ids} e_j    (tail mass, computed directly, not as S - sum)
 
-and SUMming them over the shards gives the global values. Workspace per call: two fp32 ``[c, V_valid]``
-(three for a moment: ``vecdot`` forms the product ``e * zm`` before summing).
+and SUMming them over the shards gives the global values. Workspace: two fp32 ``[c, V_valid]`` buffers
+(``zm`` and ``e`` forward, ``zm`` and ``p`` backward) that the caller may allocate once per pass and
+hand to every chunk (the torch backend does: nothing chunk-sized is allocated per chunk).
 
 ``z - m`` is floored at ``ZM_FLOOR`` (``-2**64``): ``exp`` of it is exactly 0, so a ``-inf`` logit (a
 masked token) contributes exactly 0 to every statistic and gradient instead of ``0 * -inf = NaN`` (in
@@ -47,7 +48,7 @@ TAIL_EPS = 1e-20
 
 @dataclass(frozen=True, slots=True)
 class StatLayout:
-    """Column layout of the packed ``[c, width]`` statistics buffer (one SUM all-reduce per chunk)."""
+    """Column layout of the packed ``[c, width]`` statistics buffer (SUMmed over the shards in one go)."""
 
     entropy: bool
     sum_pi_squared: bool
@@ -95,16 +96,25 @@ def row_max(x: torch.Tensor, t: float | torch.Tensor | None) -> torch.Tensor:
     return m if t is None else m / t
 
 
-def shifted(x: torch.Tensor, t: float | torch.Tensor | None, m: torch.Tensor) -> torch.Tensor:
-    """``(x / t - m[:, None]).clamp_min(ZM_FLOOR)``: a NEW fp32 ``[c, V_valid]`` buffer (never aliases ``x``).
+def shifted(x: torch.Tensor, t: float | torch.Tensor | None, m: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """``(x / t - m[:, None]).clamp_min(ZM_FLOOR)`` in fp32 ``[c, V_valid]``, never aliasing ``x``.
 
-    The floor is one in-place pass (about 2% of a chunk's forward + backward work on CPU).
+    Written into ``out`` (an fp32 ``[c, V_valid]`` workspace, reused across chunks by the caller) when
+    given, else into a new buffer. The floor is one in-place pass (about 2% of a chunk's forward +
+    backward work on CPU).
     """
-    if t is None:
-        zm = x.float() - m[:, None] if x.dtype == torch.float32 else x.float().sub_(m[:, None])
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    if x.dtype != torch.float32:
+        zm = out.copy_(x)
+        if t is not None:
+            zm.div_(t if not isinstance(t, torch.Tensor) else t[:, None])
+        zm.sub_(m[:, None])
+    elif t is None:
+        zm = torch.sub(x, m[:, None], out=out)
     else:
-        tt = t if not isinstance(t, torch.Tensor) else t[:, None]
-        zm = (x / tt if x.dtype == torch.float32 else x.float().div_(tt)).sub_(m[:, None])
+        zm = torch.div(x, t if not isinstance(t, torch.Tensor) else t[:, None], out=out).sub_(m[:, None])
     return zm.clamp_min_(ZM_FLOOR)
 
 
@@ -122,36 +132,38 @@ def label_shifted_logit(zm: torch.Tensor, cols: torch.Tensor, inside: torch.Tens
 
 def chunk_stats(zm: torch.Tensor, layout: StatLayout, out: torch.Tensor, *,
                 label: tuple[torch.Tensor, torch.Tensor] | None = None,
-                teacher: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
+                e: torch.Tensor | None = None) -> torch.Tensor:
     """Fill ``out [c, layout.width]`` with this shard's statistics of one chunk (see module docstring).
 
-    ``zm = z - m`` (from :func:`shifted`); ``label`` = (cols ``[c]``, inside ``[c]``) and ``teacher`` =
-    (cols ``[c, k]``, inside ``[c, k]``) from :func:`local_columns`. Allocates ``e`` (``[c, V_valid]``).
+    ``zm = z - m`` (from :func:`shifted`; CONSUMED: it holds ``e * zm`` or ``e ** 2`` afterwards);
+    ``label`` = (cols ``[c]``, inside ``[c]``) and ``teacher`` = (cols ``[c, k]``, inside ``[c, k]``)
+    from :func:`local_columns`. ``e``: an fp32 ``[c, V_valid]`` workspace for ``exp(zm)`` (allocated
+    when None). No other ``[c, V_valid]`` buffer: the products are formed in ``zm``'s storage.
     """
-    e = zm.exp()
-    out[:, 0] = e.sum(-1)
-    # vecdot, not a batched matmul: no TF32 on GPU, and about 2.5x faster on CPU.
-    if layout.entropy:
-        out[:, layout.a] = torch.linalg.vecdot(e, zm)
-    if layout.sum_pi_squared:
-        out[:, layout.b] = torch.linalg.vecdot(e, e)
     if layout.label:
         out[:, layout.y] = label_shifted_logit(zm, *label)
     if layout.k:
         cols, inside = teacher
         out[:, layout.teacher:layout.t] = gather_shifted(zm, cols, inside)
-        if layout.tail:
-            if e.shape[-1]:
-                e.scatter_reduce_(1, cols, (~inside).to(e.dtype), reduce="prod")
-            out[:, layout.t] = e.sum(-1)
+    e = torch.exp(zm, out=e) if e is not None else zm.exp()
+    out[:, 0] = e.sum(-1)
+    if layout.entropy:
+        out[:, layout.a] = zm.mul_(e).sum(-1)
+    if layout.sum_pi_squared:
+        out[:, layout.b] = torch.mul(e, e, out=zm).sum(-1)
+    if layout.tail:
+        if e.shape[-1]:
+            e.scatter_reduce_(1, cols, (~inside).to(e.dtype), reduce="prod")
+        out[:, layout.t] = e.sum(-1)
     return out
 
 
 def chunk_grad(zm: torch.Tensor, inv_s: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None,
                mu: torch.Tensor, c2: torch.Tensor | None, cols: torch.Tensor | None,
                vals: torch.Tensor | None, a_tail: torch.Tensor | None = None,
-               tail_cols: torch.Tensor | None = None) -> torch.Tensor:
-    """Gradient w.r.t. ``z`` of one chunk, in a workspace of this call (``zm`` is consumed).
+               tail_cols: torch.Tensor | None = None, p: torch.Tensor | None = None) -> torch.Tensor:
+    """Gradient w.r.t. ``z`` of one chunk, returned in ``zm``'s or ``p``'s storage (``zm`` is consumed).
 
     With ``p = exp(zm) * inv_s`` (``inv_s = 1 / S``, global) and per-row coefficients ``[c]``:
 
@@ -163,7 +175,7 @@ def chunk_grad(zm: torch.Tensor, inv_s: torch.Tensor, a: torch.Tensor, b: torch.
     each in-shard teacher id, -1 off-shard and for repeats): one pass over all columns with
     ``a + a_tail``, then the teacher columns are SET to the value without ``a_tail``, recomputed from
     their gathered ``zm`` (``[c, k]`` work): they never see the large term, so nothing cancels.
-    Allocates ``p`` (``[c, V_valid]``).
+    ``p``: an fp32 ``[c, V_valid]`` workspace for the softmax (allocated when None).
     """
     tail = a_tail is not None and zm.shape[-1] > 0
     a_full = a + a_tail if a_tail is not None else a
@@ -171,7 +183,7 @@ def chunk_grad(zm: torch.Tensor, inv_s: torch.Tensor, a: torch.Tensor, b: torch.
         hit = tail_cols >= 0
         tcol = tail_cols.clamp_min(0)
         zt = zm.gather(1, tcol)  # before zm is consumed
-    p = zm.exp().mul_(inv_s[:, None])
+    p = (torch.exp(zm, out=p) if p is not None else zm.exp()).mul_(inv_s[:, None])
     if b is None and c2 is None:  # log-probs / KL only: g = p * a, in p's storage
         g = p.mul_(a_full[:, None])
     else:

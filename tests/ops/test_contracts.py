@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from unittest import mock
 
 import pytest
@@ -107,7 +108,7 @@ def test_forward_saves_only_logits_and_allocates_no_full_size_tensor(dtype, temp
         f"backward allocated more than one full-size gradient: {large.seen}"
 
 
-def test_one_max_and_one_packed_sum_per_chunk_none_in_backward() -> None:
+def test_one_max_and_one_packed_sum_per_pass_none_in_backward() -> None:
     """Patched TP primitives: a fake 2-rank group records the collectives of one fused pass."""
     x, labels, ids, tlp = _inputs()
     x.requires_grad_()
@@ -122,12 +123,31 @@ def test_one_max_and_one_packed_sum_per_chunk_none_in_backward() -> None:
                                             group=fake_group, chunk_size=4)
         n_fwd = len(calls)
         out["distillation_losses"].sum().backward()
-    chunks = [4, 4, 2]
     width = 1 + 1 + 1 + 1 + K + 1  # S, A, B, label, k teacher logits, tail
-    expected = []
-    for c in chunks:
-        expected += [(dist.ReduceOp.MAX, (c,), fake_group), (dist.ReduceOp.SUM, (c, width), fake_group)]
+    expected = [(dist.ReduceOp.MAX, (N,), fake_group), (dist.ReduceOp.SUM, (N, width), fake_group)]
     assert calls[:n_fwd] == expected and len(calls) == n_fwd, calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_workspaces_are_allocated_once_per_pass(dtype) -> None:
+    """Torch backend: the two fp32 [rows, V] workspaces are made once per pass, not once per chunk
+    (per-chunk buffers of this size churn through the OS allocator on CPU)."""
+    x, labels, ids, tlp = _inputs(dtype)
+    x.requires_grad_()
+    rows = 2  # 5 chunks of N = 10 rows
+    large = _LargeAllocs(rows * V)
+    with large:
+        out = vocab_parallel_logits_outputs(x, labels=labels, teacher_ids=ids, teacher_log_probs=tlp,
+                                            entropy=True, sum_pi_squared=True, kl_tail=True, temperature=0.7,
+                                            chunk_size=rows)
+    ws = ("aten.empty.memory_format", torch.float32, (rows, V))
+    vocab_sized = lambda: [s for s in large.seen if s[2][-1] == V and "fill" not in s[0]]  # noqa: E731
+    assert vocab_sized() == [ws, ws], large.seen
+    large.seen.clear()
+    with large:
+        sum(o.sum() for o in out.values() if o.requires_grad).backward()
+    grad = ("aten.empty.memory_format", dtype, tuple(x.shape))
+    assert Counter(vocab_sized()) == Counter([grad, ws, ws]), large.seen
 
 
 def test_group_none_is_single_shard_without_megatron() -> None:
