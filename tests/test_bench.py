@@ -1,7 +1,7 @@
-"""Smoke test of the logits benchmark (``tools/bench.py``): it runs at a small size and prints the table.
+"""Smoke test of the lm-head benchmark (``tools/bench.py``): it runs at a small size and prints the table.
 
-No timing assertions: only that every requested row is there, the figures parse, and ours and the
-naive upstream path computed the same outputs and gradients (the table's "agree" column).
+No timing assertions: only that every requested row is there, the figures parse, and ours, the fused
+lm-head and the naive upstream path computed the same outputs and gradients (the "agree" columns).
 """
 
 from __future__ import annotations
@@ -23,32 +23,69 @@ def test_parse_args_rejects_bad_input():
         bench.parse_args(["--configs", "A,Z"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--tokens", "0"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--hidden", "0"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--quick", "--realistic"])
     args = bench.parse_args(["--quick", "--tp", "2", "--configs", "e,a", "--device", "cpu"])
-    assert (args.tokens, args.vocab, args.tp, args.configs) == (256, 2048, [2], ["E", "A"])
+    assert (args.tokens, args.vocab, args.hidden, args.tp, args.configs) == (256, 2048, 64, [2], ["E", "A"])
+    assert bench.vocab_local(args, 2) == 2048
+
+
+def test_realistic_refuses_cpu(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(["--realistic", "--device", "cpu"])
+    assert exc.value.code == 2 and "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_realistic_splits_the_vocab_over_tp():
+    args = bench.parse_args(["--tp", "1,2", "--device", "cpu"])
+    args.vocab_global, args.tokens, args.hidden, args.dtype = 152064, 32768, 4096, "bf16"  # CPU-side preset
+    assert [bench.vocab_local(args, tp) for tp in (1, 2)] == [152064, 76032]
+    assert bench.logits_mb(args, 2) == 32768 * 76032 * 2 / 2**20
+    assert bench.grads_mb(args, 2) == (32768 + 76032) * 4096 * 2 / 2**20
 
 
 def test_table_formats_targets_and_ratios():
-    args = bench.parse_args(["--tokens", "4", "--vocab", "256", "--tp", "1", "--configs", "A,E",
-                             "--device", "cpu"])
-    checks = [{"log_probs": -3.0, "grad_norm": 2.0}]
+    args = bench.parse_args(["--tokens", "4", "--vocab", "256", "--hidden", "8", "--tp", "1",
+                             "--configs", "A,E", "--device", "cpu"])
+    checks = [{"log_probs": -3.0, "grad_norm": 2.0, "grad_hidden_norm": 1.0, "grad_weight_norm": 1.0}]
+    fused_checks = [{"log_probs": -3.0, "grad_hidden_norm": 1.1, "grad_weight_norm": 1.0}]
+    # logits: 4 x 256 x 4 B = 1/256 MB; fused gradients: (4 + 256) x 8 x 4 B = 8320 B
+    grads = (4 + 256) * 8 * 4 / 2**20
     results = {
         ("A", "ours", 1): {"peak_mb": 0.005, "time_ms": 2.0, "cpu_ms": 2.0, "checks": checks},
         ("A", "naive", 1): {"peak_mb": 0.01, "time_ms": 1.0, "cpu_ms": 1.0,
-                            "checks": [{"log_probs": -3.3, "grad_norm": 2.0}]},
+                            "checks": [dict(checks[0], log_probs=-3.3)]},
+        ("A", "fused", 1): {"peak_mb": grads + 0.0001, "time_ms": 3.0, "cpu_ms": 2.0, "checks": fused_checks},
         ("E", "ours", 1): {"peak_mb": 0.001, "time_ms": 1.0, "cpu_ms": 1.0, "checks": checks},
         ("E", "naive", 1): {"peak_mb": 0.004, "time_ms": 4.0, "cpu_ms": 4.0, "checks": checks},
+        ("E", "fused", 1): {"oom": "CUDA out of memory"},
     }
-    rows = bench.table_rows(args, results)  # logits: 4 x 256 x 4 B = 1/256 MB
-    assert rows[0][5:] == ["0.50", "2 (2)", "1 (1)", "2.00 (2.00)", "FAIL", "-", "FAIL", "9e-02"]
-    assert rows[1][5:] == ["0.25", "1 (1)", "4 (4)", "0.25 (0.25)", "PASS", "PASS", "PASS", "0e+00"]
+    rows = bench.table_rows(args, results)
+    assert len(rows[0]) == len(bench.COLUMNS)
+    assert rows[0][5:] == ["0.50", "0 (2.06x)", "0.0 (0.026x)", "2 (2)", "1 (1)", "3 (2)", "2.00 (2.00)",
+                           "3.00 (2.00)", "FAIL", "-", "FAIL", "FAIL", "9e-02", "1e-01"]
+    assert rows[1][5:] == ["0.25", "OOM", "OOM", "1 (1)", "4 (4)", "OOM", "0.25 (0.25)", "-", "PASS", "PASS",
+                           "PASS", "FAIL", "0e+00", "-"]
     md = bench.format_table(rows, markdown=True).splitlines()
     assert md[0].startswith("| cfg |") and md[1].startswith("|---") and len(md) == 4
 
 
+def test_fused_target_passes_below_a_tenth_of_the_logits():
+    args = bench.parse_args(["--tokens", "1024", "--vocab", "4096", "--hidden", "4", "--tp", "1",
+                             "--configs", "A", "--device", "cpu"])
+    xl = bench.logits_mb(args, 1)  # 16 MB
+    res = {"peak_mb": 1.0, "time_ms": 1.0, "cpu_ms": 1.0, "checks": [{}]}
+    rows = bench.table_rows(args, {("A", impl, 1): dict(res, peak_mb=peak)
+                                   for impl, peak in (("ours", xl), ("naive", 2 * xl), ("fused", 0.09 * xl))})
+    assert rows[0][6] == "1.4 (0.090x)" and rows[0][16] == "PASS"
+
+
 @pytest.mark.slow
 def test_bench_quick_runs_and_prints_table():
-    """Configuration E on two gloo ranks, each implementation in fresh processes (~20 s on an idle
-    2-core machine: the naive path imports Megatron-Core)."""
+    """Configuration E on two gloo ranks, each implementation (ours, naive, fused) in fresh processes
+    (~30 s on an idle 2-core machine: the naive path imports Megatron-Core)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench.py"), "--quick", "--tp", "2",
                            "--configs", "E", "--markdown", "--device", "cpu"],
@@ -58,12 +95,15 @@ def test_bench_quick_runs_and_prints_table():
     assert any(line.startswith("- machine:") and "cores" in line for line in lines)
     assert any(line.startswith("- versions:") and "megatron-core" in line for line in lines)
     assert any(line.startswith("- load average") for line in lines)
+    assert any(line.startswith("- fused peak (i)") for line in lines)
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("| ")]
-    assert rows[0][0] == "cfg" and [r[0] for r in rows[1:]] == ["E"]
+    assert rows[0] == bench.COLUMNS and [r[0] for r in rows[1:]] == ["E"]
     for row in rows[1:]:
         assert row[2] == "2"
-        for col in (3, 4):  # "MB (x.xxx)" peaks
+        for col in (3, 4, 6):  # "MB (x.xxx)" peaks: ours, naive, fused (i)
             assert float(row[col].split()[0]) > 0
-        assert float(row[6].split()[0]) > 0 and float(row[7].split()[0]) > 0
-        assert all(v in ("PASS", "FAIL", "-") for v in row[9:12])
-        assert float(row[12]) < 1e-4, f"ours and naive disagree: {row}"
+        for col in (8, 9, 10):  # "ms (cpu ms)"
+            assert float(row[col].split()[0]) > 0
+        assert all(v in ("PASS", "FAIL", "-") for v in row[13:17])
+        assert float(row[17]) < 1e-4, f"ours and naive disagree: {row}"
+        assert float(row[18]) < 1e-4, f"fused and naive disagree: {row}"

@@ -1,16 +1,24 @@
 """One benchmark measurement in a fresh process: ``python tools/bench_worker.py '<json spec>'``.
 
 ``tools/bench.py`` starts this script once per (configuration, implementation, TP rank, mode) and
-reads the last stdout line, a JSON object. The spec holds ``impl`` ("ours" | "naive"), ``config``
-(a key of ``CONFIGS``), ``tokens``, ``vocab`` (V_local), ``dtype``, ``tp``, ``k``, ``temperature``,
-``mode`` ("memory" | "time"), ``repeats``, ``seed``, ``chunk_size`` (ours; None = default);
-the rank comes from ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` in the environment.
+reads the last stdout line, a JSON object. The spec holds ``impl`` ("ours" | "naive" | "fused"),
+``config`` (a key of ``CONFIGS``), ``tokens``, ``vocab`` (V_local), ``hidden`` (H), ``dtype``, ``tp``,
+``k``, ``temperature``, ``mode`` ("memory" | "time" | "both": memory then time in one process, used on
+CUDA where the allocator statistics are exact), ``repeats``, ``seed``, ``chunk_size`` (ours) and
+``fused_chunk_size`` (fused; None = default); the rank comes from ``RANK`` / ``WORLD_SIZE`` /
+``MASTER_ADDR`` / ``MASTER_PORT`` in the environment.
 
-Both implementations see bit-identical inputs (same seeds): this rank's logits shard
-``[tokens, V_local]`` (requires grad), global labels ``[tokens]``, teacher top-k ids (distinct,
-spread over every rank's shard) and log-probs ``[tokens, k]``, and one random upstream gradient
-``[tokens]`` per differentiable output. One step is ``out = f(inputs)`` followed by
-``torch.autograd.backward(outputs, upstream_grads)``, which leaves ``logits.grad``.
+All implementations see bit-identical inputs (same seeds, ``make_inputs``): hidden states
+``[tokens, H]`` (identical on every rank) and this rank's lm-head shard ``[V_local, H]``; the fused
+path (``mcore_engine.lm_head.process_lm_head_hidden``) takes those two (requires grad), the logits
+paths take ``logits = hidden @ weight.T`` ``[tokens, V_local]`` (built before the measurement, requires
+grad). Plus global labels ``[tokens]``, teacher top-k ids (distinct, spread over every rank's shard)
+and log-probs ``[tokens, k]``, and one random upstream gradient ``[tokens]`` per differentiable
+output. One step is ``out = f(inputs)`` followed by ``torch.autograd.backward(outputs,
+upstream_grads)``, which leaves ``logits.grad`` (logits paths) or ``hidden.grad`` and ``weight.grad``
+(fused). After the memory step every implementation reports output sums and the norms of the
+hidden / weight gradients (chain rule from ``logits.grad`` for the logits paths), so the three can
+be checked against each other.
 
 Memory (``mode`` "memory"; one step):
   CPU:  the parent starts this process with ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``:
@@ -21,8 +29,10 @@ Memory (``mode`` "memory"; one step):
         baseline. (Switching the allocator with ``mallopt`` later in a process that already freed
         large buffers is not the same: large free chunks left in glibc's bins are reused and
         re-faulted, adding tens of MB of noise; hence a process of its own.)
-  CUDA: ``torch.cuda.max_memory_allocated() - memory_allocated()`` at the baseline.
-Time (``mode`` "time"; another fresh process, allocator settings as users have them): one warm-up
+  CUDA: ``torch.cuda.max_memory_allocated() - memory_allocated()`` at the baseline (exact whatever ran
+        before, so mode "both" times the same process afterwards). A CUDA out-of-memory error is
+        reported as ``{"oom": message}`` instead of figures.
+Time (``mode`` "time"; on CPU another fresh process, allocator settings as users have them): one warm-up
 step, then the median wall time of ``repeats`` steps (``perf_counter``; CUDA synchronised; ranks
 aligned by a barrier) and the median CPU time of the process (``process_time``: all its threads,
 kernel time such as page faults included; waiting for other ranks or for a core taken by another
@@ -67,13 +77,21 @@ def _proc_status_mb(field: str) -> float:
 
 
 def make_inputs(spec: dict, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Seeded inputs of one rank; logits differ per rank, everything else is shared by all ranks."""
-    n, v_local, k, tp = spec["tokens"], spec["vocab"], spec["k"], spec["tp"]
+    """Seeded inputs of one rank: the fused path's ``hidden`` / ``weight`` (requires grad), else the logits.
+
+    ``hidden [N, H]`` is shared by all ranks (replicated, as in Megatron's column-parallel output
+    layer), ``weight [V_local, H]`` is this rank's shard, scaled so the logits are ~ N(0, 4). The logits
+    paths get ``logits = hidden @ weight.T`` in the compute dtype (built here, outside the measured
+    step; requires grad) and keep ``hidden`` / ``weight`` only for the gradient check after the
+    measurement. Labels, teacher ids / log-probs and upstream gradients are shared by all ranks.
+    """
+    n, v_local, k, tp, h = spec["tokens"], spec["vocab"], spec["k"], spec["tp"], spec["hidden"]
     v_global = v_local * tp
+    dtype = DTYPES[spec["dtype"]]
     shared = torch.Generator(device=device).manual_seed(spec["seed"])
     own = torch.Generator(device=device).manual_seed(spec["seed"] * 1009 + rank + 1)
-    logits = torch.randn(n, v_local, generator=own, device=device).mul_(2.0)
-    logits = logits.to(DTYPES[spec["dtype"]]).requires_grad_()
+    hidden = torch.randn(n, h, generator=shared, device=device).to(dtype)
+    weight = torch.randn(v_local, h, generator=own, device=device).mul_(2.0 / math.sqrt(h)).to(dtype)
     labels = torch.randint(0, v_global, (n,), generator=shared, device=device)
     perm = torch.randperm(v_global, generator=shared, device=device)
     offset = torch.randint(0, v_global, (n, 1), generator=shared, device=device)
@@ -81,38 +99,80 @@ def make_inputs(spec: dict, rank: int, device: torch.device) -> dict[str, torch.
     teacher_log_probs = (torch.log_softmax(2.0 * torch.randn(n, k, generator=shared, device=device), -1)
                          + math.log(0.9))
     grads = {key: torch.randn(n, generator=shared, device=device) for key in GRAD_KEYS}
-    return dict(logits=logits, labels=labels, teacher_ids=teacher_ids, teacher_log_probs=teacher_log_probs,
-                **{"grad_" + key: g for key, g in grads.items()})
+    inputs = dict(hidden=hidden, weight=weight, labels=labels, teacher_ids=teacher_ids,
+                  teacher_log_probs=teacher_log_probs, **{"grad_" + key: g for key, g in grads.items()})
+    if spec["impl"] == "fused":
+        hidden.requires_grad_()
+        weight.requires_grad_()
+    else:
+        inputs["logits"] = (hidden @ weight.T).requires_grad_()
+    return inputs
 
 
 def make_step(spec: dict, inputs: dict[str, torch.Tensor], group):
     """The function that runs one forward + backward of ``spec['impl']`` for ``spec['config']``."""
     flags = {key: val for key, val in CONFIGS[spec["config"]].items() if key != "desc"}
-    logits, temperature = inputs["logits"], spec["temperature"]
-    if spec["impl"] == "ours":
+    temperature = spec["temperature"]
+    batch = {"teacher_ids": inputs["teacher_ids"], "teacher_logprobs": inputs["teacher_log_probs"]}
+    if spec["impl"] == "fused":
+        from mcore_engine.lm_head import process_lm_head_hidden
+
+        leaves = (inputs["hidden"], inputs["weight"])
+
+        def forward():
+            return process_lm_head_hidden(inputs["hidden"], inputs["weight"], inputs["labels"], temperature,
+                                          batch=batch, group=group, chunk_size=spec.get("fused_chunk_size"),
+                                          **flags)
+    elif spec["impl"] == "ours":
         from mcore_engine.processor import process_lm_head_logits
 
-        batch = {"teacher_ids": inputs["teacher_ids"], "teacher_logprobs": inputs["teacher_log_probs"]}
+        leaves = (inputs["logits"],)
 
         def forward():
-            return process_lm_head_logits(logits, inputs["labels"], temperature, batch=batch, group=group,
-                                          chunk_size=spec.get("chunk_size"), **flags)
-    else:
+            return process_lm_head_logits(inputs["logits"], inputs["labels"], temperature, batch=batch,
+                                          group=group, chunk_size=spec.get("chunk_size"), **flags)
+    elif spec["impl"] == "naive":
         from bench_naive import naive_process_lm_head_logits
 
+        leaves = (inputs["logits"],)
+
         def forward():
-            return naive_process_lm_head_logits(logits, inputs["labels"], temperature,
+            return naive_process_lm_head_logits(inputs["logits"], inputs["labels"], temperature,
                                                 teacher_ids=inputs["teacher_ids"],
                                                 teacher_log_probs=inputs["teacher_log_probs"], **flags)
+    else:
+        raise ValueError(f"impl must be 'ours', 'naive' or 'fused', got {spec['impl']!r}")
 
     def step():
-        logits.grad = None
+        for leaf in leaves:
+            leaf.grad = None
         out = forward()
         keys = [key for key in GRAD_KEYS if key in out]
         torch.autograd.backward([out[key] for key in keys], [inputs["grad_" + key] for key in keys])
         return out
 
     return step
+
+
+def gradient_checks(inputs: dict[str, torch.Tensor], group) -> dict[str, float]:
+    """Norms of the gradients w.r.t. ``hidden`` (summed over the group) and ``weight``.
+
+    The fused path has them directly; the logits paths get them from ``logits.grad`` G by the chain
+    rule, after the measurement: ``grad_hidden = all_reduce(G @ weight)``, ``grad_weight = G.T @ hidden``.
+    """
+    if "logits" in inputs:
+        g = inputs["logits"].grad
+        grad_h = g @ inputs["weight"]
+        grad_w = g.T @ inputs["hidden"]
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(grad_h, group=group)
+        checks = {"grad_norm": float(g.float().norm())}
+    else:
+        grad_h, grad_w = inputs["hidden"].grad, inputs["weight"].grad
+        checks = {}
+    checks.update(grad_hidden_norm=float(grad_h.float().norm()),
+                  grad_weight_norm=float(grad_w.float().norm()))
+    return checks
 
 
 def _sync(device: torch.device) -> None:
@@ -139,7 +199,6 @@ def measure_memory(step, inputs: dict, device: torch.device) -> dict:
         out = step()
         peak_mb = _proc_status_mb("VmHWM") - base
     checks = {key: float(val.detach().double().sum()) for key, val in out.items()}
-    checks["grad_norm"] = float(inputs["logits"].grad.float().norm())
     return {"peak_mb": peak_mb, "checks": checks}
 
 
@@ -177,14 +236,20 @@ def main(spec: dict) -> dict:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     # A tiny step first: lazy imports and one-time set-up must not count as the step's memory.
     make_step(spec, make_inputs({**spec, "tokens": 3}, rank, device), group)()
-    inputs = make_inputs(spec, rank, device)
-    step = make_step(spec, inputs, group)
-    if mode == "memory":
-        result = measure_memory(step, inputs, device)
-    elif mode == "time":
-        result = measure_time(step, device, spec["repeats"], tp > 1)
-    else:
-        raise ValueError(f"mode must be 'memory' or 'time', got {mode!r}")
+    try:
+        inputs = make_inputs(spec, rank, device)
+        step = make_step(spec, inputs, group)
+        if mode in ("memory", "both"):
+            result = measure_memory(step, inputs, device)
+            result["checks"].update(gradient_checks(inputs, group))
+        else:
+            result = {}
+        if mode in ("time", "both"):
+            result.update(measure_time(step, device, spec["repeats"], tp > 1))
+        elif mode != "memory":
+            raise ValueError(f"mode must be 'memory', 'time' or 'both', got {mode!r}")
+    except torch.cuda.OutOfMemoryError as exc:  # reported as "OOM" in the table (TP=1; TP>1 peers time out)
+        result = {"oom": str(exc).splitlines()[0]}
     result["rank"] = rank
     dist.barrier()
     dist.destroy_process_group()
