@@ -84,11 +84,11 @@ def test_fused_target_passes_below_a_tenth_of_the_logits():
 
 @pytest.mark.slow
 def test_bench_quick_runs_and_prints_table():
-    """Configuration E on two gloo ranks, each implementation (ours, naive, fused) in fresh processes
-    (~30 s on an idle 2-core machine: the naive path imports Megatron-Core)."""
+    """Configuration E on two gloo ranks, each implementation (ours, naive, fused) in fresh processes,
+    memory and time in one process per rank (``--single-process``; the naive path imports Megatron-Core)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench.py"), "--quick", "--tp", "2",
-                           "--configs", "E", "--markdown", "--device", "cpu"],
+                           "--configs", "E", "--markdown", "--device", "cpu", "--single-process"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()

@@ -83,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="GPU only: N=32768, global vocab 152064 (V_local = 152064 / TP), H=4096, bf16, "
                         "configurations A and E")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    p.add_argument("--single-process", action="store_true",
+                   help="CPU: time in the memory process (after its memory step; half the process starts, "
+                        "times under the memory allocator settings; for smoke tests). Always so on CUDA")
     p.add_argument("--time-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment of the time processes (all implementations), e.g. "
                         "MALLOC_TRIM_THRESHOLD_=268435456 to see the times without glibc trimming churn")
@@ -162,7 +165,8 @@ def run_workers(spec: dict, timeout: int, extra_env: dict[str, str] | None = Non
                OMP_NUM_THREADS="1", PYTHONPATH=path)
     for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
         env.pop(key, None)
-    if spec["mode"] == "memory":  # every buffer > 64 KiB its own mmap: RSS tracks live tensors
+    if spec["mode"] == "memory" or (spec["mode"] == "both" and spec["device"] == "cpu"):
+        # every buffer > 64 KiB its own mmap: RSS tracks live tensors
         env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     env.update(extra_env or {})
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "bench_worker.py"), json.dumps(spec)],
@@ -191,14 +195,15 @@ def run_workers(spec: dict, timeout: int, extra_env: dict[str, str] | None = Non
 def measure(args: argparse.Namespace, config: str, impl: str, tp: int) -> dict:
     """Memory and time of one (configuration, implementation, TP) in fresh processes; max over ranks.
 
-    CPU: a memory process and a time process; CUDA: one process (memory step, then timed steps).
+    CPU: a memory process and a time process; CUDA or ``--single-process``: one process (memory step,
+    then timed steps).
     Returns ``{"oom": message}`` when a rank ran out of CUDA memory.
     """
     spec = dict(impl=impl, config=config, tokens=args.tokens, vocab=vocab_local(args, tp), hidden=args.hidden,
                 dtype=args.dtype, tp=tp, k=args.k, temperature=args.temperature, repeats=args.repeats,
                 seed=args.seed, device=args.device, chunk_size=args.chunk_size,
                 fused_chunk_size=args.fused_chunk_size)
-    if args.device == "cuda":
+    if args.device == "cuda" or args.single_process:
         mem = tim = run_workers(dict(spec, mode="both"), args.timeout, args.time_env)
     else:
         mem = run_workers(dict(spec, mode="memory"), args.timeout)
