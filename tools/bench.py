@@ -1,4 +1,4 @@
-"""Benchmark: peak memory and time of forward+backward over the lm-head logits, ours vs the naive path.
+"""Benchmark: peak memory and time of the lm-head outputs' forward+backward: ours, naive and fused.
 
     python tools/bench.py                      # N=4096 tokens, V_local=32768, fp32, T=0.7, k=32, TP=1,2
     python tools/bench.py --markdown           # the same table as markdown (README)
@@ -17,14 +17,15 @@ their measured step). So the fused time includes the lm-head matmuls (forward, r
 gradients) and the logits paths' times do not.
 
 Method (details in ``tools/bench_worker.py``): every (configuration, implementation, TP) runs in
-FRESH processes, one per TP rank (gloo on CPU, NCCL on CUDA), twice. Memory process: one
-forward+backward; CPU: VmHWM - VmRSS above the inputs, started with
+FRESH processes, one per TP rank (gloo on CPU, NCCL on CUDA: one GPU per rank), twice on CPU.
+Memory process: one forward+backward; CPU: VmHWM - VmRSS above the inputs, started with
 ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0`` so RSS tracks live buffers; CUDA:
 ``max_memory_allocated`` above the inputs. Time process (allocator as users have it): median of
-``--repeats`` steps after a warm-up step. Per-rank figures; the
-table shows the max over ranks. "xL" is a multiple of this rank's logits bytes
-(tokens x V_local x dtype size); the gradient of the logits (1 xL) is part of every peak.
-Times show wall and, in parentheses, the process's CPU time (robust on a shared machine).
+``--repeats`` steps after a warm-up step. On CUDA (and on CPU with ``--single-process``) the memory
+process goes on to the timed steps. Per-rank figures; the table shows the max over ranks. "xL" is a
+multiple of this rank's logits bytes (tokens x V_local x dtype size); the gradient of the logits
+(1 xL) is part of the logits paths' peaks. Times show wall and, in parentheses, the process's CPU
+time (robust on a shared machine).
 Fused peak, two ways: (i) "fused peak" = everything above its inputs, the gradients of hidden and
 weight included (unavoidable outputs, (N + V_local) x H x dtype size bytes); (ii) "fused work" = (i)
 minus those gradient bytes, the working memory.
