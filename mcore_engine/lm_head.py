@@ -3,13 +3,15 @@
 ``fused_lm_head_outputs(hidden, weight, ...)`` equals
 ``vocab_parallel_logits_outputs(hidden @ weight.T, ...)`` but computes the logits one row chunk at a
 time (``[chunk, V_local]``), reduces them to the ops' per-token statistics (``ops.stats``: the same
-definitions, the same one MAX + one packed SUM all-reduce per chunk) and drops them. Backward
+definitions; one MAX + one packed SUM all-reduce per chunk, as a chunk's logits are formed once,
+unlike ``ops.fused`` which reads each chunk twice and reduces once per pass) and drops them. Backward
 recomputes each chunk's logits from the saved ``hidden`` and ``weight`` (no copies) and turns the
 chunk's logit gradient straight into gradients for both.
 
-Memory above the inputs: outputs and O(N (8 + 2k)) fp32 statistics, a chunk workspace of about
-four ``[chunk, V_local]`` buffers, and in backward the two gradients (``grad_weight`` accumulates in
-fp32 when the weight is bf16/fp16: one fp32 ``[V_local, H]`` buffer). Never ``[N, V_local]``.
+Memory above the inputs: outputs and O(N (8 + 2k)) fp32 statistics, three ``[chunk, V_local]``
+chunk buffers allocated once per pass (the logits chunk and the torch backend's two workspaces), and
+in backward the two gradients (``grad_weight`` accumulates in fp32 when the weight is bf16/fp16: one
+fp32 ``[V_local, H]`` buffer). Never ``[N, V_local]``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,15 @@ def _shard(weight: torch.Tensor, group: dist.ProcessGroup | None, vocab_size: in
     return _common.make_shard(weight.new_empty(0, weight.shape[0], device="meta"), group, vocab_size)
 
 
+def _workspaces(backend: ChunkBackend, h: torch.Tensor, w: torch.Tensor,
+                rows: int) -> tuple[tuple[torch.Tensor, ...] | None, torch.Tensor]:
+    """A pass's chunk buffers, allocated once and reused by every chunk: the backend's workspace and
+    the chunk logits ``[rows, V_valid]`` in the compute dtype (on CPU, per-chunk buffers of this size
+    go back to the OS and are page-faulted in again on every chunk)."""
+    x_buf = torch.empty(rows, w.shape[0], dtype=torch.result_type(h, w), device=h.device)
+    return backend.workspace(rows, w.shape[0], h.device), x_buf
+
+
 class _FusedLMHeadFunction(torch.autograd.Function):
     """Forward (per chunk of rows; ``x = hidden[r0:r1] @ weight[:V_valid].T``, freed after the chunk):
 
@@ -66,9 +77,10 @@ class _FusedLMHeadFunction(torch.autograd.Function):
         n = h.shape[0]
         stats = torch.empty(n, layout.width, dtype=torch.float32, device=hidden.device)
         row_max = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        ws, x_buf = _workspaces(backend, h, w, min(rows, n))
         for r0 in range(0, n, rows):
             r1 = min(r0 + rows, n)
-            x = h[r0:r1] @ w.T
+            x = torch.matmul(h[r0:r1], w.T, out=x_buf[:r1 - r0])
             tc = t_rows[r0:r1] if t_rows is not None else t_scalar
             # --- 1. global row max ---
             m = _common.all_reduce_(backend.row_max(x, tc), dist.ReduceOp.MAX, shard)
@@ -78,9 +90,8 @@ class _FusedLMHeadFunction(torch.autograd.Function):
                      if labels is not None else None)
             teacher = (_stats.local_columns(teacher_ids[r0:r1], shard.offset, shard.v_valid)
                        if teacher_ids is not None else None)
-            backend.chunk_stats(x, tc, m, layout, stats[r0:r1], label=label, teacher=teacher)
+            backend.chunk_stats(x, tc, m, layout, stats[r0:r1], label=label, teacher=teacher, ws=ws)
             _common.all_reduce_(stats[r0:r1], dist.ReduceOp.SUM, shard)
-            del x
         # --- 3. finalize per token ---
         fin = _stats.finalize(stats, layout, teacher_log_probs=teacher_log_probs, clamp=clamp)
         ctx.shard, ctx.rows, ctx.layout, ctx.t_scalar, ctx.backend = shard, rows, layout, t_scalar, backend
@@ -109,14 +120,14 @@ class _FusedLMHeadFunction(torch.autograd.Function):
         acc_dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
         grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
         gw = grad_w[:shard.v_valid] if need_w else None  # padded rows stay 0
+        ws, x_buf = _workspaces(ctx.backend, h, w, min(ctx.rows, n))
         for r0 in range(0, n, ctx.rows):
             r1 = min(r0 + ctx.rows, n)
-            x = h[r0:r1] @ w.T
+            x = torch.matmul(h[r0:r1], w.T, out=x_buf[:r1 - r0])
             tc = t_rows[r0:r1] if t_rows is not None else ctx.t_scalar
-            # d/dx in fp32 (the torch backend's own workspace; Triton allocates it)
+            # d/dx in fp32 (in the torch backend's workspace ``ws``; Triton allocates it)
             gz = ctx.backend.chunk_grad(x, tc, row_max[r0:r1], ctx.fin.inv_s[r0:r1],
-                                        *coef.chunk(r0, r1, shard.offset, shard.v_valid))
-            del x
+                                        *coef.chunk(r0, r1, shard.offset, shard.v_valid), ws=ws)
             # grad_hidden from the logit gradient in the compute dtype (as the logits path has it);
             # grad_weight accumulates from the fp32 one (no extra rounding, no extra copy).
             if need_h:
