@@ -19,21 +19,10 @@ from typing import Any
 
 import yaml
 
-from mcore_engine.config import EngineConfig
+from mcore_engine.config import EngineConfig, _require
+from mcore_engine.config import _positive_int as _positive_ints
 
 __all__ = ["CorpusConfig", "DistillationConfig", "JobConfig", "TeacherTrainingConfig", "apply_overrides"]
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
-def _positive_ints(obj: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                 f"{type(obj).__name__}.{name} must be an int >= 1, got {value!r}")
 
 
 @dataclass(kw_only=True)
