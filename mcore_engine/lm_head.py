@@ -161,8 +161,8 @@ def fused_lm_head_outputs(
     labels ``[...]``, teacher_* ``[..., k]``; outputs fp32 ``[...]``. Differentiable w.r.t. ``hidden``
     (gradient all-reduced over ``group``) and ``weight``; the logits are computed in ``weight.dtype``.
     Other arguments as ``vocab_parallel_logits_outputs``.
-    Memory: see the module docstring; ``chunk_size`` rows per chunk (default ~2**21 / V_local, with the
-    Triton backend ~2**26 / V_local).
+    Memory: see the module docstring; ``chunk_size`` rows per chunk (default ~2**20 / V_local on the
+    torch path, ~2**26 / V_local with the Triton backend).
     """
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
         raise ValueError(f"hidden must be a floating tensor [..., H], got "
@@ -199,9 +199,12 @@ def fused_lm_head_outputs(
         raise ValueError("kl_tail=True requires teacher_ids and teacher_log_probs")
     clamp = _common.check_clamp(log_prob_min_clamp)
     backend = chunk_backend(hidden.device)
-    # Each chunk materialises its logits [rows, V_local] whatever the backend: at most ~2**26 elements.
-    rows = _common.check_chunk_size(chunk_size, shard.v_local,
-                                    default_elements=min(backend.chunk_elements, 2**26))
+    # Each chunk materialises its logits [rows, V_local] whatever the backend: at most ~2**26 elements
+    # with Triton (no workspace); the torch path adds two fp32 workspaces of that size, so its default
+    # chunk is half the logits path's (~2**20 elements: 12 MB of buffers at V_local = 32768 in fp32).
+    default_elements = (min(backend.chunk_elements, 2**26) if backend.name == "triton"
+                        else backend.chunk_elements // 2)
+    rows = _common.check_chunk_size(chunk_size, shard.v_local, default_elements=default_elements)
     t = temperature_rows(temperature, lead, hidden.device)
     layout = _stats.StatLayout(entropy=bool(entropy), sum_pi_squared=bool(sum_pi_squared),
                                label=labels is not None, k=k, tail=bool(kl_tail))
