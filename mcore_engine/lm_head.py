@@ -161,7 +161,7 @@ def fused_lm_head_outputs(
     labels ``[...]``, teacher_* ``[..., k]``; outputs fp32 ``[...]``. Differentiable w.r.t. ``hidden``
     (gradient all-reduced over ``group``) and ``weight``; the logits are computed in ``weight.dtype``.
     Other arguments as ``vocab_parallel_logits_outputs``.
-    Memory: see the module docstring; ``chunk_size`` rows per chunk (default ~2**20 / V_local on the
+    Memory: see the module docstring; ``chunk_size`` rows per chunk (default ~2**19 / V_local on the
     torch path, ~2**26 / V_local with the Triton backend).
     """
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
@@ -201,9 +201,9 @@ def fused_lm_head_outputs(
     backend = chunk_backend(hidden.device)
     # Each chunk materialises its logits [rows, V_local] whatever the backend: at most ~2**26 elements
     # with Triton (no workspace); the torch path adds two fp32 workspaces of that size, so its default
-    # chunk is half the logits path's (~2**20 elements: 12 MB of buffers at V_local = 32768 in fp32).
+    # chunk is a quarter of the logits path's (~2**19 elements: 6 MB of buffers at V_local = 32768).
     default_elements = (min(backend.chunk_elements, 2**26) if backend.name == "triton"
-                        else backend.chunk_elements // 2)
+                        else backend.chunk_elements // 4)
     rows = _common.check_chunk_size(chunk_size, shard.v_local, default_elements=default_elements)
     t = temperature_rows(temperature, lead, hidden.device)
     layout = _stats.StatLayout(entropy=bool(entropy), sum_pi_squared=bool(sum_pi_squared),

@@ -112,9 +112,9 @@ else
     # --- 2. acceptance sizes, every configuration ---
     run_step bench_fp32_acceptance 150 "$PY" tools/bench.py --markdown --device cuda --tp "$TP" \
         --tokens 4096 --vocab 32768 --dtype fp32 --repeats 5 --timeout 60
-    # --- 3. realistic bf16 sizes, two configurations ---
-    run_step bench_bf16_152k 120 "$PY" tools/bench.py --markdown --device cuda --tp "$TP" \
-        --tokens 16384 --vocab 75968 --dtype bf16 --configs A,E --repeats 5 --timeout 60
+    # --- 3. realistic size (issue 5): 32768 tokens, vocab 152064, hidden 4096, bf16; A and E, with fused ---
+    run_step bench_bf16_realistic 240 "$PY" tools/bench.py --markdown --realistic --device cuda --tp "$TP" \
+        --repeats 3 --timeout 150
 fi
 
 echo
