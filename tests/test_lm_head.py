@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from mcore_engine.lm_head import fused_lm_head_outputs
 from mcore_engine.ops import vocab_parallel_logits_outputs
-from tests.utils import REL_TOL, assert_rel_close, reference_logits_outputs, run_distributed
+from tests.reference import reference_logits_outputs
+from tests.utils import REL_TOL, assert_rel_close, run_distributed
 
 F32, BF16 = torch.float32, torch.bfloat16
 KEYS = ("log_probs", "entropy", "sum_pi_squared", "distillation_losses")

@@ -17,7 +17,8 @@ from mcore_engine.ops import vocab_parallel_entropy
 from mcore_engine.processor import _log_prob_labels as processor_log_prob_labels
 from mcore_engine.processor import process_lm_head_logits
 from tests.ops._cases import Case, case_inputs, shard_of, weighted_sum
-from tests.utils import REL_TOL, assert_rel_close, reference_logits_outputs, run_distributed
+from tests.reference import reference_logits_outputs
+from tests.utils import REL_TOL, assert_rel_close, run_distributed
 
 # (calculate_sum_pi_squared, calculate_entropy, distillation_use_topk, distillation_only), all valid.
 COMBOS = [c for c in itertools.product((False, True), repeat=4) if not (c[3] and not c[2])]

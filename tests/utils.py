@@ -126,51 +126,6 @@ def _run_once(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
         raise cls(f"distributed run failed (exit codes {[p.exitcode for p in procs]}):\n{msg}")
 
 
-def reference_logits_outputs(
-    logits: torch.Tensor, *, labels: torch.Tensor | None = None, teacher_ids: torch.Tensor | None = None,
-    teacher_log_probs: torch.Tensor | None = None, entropy: bool = False, sum_pi_squared: bool = False,
-    kl_tail: bool = False, log_prob_min_clamp: float | None = None, temperature: Any = 1.0,
-    vocab_size: int | None = None,
-) -> dict[str, torch.Tensor]:
-    """Float64 reference of ``mcore_engine.ops`` on the FULL (gathered) logits ``[..., V]``, from API.md.
-
-    Differentiable w.r.t. ``logits`` (pass a float64 leaf). Padded ids (>= vocab_size) are sliced off.
-    """
-    v = logits.shape[-1] if vocab_size is None else vocab_size
-    t = temperature
-    if isinstance(t, torch.Tensor):
-        t = t.double()
-        t = t.unsqueeze(-1) if t.dim() else t
-    z = logits.double()[..., :v] / t
-    lse = z.logsumexp(-1)
-    p = z.softmax(-1)
-    out: dict[str, torch.Tensor] = {}
-    if labels is not None:
-        out["log_probs"] = z.gather(-1, labels[..., None])[..., 0] - lse
-    if entropy:
-        out["entropy"] = lse - (p * z).sum(-1)
-    if sum_pi_squared:
-        out["sum_pi_squared"] = (p * p).sum(-1)
-    if teacher_ids is not None:
-        log_q = z.gather(-1, teacher_ids) - lse[..., None]
-        log_p = teacher_log_probs.double()
-        big_p = log_p.exp()
-        c = log_prob_min_clamp
-        if c is None:
-            terms = big_p * (log_p - log_q)
-        else:
-            terms = big_p * (log_p.clamp_min(c) - log_q.clamp_min(c))
-        kl = torch.where(big_p > 0, terms, 0.0).sum(-1)  # 0 log 0 = 0
-        if kl_tail:
-            p_t = (1 - big_p.sum(-1)).clamp_min(1e-20)
-            q_t = (1 - log_q.exp().sum(-1)).clamp_min(1e-20)
-            kl = kl + p_t * (p_t.log() - q_t.log())
-        out["distillation_losses"] = kl
-        out["student_mass"] = log_q.exp().sum(-1).detach()
-        out["teacher_mass"] = big_p.sum(-1)
-    return out
-
-
 def run_distributed_retrying(fn: Callable[..., Any], world_size: int, *args: Any, attempts: int = 3) -> None:
     """``run_distributed``, relaunched (up to ``attempts`` times) when the ranks failed before ``fn``
     started: typically ``EADDRINUSE``, another process took the free port before rank 0 bound it."""

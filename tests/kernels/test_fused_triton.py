@@ -21,7 +21,8 @@ from mcore_engine.ops import backend, fused, vocab_parallel_logits_outputs
 from tests.kernels._helpers import DEVICE
 from tests.ops._cases import Case, case_inputs, shard_of, weighted_sum
 from tests.ops.test_fused import check_concentrated_tail
-from tests.utils import REL_TOL, assert_rel_close, reference_logits_outputs, run_distributed
+from tests.reference import reference_logits_outputs
+from tests.utils import REL_TOL, assert_rel_close, run_distributed
 
 F32, BF16 = torch.float32, torch.bfloat16
 SMALL = LaunchConfig(block_v=64, num_warps=4)

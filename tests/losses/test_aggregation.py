@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mcore_engine.losses import AGG_MODES, LossContext, agg_loss, token_mean_metric, tokens_per_sequence
-from tests.losses.reference import random_packed_batch, random_split, ref_agg
+from tests.reference import random_packed_batch, random_split, ref_agg
 from tests.utils import REL_TOL, assert_rel_close
 
 

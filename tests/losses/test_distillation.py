@@ -18,7 +18,7 @@ from mcore_engine.losses import (
     make_forward_kl_topk,
     topk_overlap,
 )
-from tests.losses.reference import make_teacher, random_packed_batch, ref_agg, ref_forward_kl_topk
+from tests.reference import make_teacher, random_packed_batch, ref_agg, ref_forward_kl_topk
 from tests.utils import REL_TOL, assert_rel_close, run_distributed
 
 KEYS = ("distillation_losses", "student_mass", "teacher_mass", "topk_overlap")
@@ -131,7 +131,7 @@ def _two_rank_checks(rank, world, full_logits, ids, tlp, vocab, seq_ids, mask, a
     dist.all_reduce(grads)
     dl_ref, lp_ref = per_token[0].clone().requires_grad_(), (-per_token[1].abs()).requires_grad_()
     n, b = ctx.global_num_tokens.double(), ctx.global_num_seqs.double()
-    from tests.losses.reference import ref_ppo_tokens
+    from tests.reference import ref_ppo_tokens
     pg = ref_ppo_tokens(lp_ref, lp_ref.detach(), adv, 0.2, 0.2, 3.0)[0]
     ref_loss = (0.5 * ref_agg(dl_ref, mask, seq_ids, "seq-mean-token-mean", n, b)
                 + ref_agg(pg, mask, seq_ids, "seq-mean-token-mean", n, b))

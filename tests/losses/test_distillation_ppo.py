@@ -8,7 +8,7 @@ import torch
 import mcore_engine.losses.distillation_ppo as dppo
 import mcore_engine.losses.policy as policy
 from mcore_engine.losses import AGG_MODES, LossContext, distillation_ppo_loss
-from tests.losses.reference import random_packed_batch, random_split, ref_agg, ref_kl, ref_ppo_tokens
+from tests.reference import random_packed_batch, random_split, ref_agg, ref_kl, ref_ppo_tokens
 from tests.utils import REL_TOL, assert_rel_close
 
 TOL = REL_TOL[torch.float32]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mcore_engine.losses import AGG_MODES, LossContext, kl_estimator, ppo_policy_loss
-from tests.losses.reference import random_packed_batch, random_split, ref_agg, ref_kl, ref_ppo_tokens
+from tests.reference import random_packed_batch, random_split, ref_agg, ref_kl, ref_ppo_tokens
 from tests.utils import REL_TOL, assert_rel_close
 
 CLIPS = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)

@@ -15,7 +15,8 @@ from mcore_engine.ops import (
     vocab_parallel_topk,
 )
 from tests.ops._cases import Case, case_inputs, shard_of, weighted_sum
-from tests.utils import REL_TOL, assert_rel_close, reference_logits_outputs, run_distributed
+from tests.reference import reference_logits_outputs
+from tests.utils import REL_TOL, assert_rel_close, run_distributed
 
 F32, BF16 = torch.float32, torch.bfloat16
 

@@ -1,13 +1,62 @@
-"""Float64 references for the losses, written from the formulas in a different form than the code.
+"""Float64 references for the tests, written from the formulas in a different form than the code.
 
-Aggregation loops over sequences in Python; PPO uses the closed form ``-A * min(r, 1 + hi)`` for
-``A >= 0`` and ``|A| * min(max(r, 1 - lo), c)`` for ``A < 0``; distillation works on the full
-(gathered) logits with ``log_softmax`` and takes the tail mass as the sum of q OUTSIDE the top-k set.
+``reference_logits_outputs`` computes every per-token output of ``mcore_engine.ops`` on the full
+(gathered) logits ``[..., V]``. The loss references: aggregation loops over sequences in Python; PPO
+uses the closed form ``-A * min(r, 1 + hi)`` for ``A >= 0`` and ``|A| * min(max(r, 1 - lo), c)`` for
+``A < 0``; distillation works on the full logits with ``log_softmax`` and takes the tail mass as the
+sum of q outside the top-k set. All are differentiable in float64 (pass float64 leaves).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+
+def reference_logits_outputs(
+    logits: torch.Tensor, *, labels: torch.Tensor | None = None, teacher_ids: torch.Tensor | None = None,
+    teacher_log_probs: torch.Tensor | None = None, entropy: bool = False, sum_pi_squared: bool = False,
+    kl_tail: bool = False, log_prob_min_clamp: float | None = None, temperature: Any = 1.0,
+    vocab_size: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Float64 reference of ``mcore_engine.ops`` on the FULL (gathered) logits ``[..., V]``, from API.md.
+
+    Differentiable w.r.t. ``logits`` (pass a float64 leaf). Padded ids (>= vocab_size) are sliced off.
+    """
+    v = logits.shape[-1] if vocab_size is None else vocab_size
+    t = temperature
+    if isinstance(t, torch.Tensor):
+        t = t.double()
+        t = t.unsqueeze(-1) if t.dim() else t
+    z = logits.double()[..., :v] / t
+    lse = z.logsumexp(-1)
+    p = z.softmax(-1)
+    out: dict[str, torch.Tensor] = {}
+    if labels is not None:
+        out["log_probs"] = z.gather(-1, labels[..., None])[..., 0] - lse
+    if entropy:
+        out["entropy"] = lse - (p * z).sum(-1)
+    if sum_pi_squared:
+        out["sum_pi_squared"] = (p * p).sum(-1)
+    if teacher_ids is not None:
+        log_q = z.gather(-1, teacher_ids) - lse[..., None]
+        log_p = teacher_log_probs.double()
+        big_p = log_p.exp()
+        c = log_prob_min_clamp
+        if c is None:
+            terms = big_p * (log_p - log_q)
+        else:
+            terms = big_p * (log_p.clamp_min(c) - log_q.clamp_min(c))
+        kl = torch.where(big_p > 0, terms, 0.0).sum(-1)  # 0 log 0 = 0
+        if kl_tail:
+            p_t = (1 - big_p.sum(-1)).clamp_min(1e-20)
+            q_t = (1 - log_q.exp().sum(-1)).clamp_min(1e-20)
+            kl = kl + p_t * (p_t.log() - q_t.log())
+        out["distillation_losses"] = kl
+        out["student_mass"] = log_q.exp().sum(-1).detach()
+        out["teacher_mass"] = big_p.sum(-1)
+    return out
 
 
 def ref_agg(values, mask, seq_ids, mode, num_tokens, num_seqs):
