@@ -1,0 +1,115 @@
+"""The layer rules of DESIGN.md, read from the source: no import cycles, no arrow pointing up.
+
+Every ``import`` statement counts, function-local and ``TYPE_CHECKING`` ones included. An import of
+``pkg.mod`` (or ``from pkg import mod``) is an edge to that module; the implicit import of the
+parent package's ``__init__`` is not counted.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Source folder -> import name (kernels/ installs as mcore_engine_kernels, see setup.py).
+PACKAGES = {"mcore_engine": "mcore_engine", "kernels": "mcore_engine_kernels"}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for folder, name in PACKAGES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = [name, *path.relative_to(ROOT / folder).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join(parts)] = path
+    return mods
+
+
+def _import_graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in mods else base
+                           for alias in node.names]
+            for target in targets:
+                while target and target not in mods:  # `import a.b.c` of a non-module attribute
+                    target = target.rpartition(".")[0]
+                if target and target != mod:
+                    graph[mod].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    graph = _import_graph()
+    cycles = _cycles(graph)
+    detail = "; ".join(
+        " <-> ".join(c) + " [" + ", ".join(f"{a}->{b}" for a in c for b in sorted(graph[a]) if b in c) + "]"
+        for c in cycles)
+    assert not cycles, f"modules that import each other (directly or through others): {detail}"
+
+
+def test_kernels_never_import_the_package_above():
+    graph = _import_graph()
+    up = sorted(f"{a} -> {b}" for a, deps in graph.items() if a.startswith("mcore_engine_kernels")
+                for b in deps if not b.startswith("mcore_engine_kernels"))
+    assert not up, f"kernels/ imports from mcore_engine/: {up}"
+
+
+def test_ops_do_not_import_the_engine_layers():
+    """ops/ uses torch (and Megatron-Core only to find the default TP group), never the engine."""
+    graph = _import_graph()
+    allowed = ("mcore_engine.ops", "mcore_engine_kernels")
+    up = sorted(f"{a} -> {b}" for a, deps in graph.items() if a.startswith("mcore_engine.ops")
+                for b in deps if not b.startswith(allowed))
+    assert not up, f"ops/ imports from higher layers: {up}"
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
