@@ -46,17 +46,10 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 
-from mcore_engine.data import (
-    ModelInputs,
-    StepFlags,
-    flatten_per_token,
-    merge_micro_batches,
-    pack_micro_batch,
-    parse_step_flags,
-    split_micro_batches,
-    unpack_per_token,
-    validate_batch,
-)
+from mcore_engine.data.flags import StepFlags, parse_step_flags
+from mcore_engine.data.micro_batching import merge_micro_batches, split_micro_batches
+from mcore_engine.data.packing import ModelInputs, flatten_per_token, pack_micro_batch, unpack_per_token
+from mcore_engine.data.validation import validate_batch
 from mcore_engine.losses.context import LossContext
 
 __all__ = ["MicroBatch", "PreparedStep", "attention_mask", "collect_outputs", "gather_results",

@@ -10,22 +10,20 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict, is_non_tensor
 
-from mcore_engine.data import (
-    StepFlags,
-    flatten_per_token,
+from mcore_engine.data.flags import StepFlags, parse_step_flags
+from mcore_engine.data.micro_batching import (
+    balanced_partition,
     merge_micro_batches,
-    pack_micro_batch,
-    parse_step_flags,
     restore_order,
     split_micro_batches,
-    unpack_per_token,
-    validate_batch,
 )
-from mcore_engine.micro_batching import balanced_partition
+from mcore_engine.data.packing import flatten_per_token, pack_micro_batch, unpack_per_token
+from mcore_engine.data.validation import validate_batch
 from tests.utils import REL_TOL, assert_rel_close
 
 VOCAB, K = 53, 3
@@ -111,6 +109,29 @@ def test_parse_step_flags_values_and_defaults():
     assert parse_step_flags(make_batch(temperature=0.7)[0]).temperature == 0.7
 
 
+def test_parse_step_flags_accepts_numpy_scalars():
+    td, _ = make_batch(temperature=None)
+    values = {"calculate_entropy": np.True_, "distillation_use_topk": np.bool_(True),
+              "distillation_only": np.False_, "use_dynamic_bsz": np.bool_(True),
+              "max_token_len_per_gpu": np.int64(17), "micro_batch_size_per_gpu": np.int32(3),
+              "temperature": np.float32(0.5)}
+    for key, value in values.items():
+        td.set_non_tensor(key, value)
+    flags = parse_step_flags(td)
+    assert flags == StepFlags(calculate_entropy=True, distillation_use_topk=True, use_dynamic_bsz=True,
+                              max_token_len_per_gpu=17, micro_batch_size_per_gpu=3, temperature=0.5)
+    assert type(flags.calculate_entropy) is bool and type(flags.micro_batch_size_per_gpu) is int
+    assert type(flags.temperature) is float
+    td.set_non_tensor("temperature", np.int64(1))
+    assert type(parse_step_flags(td).temperature) is int  # a unit host scalar stays unit
+    for key, value in (("calculate_entropy", np.int64(1)), ("micro_batch_size_per_gpu", np.float64(2.0)),
+                       ("micro_batch_size_per_gpu", np.True_), ("temperature", np.float64("nan"))):
+        td, _ = make_batch(temperature=None)
+        td.set_non_tensor(key, value)
+        with pytest.raises(ValueError, match=key):
+            parse_step_flags(td)
+
+
 @pytest.mark.parametrize("key,value", [
     ("calculate_entropy", "yes"), ("calculate_sum_pi_squared", 1), ("distillation_use_topk", "true"),
     ("use_dynamic_bsz", 0.0), ("micro_batch_size_per_gpu", 0), ("micro_batch_size_per_gpu", -2),
@@ -188,6 +209,16 @@ BAD_JAGGED = {
     "teacher_ids_2d": ("teacher_ids", lambda td, r: _set_rows(td, "teacher_ids", r["input_ids"])),
     "teacher_ids_missing": ("teacher_ids", lambda td, r: td.del_("teacher_ids")),
     "teacher_logprobs_missing": ("teacher_logprobs", lambda td, r: td.del_("teacher_logprobs")),
+    "teacher_logprobs_nan": ("teacher_logprobs", lambda td, r: _set_rows(
+        td, "teacher_logprobs", [x.index_fill(0, torch.tensor([0]), math.nan) if i == 2 else x
+                                 for i, x in enumerate(r["teacher_logprobs"])])),
+    "teacher_logprobs_pos_inf": ("teacher_logprobs", lambda td, r: _set_rows(
+        td, "teacher_logprobs", [x.index_fill(0, torch.tensor([0]), math.inf) if i == 4 else x
+                                 for i, x in enumerate(r["teacher_logprobs"])])),
+    "loss_mask_nan": ("loss_mask", lambda td, r: _set_rows(
+        td, "loss_mask", [x.index_fill(0, torch.tensor([0]), math.nan) for x in r["loss_mask"]])),
+    "loss_mask_inf": ("loss_mask", lambda td, r: _set_rows(
+        td, "loss_mask", [x.index_fill(0, torch.tensor([0]), -math.inf) for x in r["loss_mask"]])),
     "temperature_zero": ("temperature", lambda td, r: td.set("temperature", torch.zeros(len(LENGTHS)))),
     "temperature_nan": ("temperature", lambda td, r: td.set(
         "temperature", torch.tensor([1.0, math.nan, 1, 1, 1, 1]))),
@@ -195,6 +226,25 @@ BAD_JAGGED = {
         "temperature", torch.ones(len(LENGTHS), dtype=torch.int64))),
     "temperature_2d": ("temperature", lambda td, r: td.set("temperature", torch.ones(len(LENGTHS), 2))),
 }
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_validate_batch_accepts_neg_inf_teacher_logprobs_and_ignores_padding(padded):
+    """-inf is a zero teacher probability (valid); NaN / +inf on padding slots are not real tokens."""
+    td, rows = make_batch(padded=padded)
+    lp = [x.index_fill(1, torch.tensor([1]), -math.inf) for x in rows["teacher_logprobs"]]
+    if padded:
+        dense = td["teacher_logprobs"].clone()
+        dense[td["attention_mask"].bool()] = torch.cat(lp)
+        dense[~td["attention_mask"].bool()] = math.nan
+        td["teacher_logprobs"] = dense
+    else:
+        td["teacher_logprobs"] = _jag(lp)
+    validate_batch(td, vocab_size=VOCAB, max_sequence_length=max(LENGTHS), require_teacher=True)
+    if padded:
+        dense[0, :, 0][td["attention_mask"][0].bool()] = math.inf
+        with pytest.raises(ValueError, match="teacher_logprobs must not contain NaN and \\+inf"):
+            validate_batch(td, vocab_size=VOCAB, max_sequence_length=max(LENGTHS), require_teacher=True)
 
 
 @pytest.mark.parametrize("case", sorted(BAD_JAGGED))

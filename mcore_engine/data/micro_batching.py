@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from tensordict import TensorDictBase
 
-from mcore_engine.batch_layout import is_jagged, sequence_lengths
+from mcore_engine.data.flags import StepFlags
+from mcore_engine.data.layout import is_jagged, sequence_lengths
 
-if TYPE_CHECKING:
-    from mcore_engine.data import StepFlags
+__all__ = ["balanced_partition", "merge_micro_batches", "restore_order", "split_micro_batches"]
 
 
 def balanced_partition(lengths: Sequence[int], budget: int, *, min_parts: int = 1) -> list[list[int]]:
@@ -65,11 +64,11 @@ def split_micro_batches(batch: TensorDictBase, flags: StepFlags, *, default_micr
                         pad_multiple: int = 1) -> tuple[list[TensorDictBase], list[int]]:
     """Split ``batch`` (``[B]``) into micro-batches; return them and ``order`` (see module docstring).
 
-    ``flags`` is a :class:`mcore_engine.data.StepFlags`. By count: ``flags.micro_batch_size_per_gpu``
+    ``flags`` is a :class:`~mcore_engine.data.flags.StepFlags`. By count: ``flags.micro_batch_size_per_gpu``
     (or ``default_micro_batch_size``) consecutive sequences per micro-batch, the last one smaller.
     By token budget (``flags.use_dynamic_bsz``): real tokens per micro-batch <=
     ``flags.max_token_len_per_gpu``, each length counted rounded up to ``pad_multiple`` (use the
-    ``pad_multiple`` of :func:`mcore_engine.packing.pack_micro_batch` so the packed thd ``T`` is within
+    ``pad_multiple`` of :func:`mcore_engine.data.packing.pack_micro_batch` so the packed thd ``T`` is within
     budget), at least ``min_num_micro_batches`` micro-batches (lets DP ranks agree on one count).
     Non-tensor entries (the flags) travel with every micro-batch.
     """
@@ -102,7 +101,7 @@ def restore_order(items: Sequence, order: Sequence[int]) -> list:
 def merge_micro_batches(outputs: Sequence[torch.Tensor], order: Sequence[int]) -> torch.Tensor:
     """Concatenate per-micro-batch outputs and restore the original sample order.
 
-    Each output is in its micro-batch's input layout (from :func:`mcore_engine.packing.unpack_per_token`):
+    Each output is in its micro-batch's input layout (``packing.unpack_per_token``):
     jagged nested ``[b, j, ...]`` -> jagged ``[B, j, ...]``; padded ``[b, S, ...]`` or per-sample
     ``[b, ...]`` dense tensors -> ``[B, ...]``. Autograd flows through. Memory: one copy of the outputs.
     """

@@ -1,24 +1,22 @@
 """Pack a micro-batch into Megatron-Core GPTModel inputs ('thd' or 'bshd') and unpack outputs.
 
-Let ``b`` sequences have ``L_i`` real tokens (``N = sum L_i``) and ``P_i = ceil(L_i / m) * m`` with
-``m = pad_multiple`` (TP/SP/CP need sequence lengths divisible by a multiple). Then
+``b`` sequences of ``L_i`` real tokens (``N = sum L_i``), each padded to ``P_i = ceil(L_i / m) * m``
+(``m = pad_multiple``, e.g. the TP size under sequence parallelism):
 
 - ``thd``:  ``input_ids [1, T]``, ``T = sum P_i``; sequence i occupies slots
-  ``[cu_seqlens_padded[i], cu_seqlens_padded[i] + L_i)``, its padding the rest of its ``P_i`` block.
-  ``packed_seq_params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens_padded (int32), ...)``
-  as in verl: padding slots are part of their block and only attend within it, after the real
-  tokens, so real tokens see exactly their own prefix.
-- ``bshd``: ``input_ids [b, S]``, ``S = max P_i``, right-padded; ``attention_mask [b, 1, S, S]`` bool
-  with True = masked (Megatron's convention: ``scores.masked_fill_(mask, -10000.0)``). The local
-  spec's DotProductAttention uses a given mask INSTEAD of its causal one, so the mask is
-  ``causal | key_is_padding``.
+  ``[cu_seqlens_padded[i], cu_seqlens_padded[i] + L_i)``, its padding the rest of its block;
+  ``packed_seq_params.cu_seqlens_* = cu_seqlens_padded`` (padding attends only within its block,
+  after the real tokens, so real tokens see exactly their own prefix).
+- ``bshd``: ``input_ids [b, S]``, ``S = max P_i``, right-padded; ``attention_mask [b, 1, S, S]``
+  bool, True = masked, ``causal | key_is_padding`` (the local spec uses a given mask instead of
+  its causal one).
 
-Per-token fields (verl's convention, INTERFACES.md): position t predicts token t+1:
+Per-token fields (position t predicts token t+1)::
 
     labels[t]    = input_ids[t + 1]                    (0 at each sequence's last token and padding)
-    loss_mask[t] = user_loss_mask[t] * (t is not the last token of its sequence)   # float32, 0 on padding
+    loss_mask[t] = user_loss_mask[t] * (t is not the last token of its sequence)   # float32
 
-so the user's ``loss_mask``, ``old_log_probs``, ``advantages`` ... are aligned with the OUTPUTS.
+so the user's ``loss_mask``, ``old_log_probs``, ``advantages`` ... align with the outputs.
 Memory: O(T) per field (``[T, K]`` for teacher tensors), bshd masks O(b S^2) bools.
 """
 
@@ -30,7 +28,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase, is_non_tensor
 
-from mcore_engine.batch_layout import (
+from mcore_engine.data.layout import (
     INPUT_KEYS,
     TEACHER_KEYS,
     is_jagged,
@@ -163,6 +161,7 @@ def pack_micro_batch(mb: TensorDictBase, *, data_format: str, temperature: float
     # --- 2. attention: PackedSeqParams (thd) or a bool mask, True = masked (bshd) ---
     attention_mask, packed_seq_params = None, None
     if data_format == "thd":
+        # here, not at the top: importing megatron.core costs ~5 s, and bshd / flag tests never need it
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu_padded = starts.to(device=device, dtype=torch.int32)
