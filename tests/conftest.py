@@ -9,3 +9,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # only run interpreted, so say so before anything is imported.
 if not glob.glob("/dev/nvidia[0-9]*"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Collect only ``test_*.py`` modules: helper modules (``utils.py``, ``reference.py``,
+    ``engine_setup.py``, ...) are imported by the tests, never collected as tests themselves."""
+    if collection_path.suffix == ".py" and collection_path.name != "conftest.py":
+        return None if collection_path.name.startswith("test_") else True
+    return None
