@@ -1,34 +1,18 @@
-"""Per-rank checkpoints: model, optimizer, scheduler, step and RNG, written atomically.
+"""Per-rank checkpoints written atomically: ``save_shard`` / ``load_shard`` of any picklable state.
 
-Layout of a checkpoint folder ``path/``::
+Folder ``path/``::
 
     rank_00000.pt ... rank_{W-1}.pt   one shard per global rank (torch.save of a plain dict)
-    meta.json                         written last: format, parallel layout, world size, shard list,
-                                      the engine's model and parallel config (``config``)
+    meta.json                         written last: format, parallel layout, shard list, config record
 
-Every rank writes its own shard: the state dicts of its model chunks, of its optimizer (the inner
-torch optimizer's state and the main parameters it steps, which are the fp32 master copies under
-bf16 and this rank's slice under the distributed optimizer), the scheduler, the step counters and
-its RNG states (torch, Python, NumPy, Megatron's model-parallel tracker, CUDA when present).
-
-Atomicity: shards and meta go to ``path.tmp/``; rank 0 renames it to ``path`` only after every rank
-finished writing (a barrier), replacing an older checkpoint at ``path`` by a rename too. A ``path``
-(or ``path.tmp`` / ``path.old``) holding anything but checkpoint files is never deleted: the save
-is refused with ``ValueError`` before anything is written. A crash between the two renames leaves
-the previous checkpoint intact at ``path.old`` (and the interrupted new one, complete, at
-``path.tmp``); ``load_checkpoint(path)`` then finds no ``path``, loads ``path.old`` with a
-``RuntimeWarning`` saying so, and the next save cleans up. A folder without ``meta.json``, with a
-missing or unreadable shard, written by another parallel layout, or for another model (``config``:
-every ``ModelConfig`` field but the ones that do not define the weights, :data:`IGNORED_CONFIG`;
-the error names the differing fields) is refused with ``ValueError`` on EVERY rank (the failure is
-agreed with one all-reduce, so no rank hangs in a collective while another raises). A shared
-filesystem is assumed.
-
-RNG: loading restores the PROCESS-GLOBAL generators of every rank (torch CPU and CUDA, Python's
-``random``, NumPy's global state, Megatron's model-parallel tracker), as a bit-identical resume
-needs; anything else in the process drawing from them continues from the checkpoint's streams.
-
-Memory: one rank's state at a time on the host (``torch.save`` / ``torch.load`` on CPU).
+Atomicity: shards and meta go to ``path.tmp/``; after a barrier rank 0 renames an older ``path`` to
+``path.old``, ``path.tmp`` to ``path``, and deletes ``path.old``. A folder holding anything but
+checkpoint files is never deleted (the save is refused first). A crash between the two renames
+leaves the previous checkpoint at ``path.old``: a load then reads it with a ``RuntimeWarning``. A
+folder without ``meta.json``, with a missing or unreadable shard, from another parallel layout or
+for another model (``config``, :data:`IGNORED_CONFIG` aside; the differing fields are named) is
+refused with ``ValueError`` on every rank (one MAX all-reduce agrees on it). Shared filesystem
+assumed. Memory: one rank's state on the host at a time.
 """
 
 from __future__ import annotations
@@ -41,19 +25,17 @@ import shutil
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from mcore_engine.engine import MegatronEngine
+from mcore_engine.config import EngineConfig
+from mcore_engine.platform import get_device
 
-__all__ = ["FORMAT", "IGNORED_CONFIG", "CheckpointLayout", "config_mismatch", "engine_config_record",
-           "engine_layout", "load_engine_state", "load_shard", "rng_state", "save_engine_state", "save_shard",
-           "set_rng_state"]
+__all__ = ["FORMAT", "IGNORED_CONFIG", "CheckpointLayout", "checkpoint_layout", "config_mismatch",
+           "config_record", "load_shard", "rng_state", "save_shard", "set_rng_state"]
 
 FORMAT = "mcore-engine-per-rank-v1"
 _META = "meta.json"
@@ -99,7 +81,10 @@ def _replaceable(folder: str) -> bool:
 
 
 def rng_state() -> dict[str, Any]:
-    """This rank's RNG states: torch CPU, CUDA (when present), Python, NumPy, Megatron's tracker."""
+    """This rank's RNG states: torch CPU, CUDA (when present), Python, NumPy, Megatron's tracker.
+    Loading them (:func:`set_rng_state`) resets the process-global generators, as a bit-identical
+    resume needs."""
+    # here, not at the top: megatron.core costs ~5 s to import and save_shard / load_shard never need it
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     state = {
@@ -115,7 +100,7 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what ``rng_state`` returned."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker  # see rng_state
 
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
@@ -128,8 +113,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def _agree(error: str | None, what: str) -> None:
     """Raise ``ValueError`` on every rank when any rank has an ``error`` (one MAX all-reduce)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        from mcore_engine.platform import get_device
-
         flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=get_device().torch_device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         failed = bool(flag.item())
@@ -140,7 +123,7 @@ def _agree(error: str | None, what: str) -> None:
 
 
 def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """``{"section.field": (checkpoint's, current)}`` for the fields of ``engine_config_record``
+    """``{"section.field": (checkpoint's, current)}`` for the fields of ``config_record``
     dicts that differ, :data:`IGNORED_CONFIG` left out."""
     diff = {}
     for section in sorted(saved.keys() | current.keys()):
@@ -154,7 +137,7 @@ def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> dict[str,
 def save_shard(path: str, shard: dict[str, Any], layout: CheckpointLayout, *, step: int,
                config: dict[str, Any] | None = None) -> None:
     """Collective: write this rank's ``shard`` into checkpoint folder ``path`` atomically;
-    ``config`` (JSON-serialisable, e.g. :func:`engine_config_record`) goes into ``meta.json``."""
+    ``config`` (JSON-serialisable, e.g. :func:`config_record`) goes into ``meta.json``."""
     path = os.path.abspath(path)
     tmp = path + ".tmp"
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -278,109 +261,17 @@ def load_shard(path: str, layout: CheckpointLayout,
     return shard
 
 
-# ---------------------------------------------------------------------- the engine's state
-def engine_layout(engine: MegatronEngine) -> CheckpointLayout:
-    """The current parallel layout of ``engine`` (a ``MegatronEngine``)."""
-    par = engine.config.parallel
-    world = dist.get_world_size() if dist.is_initialized() else 1
+def checkpoint_layout(config: EngineConfig, world_size: int) -> CheckpointLayout:
+    """The parallel layout of an engine with ``config`` on ``world_size`` ranks."""
+    par = config.parallel
     return CheckpointLayout(
-        world_size=world, tensor_model_parallel_size=par.tensor_model_parallel_size,
+        world_size=world_size, tensor_model_parallel_size=par.tensor_model_parallel_size,
         pipeline_model_parallel_size=par.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
-        data_parallel_size=world // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size),
-        precision=engine.config.precision,
-        use_distributed_optimizer=engine.config.optimizer.use_distributed_optimizer)
+        data_parallel_size=world_size // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size),
+        precision=config.precision, use_distributed_optimizer=config.optimizer.use_distributed_optimizer)
 
 
-def engine_config_record(engine: MegatronEngine) -> dict[str, Any]:
-    """``{"model": ModelConfig as dict, "parallel": ParallelConfig as dict}`` of ``engine``."""
-    return {"model": asdict(engine.config.model), "parallel": asdict(engine.config.parallel)}
-
-
-def _optimizer_state(optimizer) -> list[dict[str, Any]]:
-    """Per sub-optimizer: the inner torch optimizer's state dict and the parameters it steps (the
-    fp32 main copies under bf16, this rank's slice under the distributed optimizer)."""
-    from mcore_engine.optim import sub_optimizers
-
-    states = []
-    for sub in sub_optimizers(optimizer):
-        inner = sub.optimizer
-        state = {"inner": inner.state_dict() if inner is not None else None,
-                 "main_params": [p.detach().clone() for g in inner.param_groups for p in g["params"]]
-                 if inner is not None else []}
-        if getattr(sub, "grad_scaler", None) is not None:
-            state["grad_scaler"] = sub.grad_scaler.state_dict()
-        states.append(state)
-    return states
-
-
-def _load_optimizer_state(optimizer, states: list[dict[str, Any]]) -> None:
-    from mcore_engine.optim import sub_optimizers
-
-    for sub, state in zip(sub_optimizers(optimizer), states, strict=True):
-        inner = sub.optimizer
-        if inner is None:
-            continue
-        params = [p for g in inner.param_groups for p in g["params"]]
-        with torch.no_grad():
-            for p, saved in zip(params, state["main_params"], strict=True):
-                p.copy_(saved)
-        inner.load_state_dict(state["inner"])
-        if "grad_scaler" in state:
-            sub.grad_scaler.load_state_dict(state["grad_scaler"])
-
-
-def save_engine_state(engine: MegatronEngine, path: str) -> None:
-    """Collective: checkpoint ``engine`` (model chunks, optimizer, scheduler, step counters, RNG)."""
-    shard = {
-        "model": [chunk.module.state_dict() for chunk in engine.model],
-        "optimizer": _optimizer_state(engine.optimizer),
-        "scheduler": engine.lr_scheduler.state_dict(),
-        "global_step": engine.global_step,
-        "num_skipped_steps": engine.num_skipped_steps,
-        "rng": rng_state(),
-    }
-    save_shard(path, shard, engine_layout(engine), step=engine.global_step,
-               config=engine_config_record(engine))
-
-
-def _shapes(state: dict[str, Any]) -> dict[str, tuple]:
-    return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
-
-
-def _check_matches(engine: MegatronEngine, shard: dict[str, Any]) -> None:
-    """``ValueError`` unless the shard's model and optimizer fit ``engine`` exactly."""
-    from mcore_engine.optim import sub_optimizers
-
-    if len(shard["model"]) != len(engine.model):
-        raise ValueError(f"load_checkpoint: checkpoint holds {len(shard['model'])} model chunks, "
-                         f"engine has {len(engine.model)}")
-    for i, (chunk, state) in enumerate(zip(engine.model, shard["model"], strict=True)):
-        ours, theirs = _shapes(chunk.module.state_dict()), _shapes(state)
-        if ours != theirs:
-            diff = sorted(set(ours.items()) ^ set(theirs.items()))[:4]
-            raise ValueError(f"load_checkpoint: model chunk {i} differs from the checkpoint's "
-                             f"(parameter names / shapes, first differences: {diff})")
-    subs = sub_optimizers(engine.optimizer)
-    if len(subs) != len(shard["optimizer"]):
-        raise ValueError(f"load_checkpoint: checkpoint holds {len(shard['optimizer'])} optimizers, "
-                         f"engine has {len(subs)}")
-    for sub, state in zip(subs, shard["optimizer"], strict=True):
-        params = [p for g in sub.optimizer.param_groups for p in g["params"]] if sub.optimizer else []
-        if [tuple(p.shape) for p in params] != [tuple(p.shape) for p in state["main_params"]]:
-            raise ValueError("load_checkpoint: optimizer parameter shapes differ from the checkpoint's")
-
-
-def load_engine_state(engine: MegatronEngine, path: str) -> None:
-    """Collective: restore ``engine`` from checkpoint ``path`` (checked before anything changes),
-    including every rank's process-global RNG states (module docstring)."""
-    shard = load_shard(path, engine_layout(engine), check=partial(_check_matches, engine),
-                       config=engine_config_record(engine))
-    for chunk, state in zip(engine.model, shard["model"], strict=True):
-        chunk.module.load_state_dict(state, strict=True)
-    _load_optimizer_state(engine.optimizer, shard["optimizer"])
-    engine.lr_scheduler.num_steps = 0  # load_state_dict ADDS the saved step count
-    engine.lr_scheduler.load_state_dict(shard["scheduler"])
-    engine.global_step = shard["global_step"]
-    engine.num_skipped_steps = shard["num_skipped_steps"]
-    set_rng_state(shard["rng"])
+def config_record(config: EngineConfig) -> dict[str, Any]:
+    """``{"model": ModelConfig as dict, "parallel": ParallelConfig as dict}`` for ``meta.json``."""
+    return {"model": asdict(config.model), "parallel": asdict(config.parallel)}

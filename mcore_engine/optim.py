@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
@@ -29,7 +30,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from mcore_engine.config import EngineConfig
 
-__all__ = ["StepResult", "build_optimizer", "build_scheduler", "step_optimizer", "sub_optimizers"]
+__all__ = ["StepResult", "build_optimizer", "build_scheduler", "load_optimizer_state_dict",
+           "optimizer_param_shapes", "optimizer_state_dict", "step_optimizer", "sub_optimizers"]
 
 
 def build_optimizer(cfg: EngineConfig, model_chunks: list[torch.nn.Module]) -> MegatronOptimizer:
@@ -79,6 +81,44 @@ def build_scheduler(cfg: EngineConfig, optimizer: MegatronOptimizer) -> Optimize
 def sub_optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
     """The Megatron optimizers inside ``optimizer`` (itself, or the members of a ChainedOptimizer)."""
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _stepped_params(sub: MegatronOptimizer) -> list[torch.Tensor]:
+    inner = sub.optimizer
+    return [p for g in inner.param_groups for p in g["params"]] if inner is not None else []
+
+
+def optimizer_state_dict(optimizer: MegatronOptimizer) -> list[dict[str, Any]]:
+    """Per sub-optimizer: the inner torch optimizer's state dict, a copy of the parameters it steps
+    (fp32 main copies under bf16, this rank's slice under the distributed optimizer) and the grad
+    scaler's state. Memory: one copy of the stepped parameters."""
+    states = []
+    for sub in sub_optimizers(optimizer):
+        inner = sub.optimizer
+        state = {"inner": inner.state_dict() if inner is not None else None,
+                 "main_params": [p.detach().clone() for p in _stepped_params(sub)]}
+        if getattr(sub, "grad_scaler", None) is not None:
+            state["grad_scaler"] = sub.grad_scaler.state_dict()
+        states.append(state)
+    return states
+
+
+def optimizer_param_shapes(optimizer: MegatronOptimizer) -> list[list[tuple[int, ...]]]:
+    """Shapes of the parameters each sub-optimizer steps (to check a state dict before loading)."""
+    return [[tuple(p.shape) for p in _stepped_params(sub)] for sub in sub_optimizers(optimizer)]
+
+
+def load_optimizer_state_dict(optimizer: MegatronOptimizer, states: list[dict[str, Any]]) -> None:
+    """Restore what :func:`optimizer_state_dict` returned (shapes already checked)."""
+    for sub, state in zip(sub_optimizers(optimizer), states, strict=True):
+        if sub.optimizer is None:
+            continue
+        with torch.no_grad():
+            for p, saved in zip(_stepped_params(sub), state["main_params"], strict=True):
+                p.copy_(saved)
+        sub.optimizer.load_state_dict(state["inner"])
+        if "grad_scaler" in state:
+            sub.grad_scaler.load_state_dict(state["grad_scaler"])
 
 
 @dataclass(frozen=True)

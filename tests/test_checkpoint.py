@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from mcore_engine.checkpoint import CheckpointLayout, load_shard, save_shard
-from tests.test_engine_common import make_batch, policy_loss, tiny_config
-from tests.utils import run_distributed_retrying
+from tests.engine_setup import make_batch, policy_loss, tiny_config
+from tests.utils import run_distributed
 
 LAYOUT = CheckpointLayout(world_size=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                           virtual_pipeline_model_parallel_size=None, data_parallel_size=1, precision="fp32",
@@ -80,11 +80,9 @@ def test_save_crashed_between_renames_loads_the_previous_checkpoint(tmp_path):
 
 
 def test_config_mismatch_is_refused_by_name(tmp_path):
-    from mcore_engine.checkpoint import engine_config_record
+    from mcore_engine.checkpoint import config_record
 
-    cfg = tiny_config()
-    engine = type("E", (), {"config": cfg})()
-    record = engine_config_record(engine)
+    record = config_record(tiny_config())
     path = str(tmp_path / "ckpt")
     save_shard(path, _shard(), LAYOUT, step=1, config=record)
     with open(os.path.join(path, "meta.json")) as f:
@@ -220,4 +218,4 @@ def _resume(rank: int, world_size: int, tmp: str) -> None:
 
 
 def test_resume_is_bit_identical_and_bad_checkpoints_are_refused(tmp_path):
-    run_distributed_retrying(_resume, 2, str(tmp_path))
+    run_distributed(_resume, 2, str(tmp_path))

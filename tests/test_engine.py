@@ -23,7 +23,7 @@ from unittest import mock
 import pytest
 import torch
 
-from tests.test_engine_common import (
+from tests.engine_setup import (
     distill_loss,
     flat_values,
     full_state,
@@ -32,7 +32,7 @@ from tests.test_engine_common import (
     tiny_config,
     to_padded,
 )
-from tests.utils import REL_TOL, assert_rel_close, run_distributed_retrying
+from tests.utils import REL_TOL, assert_rel_close, run_distributed
 
 TOL = REL_TOL[torch.float32]
 
@@ -49,7 +49,7 @@ def _bare_engine():
 def test_lm_head_processor_delegates_with_true_vocab_and_chunk_size():
     engine = _bare_engine()
     logits, labels = torch.randn(1, 5, 256), torch.randint(0, 250, (1, 5))
-    with mock.patch("mcore_engine.processor.process_lm_head_logits", return_value={"x": 1}) as spy:
+    with mock.patch("mcore_engine.engine.process_lm_head_logits", return_value={"x": 1}) as spy:
         out = engine._lm_head_logits_processor(
             logits, labels, 0.5, calculate_sum_pi_squared=True, calculate_entropy=False,
             distillation_use_topk=False, distillation_only=False, data_format="bshd")
@@ -93,7 +93,7 @@ def test_optimizer_step_empties_cache_exactly_after_topk(topk):
     calls = []
     device_cls = type(get_device())
     with mock.patch.object(device_cls, "empty_cache", side_effect=lambda: calls.append("empty_cache")), \
-            mock.patch("mcore_engine.optim.step_optimizer",
+            mock.patch("mcore_engine.engine.step_optimizer",
                        side_effect=lambda opt, clip: calls.append("step") or StepResult(2.5, False)):
         assert engine.optimizer_step() == 2.5
     assert calls == (["empty_cache", "step"] if topk else ["step"])
@@ -440,4 +440,4 @@ def _single_rank(rank: int, world_size: int, tmp: str) -> None:
 
 
 def test_single_rank_engine(tmp_path):
-    run_distributed_retrying(_single_rank, 1, str(tmp_path))
+    run_distributed(_single_rank, 1, str(tmp_path))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.test_engine_common import (
+from tests.engine_setup import (
     flat_values,
     full_state,
     load_full_state,
@@ -25,7 +25,7 @@ from tests.test_engine_common import (
     policy_loss,
     tiny_config,
 )
-from tests.utils import REL_TOL, assert_rel_close, run_distributed_retrying
+from tests.utils import REL_TOL, assert_rel_close, run_distributed
 
 TOL = REL_TOL[torch.float32]
 SEED = 11
@@ -203,5 +203,5 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
 
 def test_layouts_match_single_rank(tmp_path):
     path = str(tmp_path / "reference.pt")
-    run_distributed_retrying(_reference, 1, path)
-    run_distributed_retrying(_layouts, 2, path)
+    run_distributed(_reference, 1, path)
+    run_distributed(_layouts, 2, path)

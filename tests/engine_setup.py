@@ -1,11 +1,11 @@
-"""Shared pieces of the engine tests (no tests here): a tiny config, batches, a loss, and moving one
-TP=1 / PP=1 state dict onto any TP / PP / VPP layout so that layouts are compared on identical
+"""Shared pieces of the engine tests (a helper, not collected): a tiny config, batches, losses, and
+one TP=1 / PP=1 state dict moved onto any TP / PP / VPP layout, so layouts compare on identical
 weights.
 
-Megatron's CPU initialisation makes TP shards contiguous slices of one master weight, which is NOT
+Megatron's CPU initialisation makes TP shards contiguous slices of one master weight, which is not
 the TP=1 model for the SwiGLU ``linear_fc1`` (TP=1 stores ``[gate; up]``, TP rank r needs
-``[gate_r; up_r]``) and pipeline stages seed differently; so every layout loads the reference
-weights through :func:`load_full_state` instead of relying on the seed.
+``[gate_r; up_r]``), and pipeline stages seed differently: every layout loads the reference weights
+through :func:`load_full_state`.
 """
 
 from __future__ import annotations
