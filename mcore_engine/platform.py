@@ -26,9 +26,11 @@ raise. :func:`apply_cpu_device_layer` makes them run on the CPU, and only when C
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import socket
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,10 +41,40 @@ from torch.overrides import TorchFunctionMode
 from mcore_engine.config import ParallelConfig
 
 __all__ = ["Device", "apply_cpu_device_layer", "cpu_device_layer_active", "destroy_distributed",
-           "get_device", "init_distributed", "seed_everything"]
+           "get_device", "init_distributed", "quiet_cpu_warnings", "seed_everything"]
 
 _CPU_LAYER_MODE: _CudaToCpuMode | None = None
 _OWNS_DEFAULT_GROUP = False
+
+
+# ----------------------------------------------------------------------------------------------------
+# Third-party hints that say nothing on a CPU machine
+# ----------------------------------------------------------------------------------------------------
+# Megatron-Core warns at import that Transformer Engine / Apex are missing (GPU-only extras here: the
+# torch fallbacks are the intended CPU path), on every TransformerConfig that its default CUDA-graph
+# scope "full" is deprecated, and on the first TP linear that CUDA_DEVICE_MAX_CONNECTIONS=1 speeds
+# up async all-reduces (a CUDA stream setting); torch.fx logs an is_fx_tracing deprecation hint from
+# Megatron's forward. Filtered once per process, before megatron.core is imported (mcore_engine's
+# package import calls quiet_cpu_warnings), and only without CUDA: GPU runs keep every warning.
+_CPU_NOISE = (
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed",
+    r"full scope is deprecated",
+    r"When using (sequence parallelism|async grad allreduce) it is recommended to set the environment "
+    r"variable CUDA_DEVICE_MAX_CONNECTIONS",
+)
+_QUIETED = False
+
+
+def quiet_cpu_warnings() -> None:
+    """Ignore the third-party hints above when CUDA is absent; idempotent."""
+    global _QUIETED
+    if _QUIETED or torch.cuda.is_available():
+        return
+    for message in _CPU_NOISE:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    _QUIETED = True
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -37,6 +37,41 @@ def test_device_layer_not_applied_when_cuda_exists():
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
 
 
+def test_cpu_only_third_party_hints_are_quiet():
+    """On CPU, importing mcore_engine silences Megatron-Core's TE / Apex fallbacks, the CUDA-graph
+    scope and CUDA_DEVICE_MAX_CONNECTIONS hints; with CUDA (mocked) no filter is installed."""
+    code = textwrap.dedent("""
+        import warnings
+        import mcore_engine  # noqa: F401
+        import megatron.core.optimizer  # noqa: F401
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer import TransformerConfig
+        get_gpt_layer_local_spec()
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+        warnings.warn("When using async grad allreduce it is recommended to set the environment "
+                      "variable CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup")
+        warnings.warn("an unrelated warning stays")
+    """)
+    out = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for noise in ("not installed", "full scope", "CUDA_DEVICE_MAX_CONNECTIONS"):
+        assert noise not in out.stderr, out.stderr[-3000:]
+    assert "an unrelated warning stays" in out.stderr
+    code = textwrap.dedent("""
+        import warnings
+        from unittest import mock
+        import torch
+        with mock.patch.object(torch.cuda, "is_available", return_value=True):
+            import mcore_engine.platform as platform
+            platform.quiet_cpu_warnings()
+        assert not any("Apex" in str(f[1]) for f in warnings.filters), warnings.filters
+        print("OK")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
 def test_cpu_device_stats(monkeypatch):
     from mcore_engine.platform import get_device
 
