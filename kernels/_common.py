@@ -1,9 +1,7 @@
 """Launcher plumbing shared by the kernels: argument checks, temperature modes, Triton helpers.
 
-``z - m`` is floored at ``ZM_FLOOR`` (the ops' constant) wherever the kernels form it.
-
-Temperature arrives as the ops pass it (``mcore_engine.ops.temperature.temperature_rows``):
-None (unit: never divide), a host float, or a per-row float32 tensor ``[c]``. Kernels take it as
+``z - m`` is floored at ``layout.ZM_FLOOR`` wherever the kernels form it. The temperature comes as
+None (unit: never divide), a host float, or a per-row fp32 tensor ``[c]``; kernels take it as
 ``(t_ptr, t_scalar, T_MODE)`` with ``T_MODE`` 0 / 1 / 2 for those three cases.
 """
 
@@ -13,13 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
-from mcore_engine.ops.stats import ZM_FLOOR as _ZM_FLOOR
+from . import layout
 
 T_NONE, T_SCALAR, T_ROWS = 0, 1, 2
 
-# Floor of z - m, the ops' ``stats.ZM_FLOOR`` (-2**64, exact in fp32): a -inf logit then adds exactly 0
-# to every sum and gradient and gives a finite log-prob, as on the torch path (see ``ops/stats.py``).
-ZM_FLOOR = tl.constexpr(_ZM_FLOOR)
+ZM_FLOOR = tl.constexpr(layout.ZM_FLOOR)
 
 
 def temperature_args(t: float | torch.Tensor | None, rows: int, device: torch.device

@@ -1,23 +1,17 @@
-"""Triton backward of one chunk: ``mcore_engine.ops.stats.chunk_grad`` fused with ``/ t`` and the cast.
+"""Triton backward of one chunk: the gradient of ``layout.Coefficients`` fused with ``/ t`` and the cast.
 
-For ``x [c, V_valid]`` (this rank's valid columns), temperature ``t`` (None / float / ``[c]``),
-the saved global row statistics ``m, inv_s = 1 / S`` and per-row coefficients ``a, b, mu, c2 [c]``
-(and, for the KL tail, ``a_tail [c]`` with ``tail_cols [c, k]``: -1 off-shard and for repeats):
+For ``x [c, V_valid]`` (this rank's valid columns), temperature ``t`` (None / float / ``[c]``), the
+global row max ``m [c]`` and the coefficients ``coef``::
 
-    zm = (x.float() / t - m[:, None]).clamp_min(ZM_FLOOR)     # ops.stats.ZM_FLOOR: -inf logits add 0
+    zm = (x.float() / t - m[:, None]).clamp_min(ZM_FLOOR)
     p = zm.exp() * inv_s[:, None]
-    g = p * ((a + a_tail) + b * (zm - mu) + c2 * p)           # b, c2, a_tail None -> those terms are 0
+    g = p * ((a + a_tail) + b * (zm - mu) + c2 * p)           # absent terms are 0
     g[row, tail_cols] = (p * (a + b * (zm - mu) + c2 * p))[row, tail_cols]   # no a_tail at the ids
-    g[row, cols] += vals                                      # point terms (label, teacher ids); 0 off-shard
-    out = (g / t).to(out.dtype)                               # gradient w.r.t. the logits chunk
-
-The teacher columns are set from the value without ``a_tail`` (~1 / q_tail, up to 1e20), never
-formed with it and then cancelled (``ops.stats.chunk_grad``: the same math as the torch path).
+    g[row, cols] += vals
+    out = (g / t).to(out.dtype)
 
 Grid ``(c, splits)``; each program streams its column range in ``block_v`` tiles and writes ``out``
-directly (a view into the caller's preallocated gradient, in the logits' dtype). Point terms are
-added in the tiles that hold them (a scalar range test per point and tile). Memory: nothing
-beyond ``out``; reads ``x`` once, writes ``out`` once.
+directly (a view into the caller's gradient). Memory: nothing beyond ``out``; reads ``x`` once.
 """
 
 from __future__ import annotations
@@ -37,6 +31,7 @@ from ._common import (
     temperature_args,
 )
 from .launch import LaunchConfig, get_config, num_splits, split_cols
+from .layout import Coefficients
 
 
 @triton.jit
@@ -107,28 +102,26 @@ def _chunk_grad_kernel(
         tl.store(out_row + cols * stride_oc, g.to(out_ptr.dtype.element_ty), mask=valid)
 
 
-def chunk_grad(x: torch.Tensor, t: float | torch.Tensor | None, m: torch.Tensor, inv_s: torch.Tensor,
-               a: torch.Tensor, b: torch.Tensor | None, mu: torch.Tensor | None, c2: torch.Tensor | None,
-               cols: torch.Tensor | None, vals: torch.Tensor | None, out: torch.Tensor, *,
-               a_tail: torch.Tensor | None = None, tail_cols: torch.Tensor | None = None,
-               splits: int | None = None, config: LaunchConfig | None = None) -> torch.Tensor:
+def chunk_grad(x: torch.Tensor, t: float | torch.Tensor | None, m: torch.Tensor, coef: Coefficients,
+               out: torch.Tensor, *, splits: int | None = None,
+               config: LaunchConfig | None = None) -> torch.Tensor:
     """Write the gradient w.r.t. the logits chunk ``x [c, V_valid]`` into ``out [c, V_valid]`` (returned).
 
-    The math is the module docstring's. ``m, inv_s, a`` (and ``mu`` with ``b``; ``mu`` is ignored
-    without ``b``) are fp32 ``[c]``; ``cols [c, n]`` int64 (clamped local columns) with ``vals [c, n]``
-    fp32, or both None; ``a_tail [c]`` fp32 with ``tail_cols [c, k]`` int64 (local columns, -1 for
-    none), or both None. ``out`` has the logits' dtype (any float dtype) and may be a strided view into
-    the full gradient. Allocates nothing.
+    ``m`` and the coefficients' row vectors are fp32 ``[c]`` (``mu`` is ignored without ``b``);
+    ``cols``/``vals`` ``[c, n]`` int64 / fp32, ``tail_cols [c, k]`` int64. ``out`` has any float dtype
+    and may be a strided view into the full gradient. Allocates nothing.
     """
     check_chunk(x)
     rows, n_cols = x.shape
-    mu = mu if b is not None else None  # unused without the entropy term
-    m, inv_s, a = row_vector(m, "m", rows), row_vector(inv_s, "inv_s", rows), row_vector(a, "a", rows)
-    b, mu, c2 = row_vector(b, "b", rows), row_vector(mu, "mu", rows), row_vector(c2, "c2", rows)
+    m = row_vector(m, "m", rows)
+    inv_s, a = row_vector(coef.inv_s, "inv_s", rows), row_vector(coef.a, "a", rows)
+    b, c2 = row_vector(coef.b, "b", rows), row_vector(coef.c2, "c2", rows)
+    mu = row_vector(coef.mu, "mu", rows) if b is not None else None
     if b is not None and mu is None:
         raise ValueError("mu must be given with b (the entropy term)")
     check_chunk(out, "out")
     check_rows(out, "out", (rows, n_cols), None)
+    cols, vals = coef.cols, coef.vals
     if (cols is None) != (vals is None):
         raise ValueError("cols and vals must be given together or both be None")
     n_pts = 0
@@ -136,9 +129,10 @@ def chunk_grad(x: torch.Tensor, t: float | torch.Tensor | None, m: torch.Tensor,
         n_pts = cols.shape[-1] if cols.dim() == 2 else -1
         check_rows(cols, "cols", (rows, n_pts), torch.int64)
         check_rows(vals, "vals", (rows, n_pts), torch.float32)
-    if (a_tail is None) != (tail_cols is None):
+    tail_cols = coef.tail_cols
+    if (coef.a_tail is None) != (tail_cols is None):
         raise ValueError("a_tail and tail_cols must be given together or both be None")
-    a_tail = row_vector(a_tail, "a_tail", rows)
+    a_tail = row_vector(coef.a_tail, "a_tail", rows)
     n_tail = 0
     if tail_cols is not None:
         n_tail = tail_cols.shape[-1] if tail_cols.dim() == 2 else -1
@@ -152,10 +146,12 @@ def chunk_grad(x: torch.Tensor, t: float | torch.Tensor | None, m: torch.Tensor,
     vr, vk = vals.stride() if n_pts else (0, 0)
     tr, tk = tail_cols.stride() if n_tail else (0, 0)
     _chunk_grad_kernel[(rows, splits)](
-        x, t_ptr, m, inv_s, a, b, mu, c2, cols, vals, a_tail if n_tail else None,
-        tail_cols if n_tail else None, out,
-        x.stride(0), x.stride(1), pr, pk, vr, vk, tr, tk, out.stride(0), out.stride(1),
-        t_scalar, n_cols, split_cols(n_cols, splits, cfg.block_v),
+        x_ptr=x, t_ptr=t_ptr, m_ptr=m, inv_s_ptr=inv_s, a_ptr=a, b_ptr=b, mu_ptr=mu, c2_ptr=c2,
+        pcol_ptr=cols, pval_ptr=vals, a_tail_ptr=a_tail if n_tail else None,
+        tcol_ptr=tail_cols if n_tail else None, out_ptr=out,
+        stride_xr=x.stride(0), stride_xc=x.stride(1), stride_pr=pr, stride_pk=pk, stride_vr=vr, stride_vk=vk,
+        stride_tr=tr, stride_tk=tk, stride_or=out.stride(0), stride_oc=out.stride(1), t_scalar=t_scalar,
+        n_cols=n_cols, cols_per_split=split_cols(n_cols, splits, cfg.block_v),
         HAS_B=b is not None, HAS_C2=c2 is not None, N_PTS=n_pts, N_TAIL=n_tail,
         T_MODE=t_mode, EMULATE_RTNE=emulate_rtne(out), BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
     )

@@ -1,28 +1,25 @@
-"""Triton forward of the chunk statistics of ``mcore_engine.ops.stats`` (same definitions, no workspace).
+"""Triton forward of the chunk statistics (``layout.py``'s definitions, no workspace).
 
 Two kernels per chunk of rows, around the ops' MAX all-reduce (``x: [c, V_valid]`` this rank's
-valid columns of the chunk, ``t`` None / float / ``[c]``):
+valid columns of the chunk, ``t`` None / float / ``[c]``)::
 
     m_local = x.amax(-1).float() / t                            # row_max          -> [c]
     # ... ops: all-reduce MAX -> global m ...
     zm = (x.float() / t - m[:, None]).clamp_min(ZM_FLOOR)       # chunk_stats      -> out [c, width]
-    e = zm.exp()                                                # (ZM_FLOOR: -inf logits add 0)
-    out[:, 0] = e.sum(-1)                                       # S
-    out[:, layout.a] = (e * zm).sum(-1)                         # A        (layout.entropy)
-    out[:, layout.b] = (e * e).sum(-1)                          # B        (layout.sum_pi_squared)
-    out[:, layout.y] = zm[row, label_col] * label_inside        # z_y - m  (layout.label)
-    out[:, layout.teacher + i] = zm[row, col_i] * inside_i      # z_i - m  (layout.k)
-    out[:, layout.t] = e.sum(-1) over columns outside the in-shard teacher ids   (layout.tail)
+    e = zm.exp()
+    out[:, col_sum_e] = e.sum(-1)
+    out[:, col_sum_ez] = (e * zm).sum(-1)                         # (layout.entropy)
+    out[:, col_sum_e2] = (e * e).sum(-1)                          # (layout.sum_pi_squared)
+    out[:, col_label] = zm[row, label_col] * label_inside         # (layout.label)
+    out[:, col_teacher + i] = zm[row, col_i] * inside_i           # (layout.k)
+    out[:, col_tail] = e.sum(-1) without the in-shard teacher ids  # (layout.tail)
 
-``layout`` is the ops' ``StatLayout`` (any object with those attributes). Grid ``(c, splits)``: a
-program streams one contiguous column range of one row in ``block_v`` tiles, keeping ``[block_v]``
-fp32 accumulators; with ``splits > 1`` partials ``[c, splits(, width)]`` are summed in torch.
-Memory: no ``[c, V]`` buffer; partials are ``O(c * splits * width)`` fp32. Reads ``x`` once per kernel.
+Grid ``(c, splits)``: a program streams one contiguous column range of one row in ``block_v`` tiles
+with ``[block_v]`` fp32 accumulators; with ``splits > 1`` the partials ``[c, splits(, width)]`` are
+summed in torch. Memory: no ``[c, V]`` buffer. Reads ``x`` once per kernel.
 """
 
 from __future__ import annotations
-
-from typing import Protocol
 
 import torch
 import triton
@@ -30,22 +27,7 @@ import triton.language as tl
 
 from ._common import ZM_FLOOR, check_chunk, check_rows, divide_by_temperature, row_vector, temperature_args
 from .launch import LaunchConfig, get_config, num_splits, split_cols
-
-
-class StatLayoutLike(Protocol):
-    """The column layout of ``mcore_engine.ops.stats.StatLayout`` (duck-typed)."""
-
-    entropy: bool
-    sum_pi_squared: bool
-    label: bool
-    k: int
-    tail: bool
-    a: int
-    b: int
-    y: int
-    teacher: int
-    t: int
-    width: int
+from .layout import StatLayout
 
 
 @triton.jit
@@ -92,7 +74,7 @@ def _chunk_stats_kernel(
     out_ptr,  # [c, splits, width] fp32 out, strides (stride_or, stride_os, 1 per column)
     stride_xr, stride_xc, stride_tr, stride_tk, stride_or, stride_os,
     t_scalar, n_cols, cols_per_split,
-    COL_A: tl.constexpr, COL_B: tl.constexpr, COL_Y: tl.constexpr,  # -1: not requested
+    COL_SUM_EZ: tl.constexpr, COL_SUM_E2: tl.constexpr, COL_LABEL: tl.constexpr,  # -1: not requested
     COL_TEACHER: tl.constexpr, K: tl.constexpr, COL_TAIL: tl.constexpr,
     T_MODE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -111,13 +93,13 @@ def _chunk_stats_kernel(
         cols = start + tl.arange(0, BLOCK_V)
         valid = cols < hi
         x = tl.load(x_row + cols * stride_xc, mask=valid, other=float("-inf")).to(tl.float32)
-        # floored (stats.ZM_FLOOR): e = 0 and e * zm = 0 on -inf logits and masked columns
+        # floored (ZM_FLOOR): e = 0 and e * zm = 0 on -inf logits and masked columns
         zm = tl.maximum(divide_by_temperature(x, t_ptr, row, t_scalar, T_MODE) - m, ZM_FLOOR)
         e = tl.exp(zm)
         s_acc += e
-        if COL_A >= 0:
+        if COL_SUM_EZ >= 0:
             a_acc += e * zm
-        if COL_B >= 0:
+        if COL_SUM_E2 >= 0:
             b_acc += e * e
         if COL_TAIL >= 0:
             in_teacher = cols < 0
@@ -130,18 +112,18 @@ def _chunk_stats_kernel(
     # --- 2. write this program's partial statistics ---
     out_row = out_ptr + row * stride_or + split * stride_os
     tl.store(out_row, tl.sum(s_acc, axis=0))
-    if COL_A >= 0:
-        tl.store(out_row + COL_A, tl.sum(a_acc, axis=0))
-    if COL_B >= 0:
-        tl.store(out_row + COL_B, tl.sum(b_acc, axis=0))
+    if COL_SUM_EZ >= 0:
+        tl.store(out_row + COL_SUM_EZ, tl.sum(a_acc, axis=0))
+    if COL_SUM_E2 >= 0:
+        tl.store(out_row + COL_SUM_E2, tl.sum(b_acc, axis=0))
     if COL_TAIL >= 0:
         tl.store(out_row + COL_TAIL, tl.sum(tail_acc, axis=0))
     # --- 3. point values z_i - m, each written by the split that owns its column ---
-    if COL_Y >= 0:
+    if COL_LABEL >= 0:
         y_in = tl.load(yin_ptr + row) != 0
         y = _shifted_point(x_row, stride_xc, tl.load(ycol_ptr + row), y_in, lo, hi, m, t_ptr, row, t_scalar,
                            T_MODE)
-        tl.store(out_row + COL_Y, y)
+        tl.store(out_row + COL_LABEL, y)
     for i in tl.static_range(K):
         col_i = tl.load(tcol_ptr + row * stride_tr + i * stride_tk)
         in_i = tl.load(tin_ptr + row * stride_tr + i * stride_tk) != 0
@@ -164,23 +146,23 @@ def row_max(x: torch.Tensor, t: float | torch.Tensor | None, *, splits: int | No
     splits = splits or num_splits(rows, cols, cfg.block_v, x.device)
     part = torch.empty(rows, splits, dtype=torch.float32, device=x.device)
     _row_max_kernel[(rows, splits)](
-        x, t_ptr, part, x.stride(0), x.stride(1), t_scalar, cols, split_cols(cols, splits, cfg.block_v),
-        T_MODE=t_mode, BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
+        x_ptr=x, t_ptr=t_ptr, part_ptr=part, stride_xr=x.stride(0), stride_xc=x.stride(1), t_scalar=t_scalar,
+        n_cols=cols, cols_per_split=split_cols(cols, splits, cfg.block_v), T_MODE=t_mode,
+        BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
     )
     return part[:, 0] if splits == 1 else part.amax(1)
 
 
-def chunk_stats(x: torch.Tensor, t: float | torch.Tensor | None, m: torch.Tensor, layout: StatLayoutLike,
+def chunk_stats(x: torch.Tensor, t: float | torch.Tensor | None, m: torch.Tensor, layout: StatLayout,
                 out: torch.Tensor, *,
                 label: tuple[torch.Tensor, torch.Tensor] | None = None,
                 teacher: tuple[torch.Tensor, torch.Tensor] | None = None, splits: int | None = None,
                 config: LaunchConfig | None = None) -> torch.Tensor:
     """Fill ``out [c, layout.width]`` with this shard's statistics of the chunk ``x [c, V_valid]``.
 
-    Same contract as ``mcore_engine.ops.stats.chunk_stats`` (see the module docstring) but from the
-    logits chunk ``x``, temperature ``t`` and global row max ``m [c]`` instead of a shifted fp32 copy.
-    ``label`` = (cols ``[c]`` int64, inside ``[c]`` bool), ``teacher`` = (cols ``[c, k]``, inside
-    ``[c, k]``), the ops' ``local_columns``. ``out`` may be a row slice of a larger buffer (last stride 1).
+    From the logits chunk ``x``, temperature ``t`` and global row max ``m [c]``; ``label`` = (cols
+    ``[c]`` int64, inside ``[c]`` bool), ``teacher`` = (cols ``[c, k]``, inside ``[c, k]``) as the
+    ops' ``local_columns`` gives them. ``out`` may be a row slice of a larger buffer (last stride 1).
     Allocates only ``[c, splits, width]`` partials when ``splits > 1``.
     """
     check_chunk(x)
@@ -207,12 +189,14 @@ def chunk_stats(x: torch.Tensor, t: float | torch.Tensor | None, m: torch.Tensor
     tcol, tin = (teacher[0].contiguous(), teacher[1].contiguous()) if layout.k else (None, None)
     stride_tr, stride_tk = (layout.k, 1) if layout.k else (0, 0)
     _chunk_stats_kernel[(rows, splits)](
-        x, t_ptr, m, ycol, yin, tcol, tin, part,
-        x.stride(0), x.stride(1), stride_tr, stride_tk, stride_or, stride_os,
-        t_scalar, cols, split_cols(cols, splits, cfg.block_v),
-        COL_A=layout.a if layout.entropy else -1, COL_B=layout.b if layout.sum_pi_squared else -1,
-        COL_Y=layout.y if layout.label else -1, COL_TEACHER=layout.teacher, K=layout.k,
-        COL_TAIL=layout.t if layout.tail and layout.k else -1,
+        x_ptr=x, t_ptr=t_ptr, m_ptr=m, ycol_ptr=ycol, yin_ptr=yin, tcol_ptr=tcol, tin_ptr=tin, out_ptr=part,
+        stride_xr=x.stride(0), stride_xc=x.stride(1), stride_tr=stride_tr, stride_tk=stride_tk,
+        stride_or=stride_or, stride_os=stride_os, t_scalar=t_scalar, n_cols=cols,
+        cols_per_split=split_cols(cols, splits, cfg.block_v),
+        COL_SUM_EZ=layout.col_sum_ez if layout.entropy else -1,
+        COL_SUM_E2=layout.col_sum_e2 if layout.sum_pi_squared else -1,
+        COL_LABEL=layout.col_label if layout.label else -1, COL_TEACHER=layout.col_teacher, K=layout.k,
+        COL_TAIL=layout.col_tail if layout.tail and layout.k else -1,
         T_MODE=t_mode, BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
     )
     if splits > 1:

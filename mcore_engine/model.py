@@ -13,6 +13,8 @@ embedding (``pre_process``) and the output layer (``post_process``).
   ``Float16Module`` wrap, so bf16 logits are never upcast to a full fp32 copy.
 - CPU: ``use_cpu_initialization=True``; every weight is drawn in full on every rank from the same
   seed and sliced, so a TP shard is an exact slice of the TP=1 weight.
+- Fused lm-head: :func:`output_hidden_states` makes the last stage return its final hidden states and
+  :func:`lm_head_weight` gives the weight shard they are multiplied by.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from mcore_engine.config import EngineConfig
 from mcore_engine.platform import apply_cpu_device_layer
 
 __all__ = ["PackedDotProductAttention", "build_model_chunks", "build_transformer_config", "has_te",
-           "padded_vocab_size"]
+           "lm_head_weight", "output_hidden_states", "padded_vocab_size"]
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -205,3 +207,50 @@ def build_model_chunks(cfg: EngineConfig) -> list[GPTModel]:
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The ``GPTModel`` inside Megatron's DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
+    """The lm-head weight shard ``[V_local, H]`` a Megatron ``GPTModel`` (last stage) multiplies by.
+
+    The tied word embedding (``shared_embedding_or_output_weight()``) when embeddings are shared,
+    else ``output_layer.weight``; wrappers (DDP, Float16Module) are looked through.
+    """
+    gpt = _unwrap(model)
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight
+
+
+def _hidden_passthrough(input_: torch.Tensor, weight: torch.Tensor | None = None,
+                        runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+    """The output layer's forward under :func:`output_hidden_states`: ``(hidden, None)``."""
+    return input_, None
+
+
+def output_hidden_states(model: torch.nn.Module, enable: bool = True) -> None:
+    """Make a Megatron ``GPTModel`` (last stage) return its final hidden states instead of logits.
+
+    The output layer's forward becomes ``(hidden, None)``, so the model returns ``[b, s, H]`` (the
+    final norm applied) where it returned ``[b, s, V_local]``; parameters, state dict and every other
+    stage are untouched. Feed the result and :func:`lm_head_weight` to
+    ``mcore_engine.processor.process_lm_head_hidden`` (which all-reduces the hidden gradient over the
+    TP group, the output layer's backward job).
+    ``enable=False`` restores the logits. Sequence parallelism (sharded hidden states) is refused.
+    """
+    gpt = _unwrap(model)
+    layer = getattr(gpt, "output_layer", None)
+    if layer is None:
+        raise ValueError("model must be a GPTModel on the last pipeline stage (it has no output_layer)")
+    if not enable:
+        layer.__dict__.pop("forward", None)
+        return
+    if getattr(layer, "sequence_parallel", False):
+        raise ValueError("output_hidden_states does not support sequence_parallel=True (sharded hidden)")
+    layer.forward = _hidden_passthrough

@@ -1,9 +1,10 @@
-"""The lm-head logits processor: RL flags -> one chunked pass of ``mcore_engine.ops``.
+"""The lm-head processors: RL flags -> one chunked pass of ``mcore_engine.ops``.
 
-``process_lm_head_logits`` is what ``MegatronEngine._lm_head_logits_processor`` delegates to. All
-built-in outputs (log-probs, entropy, sum-pi^2, top-k forward KL) come out of ONE call of
-``vocab_parallel_logits_outputs``; only a custom ``logits_processor_func`` sees temperature-scaled
-logits (the caller's tensor itself when the temperature is a host-scalar 1).
+``process_lm_head_logits`` (what ``MegatronEngine._lm_head_logits_processor`` delegates to) works
+on the logits shard; ``process_lm_head_hidden`` gives the same keys from the final hidden states and
+the lm-head weight shard without building the logits. Both read the flags the same way
+(:func:`_builtin_inputs`); only a custom ``logits_processor_func`` sees temperature-scaled logits
+(the caller's tensor itself when the temperature is a host-scalar 1).
 """
 
 from __future__ import annotations
@@ -16,25 +17,31 @@ import torch.distributed as dist
 
 from mcore_engine.ops import _common
 from mcore_engine.ops.fused import vocab_parallel_logits_outputs
+from mcore_engine.ops.lm_head import fused_lm_head_outputs
 from mcore_engine.ops.temperature import Temperature, scale_checked
 
+BATCH_TEACHER_NAMES = ('batch["teacher_ids"]', 'batch["teacher_logprobs"]')
 
-def _log_prob_labels(label: torch.Tensor | None, distillation_only: bool) -> torch.Tensor | None:
-    """The only place labels reach the fused pass: None under ``distillation_only`` (no log-prob work)."""
-    if distillation_only:
-        return None
-    if label is None:
+
+def _builtin_inputs(label: torch.Tensor | None, batch: Mapping[str, Any] | None, *,
+                    distillation_use_topk: bool, distillation_only: bool, builtin_kl: bool) -> dict[str, Any]:
+    """The op's ``labels`` / teacher arguments for the flags. ``labels`` is None under
+    ``distillation_only`` (the log-prob path never starts); the teacher tensors come from the batch
+    when the built-in top-k KL runs (``builtin_kl``)."""
+    if distillation_only and not distillation_use_topk:
+        raise ValueError("distillation_only=True requires distillation_use_topk=True")
+    if not distillation_only and label is None:
         raise ValueError("label must be a tensor of global vocab ids shaped logits.shape[:-1] "
                          "unless distillation_only=True")
-    return label
-
-
-def _teacher_tensors(batch: Mapping[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    keys = set(batch.keys()) if batch is not None else set()
-    if not {"teacher_ids", "teacher_logprobs"} <= keys:
-        raise ValueError("batch must hold 'teacher_ids' and 'teacher_logprobs' (shape logits.shape[:-1] + "
-                         "(K,)) when distillation_use_topk=True without a logits_processor_func")
-    return batch["teacher_ids"], batch["teacher_logprobs"]
+    teacher_ids = teacher_log_probs = None
+    if builtin_kl:
+        keys = set(batch.keys()) if batch is not None else set()
+        if not {"teacher_ids", "teacher_logprobs"} <= keys:
+            raise ValueError("batch must hold 'teacher_ids' and 'teacher_logprobs' (shape logits.shape[:-1] "
+                             "+ (K,)) when distillation_use_topk=True without a logits_processor_func")
+        teacher_ids, teacher_log_probs = batch["teacher_ids"], batch["teacher_logprobs"]
+    return dict(labels=None if distillation_only else label, teacher_ids=teacher_ids,
+                teacher_log_probs=teacher_log_probs, teacher_arg_names=BATCH_TEACHER_NAMES)
 
 
 def process_lm_head_logits(
@@ -53,21 +60,44 @@ def process_lm_head_logits(
     data=batch, data_format=data_format)`` merged in, or (no func) the built-in top-k forward KL on
     ``batch["teacher_ids"]`` / ``batch["teacher_logprobs"]``: "distillation_losses", "student_mass",
     "teacher_mass". ``logits`` is this rank's vocab shard ``[..., V_local]``; nothing is modified in
-    place or cloned; the only full-size copy ever made is the scaled logits handed to a custom func
-    when the temperature is not a host-scalar 1.
+    place or cloned; the only full-size copy is the scaled logits handed to a custom func when the
+    temperature is not a host-scalar 1.
     """
-    if distillation_only and not distillation_use_topk:
-        raise ValueError("distillation_only=True requires distillation_use_topk=True")
     group = _common.resolve_group(group)
-    builtin_kl = distillation_use_topk and logits_processor_func is None
-    teacher_ids, teacher_log_probs = _teacher_tensors(batch) if builtin_kl else (None, None)
+    custom = distillation_use_topk and logits_processor_func is not None
+    inputs = _builtin_inputs(label, batch, distillation_use_topk=distillation_use_topk,
+                             distillation_only=distillation_only,
+                             builtin_kl=distillation_use_topk and not custom)
     out = vocab_parallel_logits_outputs(
-        logits, labels=_log_prob_labels(label, distillation_only), teacher_ids=teacher_ids,
-        teacher_log_probs=teacher_log_probs, entropy=calculate_entropy,
-        sum_pi_squared=calculate_sum_pi_squared, log_prob_min_clamp=log_prob_min_clamp,
-        temperature=temperature, group=group, chunk_size=chunk_size, vocab_size=vocab_size,
-        teacher_arg_names=('batch["teacher_ids"]', 'batch["teacher_logprobs"]'))
-    if distillation_use_topk and logits_processor_func is not None:
-        student_logits = scale_checked(logits, temperature)  # checked by the fused pass above
+        logits, **inputs, entropy=calculate_entropy, sum_pi_squared=calculate_sum_pi_squared,
+        log_prob_min_clamp=log_prob_min_clamp, temperature=temperature, group=group, chunk_size=chunk_size,
+        vocab_size=vocab_size)
+    if custom:
+        student_logits = scale_checked(logits, temperature)  # values checked by the pass above
         out.update(logits_processor_func(student_logits=student_logits, data=batch, data_format=data_format))
     return out
+
+
+def process_lm_head_hidden(
+    hidden: torch.Tensor, weight: torch.Tensor, label: torch.Tensor | None, temperature: Temperature, *,
+    calculate_sum_pi_squared: bool, calculate_entropy: bool, distillation_use_topk: bool,
+    distillation_only: bool, logits_processor_func: Callable[..., dict[str, torch.Tensor]] | None = None,
+    batch: Mapping[str, Any] | None = None, data_format: str = "thd", vocab_size: int | None = None,
+    chunk_size: int | None = None, group: dist.ProcessGroup | None = None,
+    log_prob_min_clamp: float | None = None,
+) -> dict[str, torch.Tensor]:
+    """``process_lm_head_logits(hidden @ weight.T, ...)`` on the fused path: same flags, keys, contract.
+
+    ``hidden [..., H]`` the final hidden states, ``weight [V_local, H]`` this rank's lm-head shard.
+    A custom ``logits_processor_func`` needs the logits, which this path never builds: ValueError.
+    ``data_format`` is accepted for symmetry.
+    """
+    if logits_processor_func is not None:
+        raise ValueError("logits_processor_func needs the logits; the fused lm-head never builds them "
+                         "(set fused_lm_head: false to use a custom logits processor)")
+    inputs = _builtin_inputs(label, batch, distillation_use_topk=distillation_use_topk,
+                             distillation_only=distillation_only, builtin_kl=distillation_use_topk)
+    return fused_lm_head_outputs(
+        hidden, weight, **inputs, entropy=calculate_entropy, sum_pi_squared=calculate_sum_pi_squared,
+        log_prob_min_clamp=log_prob_min_clamp, temperature=temperature, group=group, chunk_size=chunk_size,
+        vocab_size=vocab_size)

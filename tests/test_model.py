@@ -1,5 +1,6 @@
 """GPTModel from config: Megatron's padded-vocab rule, TP=2 vs TP=1 on identical weights (values and
-gradients, fp32 and bf16, several architecture options), packed ``thd`` vs padded ``bshd``."""
+gradients, fp32 and bf16, several architecture options), packed ``thd`` vs padded ``bshd``, and the
+fused lm-head surgery (hidden states + the lm-head weight) vs the logits."""
 
 from __future__ import annotations
 
@@ -183,3 +184,60 @@ def _model_checks(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_tp2_matches_tp1_and_thd_matches_bshd():
     run_distributed(_model_checks, 2)
+
+
+LM_KEYS = ("log_probs", "entropy", "sum_pi_squared", "distillation_losses")
+
+
+# ----------------------------------------------------------------------------------------------------
+# output_hidden_states + lm_head_weight + the fused lm-head (TP=2) == the logits path
+# ----------------------------------------------------------------------------------------------------
+def _gpt_run(model, fused: bool, ids, pos, kwargs: dict, upstream: dict):
+    """Outputs and parameter grads of the logits path (``fused=False``) or the fused lm-head path."""
+    from mcore_engine.model import lm_head_weight, output_hidden_states
+    from mcore_engine.ops import vocab_parallel_logits_outputs
+    from mcore_engine.ops.lm_head import fused_lm_head_outputs
+
+    model.zero_grad(set_to_none=True)
+    output_hidden_states(model, enable=fused)
+    y = model(ids, pos, None)
+    out = (fused_lm_head_outputs(y, lm_head_weight(model), **kwargs) if fused
+           else vocab_parallel_logits_outputs(y, **kwargs))
+    sum((out[k].double() * upstream[k].double()).sum() for k in LM_KEYS).backward()
+    return y, out, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _gpt_checks(rank: int, world: int) -> None:
+    from mcore_engine.config import EngineConfig, ModelConfig, ParallelConfig
+    from mcore_engine.model import build_model_chunks
+    from mcore_engine.platform import destroy_distributed, init_distributed
+
+    g = torch.Generator().manual_seed(21)
+    b, s, vocab, k = 2, 11, 250, 3
+    ids = torch.randint(0, vocab, (b, s), generator=g)
+    pos = torch.arange(s).expand(b, s)
+    kwargs = dict(labels=torch.randint(0, vocab, (b, s), generator=g),
+                  teacher_ids=torch.rand(b, s, vocab, generator=g).argsort(-1)[..., :k],
+                  teacher_log_probs=torch.randn(b, s, k, generator=g).log_softmax(-1) - 0.2, entropy=True,
+                  sum_pi_squared=True, kl_tail=True, temperature=0.8, vocab_size=vocab)
+    upstream = {key: torch.randn(b, s, generator=g) for key in LM_KEYS}
+    for tied in (False, True):
+        arch = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48,
+                           vocab_size=vocab, max_sequence_length=32, tie_word_embeddings=tied)
+        cfg = EngineConfig(model=arch, parallel=ParallelConfig(tensor_model_parallel_size=world))
+        init_distributed(cfg.parallel, cfg.seed)
+        (model,) = build_model_chunks(cfg)
+        logits, ref, ref_grads = _gpt_run(model, False, ids, pos, kwargs, upstream)
+        hidden, out, grads = _gpt_run(model, True, ids, pos, kwargs, upstream)
+        assert hidden.shape == (b, s, 32) and logits.shape == (b, s, 256 // world)
+        for key in ref:
+            assert_rel_close(out[key], ref[key], REL_TOL[torch.float32], f"tied={tied} {key}")
+        for name, grad in grads.items():
+            assert_rel_close(grad, ref_grads[name], REL_TOL[torch.float32], f"tied={tied} grad {name}")
+        assert _gpt_run(model, False, ids, pos, kwargs, upstream)[0].shape == logits.shape  # restored
+        destroy_distributed()
+
+
+@pytest.mark.slow
+def test_gpt_model_fused_lm_head_matches_logits_path_tp2():
+    run_distributed(_gpt_checks, 2)

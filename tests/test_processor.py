@@ -5,6 +5,7 @@ non-unit scaling is out of place, inputs stay bit-identical)."""
 from __future__ import annotations
 
 import itertools
+import re
 from unittest import mock
 
 import pytest
@@ -14,9 +15,8 @@ import torch.distributed as dist
 import mcore_engine.processor as processor
 from mcore_engine.ops import stats as ops_stats
 from mcore_engine.ops import vocab_parallel_entropy
-from mcore_engine.processor import _log_prob_labels as processor_log_prob_labels
-from mcore_engine.processor import process_lm_head_logits
-from tests.ops._cases import Case, case_inputs, shard_of, weighted_sum
+from mcore_engine.processor import process_lm_head_hidden, process_lm_head_logits
+from tests.ops.cases import Case, case_inputs, shard_of, weighted_sum
 from tests.reference import reference_logits_outputs
 from tests.utils import REL_TOL, assert_rel_close, run_distributed
 
@@ -114,13 +114,15 @@ def test_distillation_only_never_starts_the_log_prob_path() -> None:
     flags = dict(calculate_sum_pi_squared=True, calculate_entropy=True, distillation_use_topk=True)
     returned = []
 
-    def labels_spy(label, distillation_only):
-        returned.append(processor_log_prob_labels(label, distillation_only))
-        return returned[-1]
+    real = processor._builtin_inputs
+
+    def inputs_spy(*args, **kwargs):
+        returned.append(real(*args, **kwargs)["labels"])
+        return real(*args, **kwargs)
 
     never = mock.Mock(side_effect=AssertionError("log-prob path entered"))
     with mock.patch.object(ops_stats, "label_shifted_logit", never), \
-            mock.patch.object(processor, "_log_prob_labels", labels_spy):
+            mock.patch.object(processor, "_builtin_inputs", inputs_spy):
         out = process_lm_head_logits(logits, labels, 0.7, distillation_only=True, batch=batch, **flags)
         sum(o.sum() for o in out.values() if o.requires_grad).backward()
     assert never.call_count == 0 and "log_probs" not in out and returned == [None]
@@ -199,3 +201,53 @@ def test_processor_bad_input(name: str, kwargs: dict) -> None:
     args.update(kwargs)
     with pytest.raises(ValueError, match=name):
         process_lm_head_logits(logits, args.pop("label"), args.pop("temperature"), **args)
+
+
+def test_process_lm_head_hidden_matches_processor_on_logits():
+    g = torch.Generator().manual_seed(7)
+    n, h_dim, v, k = 19, 10, 33, 3
+    hidden, weight = torch.randn(n, h_dim, generator=g), torch.randn(v, h_dim, generator=g)
+    label = torch.randint(0, v, (n,), generator=g)
+    batch = {"teacher_ids": torch.rand(n, v, generator=g).argsort(-1)[:, :k],
+             "teacher_logprobs": torch.randn(n, k, generator=g).log_softmax(-1) - 0.1}
+    for flags in (dict(calculate_sum_pi_squared=True, calculate_entropy=False, distillation_use_topk=True,
+                       distillation_only=False),
+                  dict(calculate_sum_pi_squared=False, calculate_entropy=True, distillation_use_topk=True,
+                       distillation_only=True),
+                  dict(calculate_sum_pi_squared=False, calculate_entropy=True, distillation_use_topk=False,
+                       distillation_only=False)):
+        fused = process_lm_head_hidden(hidden, weight, label, 0.7, **flags, batch=batch, chunk_size=4)
+        ref = process_lm_head_logits(hidden @ weight.T, label, 0.7, **flags, batch=batch)
+        assert set(fused) == set(ref), flags
+        assert ("log_probs" in fused) != flags["distillation_only"]
+        for key in ref:
+            assert_rel_close(fused[key], ref[key], REL_TOL[torch.float32], f"{flags} {key}")
+    off = dict(calculate_sum_pi_squared=False, calculate_entropy=False)
+    with pytest.raises(ValueError, match="logits_processor_func"):
+        process_lm_head_hidden(hidden, weight, label, 1.0, **off, distillation_use_topk=True,
+                               distillation_only=False, logits_processor_func=lambda **kw: {})
+    with pytest.raises(ValueError, match="distillation_only"):
+        process_lm_head_hidden(hidden, weight, label, 1.0, **off, distillation_use_topk=False,
+                               distillation_only=True)
+
+
+@pytest.mark.parametrize("path", ["logits", "hidden"])
+@pytest.mark.parametrize("bad, name", [("ids_list", 'batch["teacher_ids"]'),
+                                       ("ids_float", 'batch["teacher_ids"]'),
+                                       ("lp_list", 'batch["teacher_logprobs"]')])
+def test_teacher_tensors_of_the_wrong_type_name_the_batch_key(path: str, bad: str, name: str) -> None:
+    """Both processors refuse a teacher list / float ids with a ValueError naming the batch key."""
+    g = torch.Generator().manual_seed(9)
+    hidden, weight = torch.randn(6, 5, generator=g), torch.randn(11, 5, generator=g)
+    labels = torch.randint(0, 11, (6,), generator=g)
+    ids, lp = torch.randint(0, 11, (6, 3), generator=g), torch.randn(6, 3, generator=g).log_softmax(-1)
+    batch = {"ids_list": {"teacher_ids": ids.tolist(), "teacher_logprobs": lp},
+             "ids_float": {"teacher_ids": ids.float(), "teacher_logprobs": lp},
+             "lp_list": {"teacher_ids": ids, "teacher_logprobs": lp.tolist()}}[bad]
+    flags = dict(calculate_sum_pi_squared=False, calculate_entropy=False, distillation_use_topk=True,
+                 distillation_only=False, batch=batch)
+    with pytest.raises(ValueError, match=re.escape(name)):
+        if path == "logits":
+            process_lm_head_logits(hidden @ weight.T, labels, 1.0, **flags)
+        else:
+            process_lm_head_hidden(hidden, weight, labels, 1.0, **flags)

@@ -10,7 +10,7 @@ Configurations (flags of ``process_lm_head_logits``): (A) log-probs, (B) + entro
 ``mcore_engine.processor.process_lm_head_logits``; "naive" is ``tools/bench_naive.py``, the upstream
 path (whole-tensor fp32 upcast + temperature division, Megatron-Core ``vocab_parallel_cross_entropy``
 on a clone, softmax-saving entropy, sum-pi² by plain autograd, probability-saving top-k KL).
-"fused" is ``mcore_engine.lm_head.process_lm_head_hidden``: the same outputs from the hidden states
+"fused" is ``mcore_engine.processor.process_lm_head_hidden``: the same outputs from the hidden states
 ``[N, H]`` and this rank's lm-head shard ``[V_local, H]`` (``--hidden`` H), never holding the logits;
 its logits would be exactly the logits paths' input ``[N, V_local] = hidden @ weight.T`` (built before
 their measured step). So the fused time includes the lm-head matmuls (forward, recompute, both

@@ -10,7 +10,7 @@ CUDA where the allocator statistics are exact), ``repeats``, ``seed``, ``chunk_s
 
 All implementations see bit-identical inputs (same seeds, ``make_inputs``): hidden states
 ``[tokens, H]`` (identical on every rank) and this rank's lm-head shard ``[V_local, H]``; the fused
-path (``mcore_engine.lm_head.process_lm_head_hidden``) takes those two (requires grad), the logits
+path (``mcore_engine.processor.process_lm_head_hidden``) takes those two (requires grad), the logits
 paths take ``logits = hidden @ weight.T`` ``[tokens, V_local]`` (built before the measurement, requires
 grad). Plus global labels ``[tokens]``, teacher top-k ids (distinct, spread over every rank's shard)
 and log-probs ``[tokens, k]``, and one random upstream gradient ``[tokens]`` per differentiable
@@ -115,7 +115,7 @@ def make_step(spec: dict, inputs: dict[str, torch.Tensor], group):
     temperature = spec["temperature"]
     batch = {"teacher_ids": inputs["teacher_ids"], "teacher_logprobs": inputs["teacher_log_probs"]}
     if spec["impl"] == "fused":
-        from mcore_engine.lm_head import process_lm_head_hidden
+        from mcore_engine.processor import process_lm_head_hidden
 
         leaves = (inputs["hidden"], inputs["weight"])
 

@@ -5,7 +5,7 @@
 #   tools/gpu_check.sh --smoke    # CPU wiring check of this script (tiny shapes, interpreter, ~1-2 min)
 #
 # Steps, each under its own timeout (a failed or timed-out step is reported and the next one runs):
-#   1. python -m mcore_engine_kernels.gpu_check --tests   kernel tests on the GPU, then the kernel /
+#   1. python tools/gpu_check.py --tests    kernel tests on the GPU, then the kernel /
 #      fused lm-head table (bf16 [32768, 152064] logits; achieved TB/s and TFLOP/s vs the device)
 #   2. tools/bench.py --markdown, the acceptance sizes (N=4096, V_local=32768, fp32, T=0.7), every
 #      configuration, ours vs the naive upstream path (peak memory and time)
@@ -97,7 +97,7 @@ tail -n +2 <<<"$INFO"
 
 if ((SMOKE)); then
     echo "smoke mode: tiny CPU shapes, Triton interpreter"
-    run_step kernels_gpu_check 180 env TRITON_INTERPRET=1 "$PY" -m mcore_engine_kernels.gpu_check --smoke
+    run_step kernels_gpu_check 180 env TRITON_INTERPRET=1 "$PY" tools/gpu_check.py --smoke
     run_step bench_quick 180 "$PY" tools/bench.py --markdown --quick --device cpu --tp 1 --configs A,E \
         --timeout 120
 else
@@ -108,7 +108,7 @@ else
     TP="1"
     if ((NGPU >= 2)); then TP="1,2"; fi
     # --- 1. kernel tests on the GPU + kernel / fused lm-head table ---
-    run_step kernels_gpu_check 210 "$PY" -m mcore_engine_kernels.gpu_check --tests
+    run_step kernels_gpu_check 210 "$PY" tools/gpu_check.py --tests
     # --- 2. acceptance sizes, every configuration ---
     run_step bench_fp32_acceptance 150 "$PY" tools/bench.py --markdown --device cuda --tp "$TP" \
         --tokens 4096 --vocab 32768 --dtype fp32 --repeats 5 --timeout 60

@@ -1,26 +1,18 @@
-"""The ONE dispatch point of the chunk math: Triton kernels on CUDA when Triton imports, torch otherwise.
+"""The one dispatch point of the chunk math: Triton kernels on CUDA when Triton imports, torch otherwise.
 
-A backend is three functions on one chunk of rows ``x = logits.view(N, V_local)[r0:r1, :V_valid]``
-(a view, never copied), the chunk's temperature ``t`` (None / float / fp32 ``[c]``) and global row
-max ``m`` (fp32 ``[c]``), with the definitions of ``stats.py``::
+A backend is three functions on one chunk ``x = logits.view(N, V_local)[r0:r1, :V_valid]`` (a view
+or a chunk of ``hidden @ weight.T``), its temperature ``t`` (None / float / fp32 ``[c]``) and global
+row max ``m`` (fp32 ``[c]``), with the definitions of ``stats.py``::
 
-    workspace(rows, v_valid, device) -> ws or None                   once per pass, for every chunk
-    row_max(x, t) -> [c]                                              (x / t).amax(-1) in fp32
-    chunk_stats(x, t, m, layout, out, *, label, teacher, ws=None) -> out   packed statistics [c, width]
-    chunk_grad(x, t, m, inv_s, a, b, mu, c2, cols, vals, a_tail=None, tail_cols=None, out=None, ws=None)
-                                                                      d/dx = stats.chunk_grad(...) / t
+    workspace(rows, v_valid, device) -> ws or None                 once per pass, for every chunk
+    row_max(x, t) -> [c]                                            (x / t).amax(-1) in fp32
+    chunk_stats(x, t, m, layout, out, *, label, teacher, ws=None)   packed statistics into out [c, width]
+    chunk_grad(x, t, m, coef, out=None, ws=None)                    stats.chunk_grad(...) / t
 
-``chunk_grad`` writes into ``out`` (any float dtype, e.g. a view of the preallocated logits gradient)
-and returns it; with ``out=None`` it returns the gradient in an fp32 ``[c, V_valid]`` tensor (the
-torch backend hands back its own workspace: no extra buffer, no copy; it is overwritten by the next
-call with the same ``ws``).
-
-The torch backend builds them from ``stats.py`` (the reference). Its workspace is two fp32
-``[rows, V_valid]`` tensors (``zm`` and ``e`` / ``p``) that a pass allocates once and hands to every
-chunk: per-chunk allocations of this size sit at glibc's mmap / trim threshold and were returned to
-the OS and page-faulted back on every chunk (most of the CPU time at N=4096, V_local=32768). With
-``ws=None`` each call allocates its own. The Triton backend (``mcore_engine_kernels``) streams the
-logits without workspaces (``workspace`` returns None), so its default chunks are larger.
+``chunk_grad`` writes into ``out`` (any float dtype, e.g. a view of the logits gradient) and returns
+it; with ``out=None`` it returns an fp32 ``[c, V_valid]`` tensor (the torch backend's own workspace,
+overwritten by the next call with the same ``ws``). Memory: the torch workspace is two fp32
+``[rows, V_valid]`` tensors; the Triton kernels stream the logits and keep none.
 """
 
 from __future__ import annotations
@@ -30,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from mcore_engine_kernels.layout import Coefficients
 
 from mcore_engine.ops import stats as _stats
 from mcore_engine.ops._common import DEFAULT_CHUNK_ELEMENTS
@@ -77,11 +70,9 @@ def _torch_chunk_stats(x, t, m, layout, out, *, label=None, teacher=None, ws=Non
                               e=e_buf)
 
 
-def _torch_chunk_grad(x, t, m, inv_s, a, b, mu, c2, cols, vals, a_tail=None, tail_cols=None, out=None,
-                      ws=None):
+def _torch_chunk_grad(x: torch.Tensor, t, m: torch.Tensor, coef: Coefficients, out=None, ws=None):
     zm_buf, p_buf = _buffers(ws, x.shape[0])
-    gz = _stats.chunk_grad(_stats.shifted(x, t, m, out=zm_buf), inv_s, a, b, mu, c2, cols, vals, a_tail,
-                           tail_cols, p=p_buf)
+    gz = _stats.chunk_grad(_stats.shifted(x, t, m, out=zm_buf), coef, p=p_buf)
     if t is None:
         return gz if out is None else out.copy_(gz)
     # one pass: divide by t and store (cast to out's dtype) in the same kernel
@@ -100,12 +91,10 @@ def triton_backend() -> ChunkBackend:
     def chunk_stats(x, t, m, layout, out, *, label=None, teacher=None, ws=None, **launch):
         return forward.chunk_stats(x, t, m, layout, out, label=label, teacher=teacher, **launch)
 
-    def chunk_grad(x, t, m, inv_s, a, b, mu, c2, cols, vals, a_tail=None, tail_cols=None, out=None, ws=None,
-                   **launch):
+    def chunk_grad(x, t, m, coef, out=None, ws=None, **launch):
         if out is None:
             out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        return backward.chunk_grad(x, t, m, inv_s, a, b, mu, c2, cols, vals, out, a_tail=a_tail,
-                                   tail_cols=tail_cols, **launch)
+        return backward.chunk_grad(x, t, m, coef, out, **launch)
 
     return ChunkBackend("triton", forward.row_max, chunk_stats, chunk_grad, TRITON_CHUNK_ELEMENTS)
 

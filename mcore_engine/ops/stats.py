@@ -1,84 +1,26 @@
-"""THE per-token statistics of one chunk of vocab-sharded logits, forward and backward.
+"""The per-row statistics of one chunk of vocab-sharded logits, forward and backward (the reference).
 
-Pure functions on one chunk of rows (``x: [c, V_valid]``, this rank's valid columns; ``t`` the
-temperature: None, a float or a per-row ``[c]`` tensor). The torch backend (``backend.py``) is made of
-them; the Triton backend (``mcore_engine_kernels``) reproduces exactly these definitions. The per-token
-steps around the chunk loop (``finalize``, ``grad_coefficients``) are shared by ``fused.py`` and the
-fused lm-head. With ``z = x / t`` in float32,
-``m`` the GLOBAL row max of z and ``e = exp(z - m)``, the packed local statistics of a row are
+Pure functions on one chunk ``x: [c, V_valid]`` (this rank's valid columns) with temperature ``t``
+(None, a float or a per-row ``[c]`` tensor). The torch backend (``backend.py``) is made of them and
+the Triton kernels (``mcore_engine_kernels``) compute the same definitions; the column layout, the
+floors and the gradient coefficients live in ``mcore_engine_kernels.layout``. ``finalize`` and
+``grad_coefficients`` are the per-token steps around the chunk loop.
 
-    S = sum_j e_j                         (always, column 0)
-    A = sum_j e_j (z_j - m)               (entropy)
-    B = sum_j e_j ** 2                    (sum-pi-squared)
-    z_y - m                               (label, iff y falls in this shard, else 0)
-    z_i - m for the k teacher ids         (iff in this shard, else 0)
-    T = sum_{j not in teacher ids} e_j    (tail mass, computed directly, not as S - sum)
-
-and SUMming them over the shards gives the global values. Workspace: two fp32 ``[c, V_valid]`` buffers
-(``zm`` and ``e`` forward, ``zm`` and ``p`` backward) that the caller may allocate once per pass and
-hand to every chunk (the torch backend does: nothing chunk-sized is allocated per chunk).
-
-``z - m`` is floored at ``ZM_FLOOR`` (``-2**64``): ``exp`` of it is exactly 0, so a ``-inf`` logit (a
-masked token) contributes exactly 0 to every statistic and gradient instead of ``0 * -inf = NaN`` (in
-``e (z - m)``, in the off-shard ``gather * 0`` and in backward's ``p (z - mu)``), and a label, teacher
-id or top-k entry at a ``-inf`` logit gets the finite log-prob ``~ -1.8e19`` (a masked loss term then
-stays 0, not NaN). The floor is not ``finfo.min``: backward multiplies ``z - mu`` by per-token
-coefficients and ``finfo.min * 2`` would overflow to ``-inf`` (then ``* p = 0`` is NaN again); with
-``-2**64`` that needs a coefficient above 1e19. A row whose logits are ALL ``-inf`` is undefined (NaN).
-
-Known fp32 limit: ``S`` is summed in fp32, so for a near-one-hot row (``S = 1 + eps``) the gradients
-that need ``1 - p_max`` (log-prob at the hot label, sum-pi^2) carry ``S``'s rounding (~6e-8 absolute):
-about 3x the error of plain fp32 autograd at a logit gap of 16 (rel. 7e-3 vs 2.5e-3). An fp64 sum of
-``S`` fixes it (7.9e-4) but costs ~80x the fp32 sum on CPU and a wider statistics buffer.
+``z - m`` is floored at ``ZM_FLOOR``: a ``-inf`` logit adds 0 to every statistic and gradient, and
+a label or teacher id at a ``-inf`` logit gets the finite log-prob ``~ -1.8e19``. A row whose logits
+are all ``-inf`` is undefined. ``S`` is summed in fp32: for a near-one-hot row the gradients that
+need ``1 - p_max`` carry its rounding (~6e-8 absolute, about 3x plain fp32 autograd).
+Workspace: two fp32 ``[c, V_valid]`` buffers per call (``zm`` and ``e`` / ``p``), which the caller
+may allocate once per pass and pass in.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
-
-# Floor of z - m (see the module docstring): exp(ZM_FLOOR) == 0 in fp32, far from overflow when scaled.
-ZM_FLOOR = -2.0**64
-# Floor of the tail masses p_tail, q_tail inside the log (the tail term is p log(p / q)).
-TAIL_EPS = 1e-20
-
-
-@dataclass(frozen=True, slots=True)
-class StatLayout:
-    """Column layout of the packed ``[c, width]`` statistics buffer (SUMmed over the shards in one go)."""
-
-    entropy: bool
-    sum_pi_squared: bool
-    label: bool
-    k: int  # number of teacher ids (0: no distillation)
-    tail: bool
-
-    @property
-    def a(self) -> int:
-        return 1
-
-    @property
-    def b(self) -> int:
-        return 1 + self.entropy
-
-    @property
-    def y(self) -> int:
-        return self.b + self.sum_pi_squared
-
-    @property
-    def teacher(self) -> int:
-        return self.y + self.label
-
-    @property
-    def t(self) -> int:
-        return self.teacher + self.k
-
-    @property
-    def width(self) -> int:
-        return self.t + self.tail
+from mcore_engine_kernels.layout import TAIL_EPS, ZM_FLOOR, Coefficients, StatLayout
 
 
 def local_columns(ids: torch.Tensor, offset: int, v_valid: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,12 +40,7 @@ def row_max(x: torch.Tensor, t: float | torch.Tensor | None) -> torch.Tensor:
 
 def shifted(x: torch.Tensor, t: float | torch.Tensor | None, m: torch.Tensor,
             out: torch.Tensor | None = None) -> torch.Tensor:
-    """``(x / t - m[:, None]).clamp_min(ZM_FLOOR)`` in fp32 ``[c, V_valid]``, never aliasing ``x``.
-
-    Written into ``out`` (an fp32 ``[c, V_valid]`` workspace, reused across chunks by the caller) when
-    given, else into a new buffer. The floor is one in-place pass (about 2% of a chunk's forward +
-    backward work on CPU).
-    """
+    """``(x / t - m[:, None]).clamp_min(ZM_FLOOR)`` in fp32 ``[c, V_valid]`` (into ``out`` if given)."""
     if out is None:
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     if x.dtype != torch.float32:
@@ -134,54 +71,44 @@ def chunk_stats(zm: torch.Tensor, layout: StatLayout, out: torch.Tensor, *,
                 label: tuple[torch.Tensor, torch.Tensor] | None = None,
                 teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
                 e: torch.Tensor | None = None) -> torch.Tensor:
-    """Fill ``out [c, layout.width]`` with this shard's statistics of one chunk (see module docstring).
+    """Fill ``out [c, layout.width]`` with this shard's statistics of one chunk (``layout.py``).
 
-    ``zm = z - m`` (from :func:`shifted`; CONSUMED: it holds ``e * zm`` or ``e ** 2`` afterwards);
-    ``label`` = (cols ``[c]``, inside ``[c]``) and ``teacher`` = (cols ``[c, k]``, inside ``[c, k]``)
-    from :func:`local_columns`. ``e``: an fp32 ``[c, V_valid]`` workspace for ``exp(zm)`` (allocated
-    when None). No other ``[c, V_valid]`` buffer: the products are formed in ``zm``'s storage.
+    ``zm = z - m`` from :func:`shifted` is consumed (overwritten with products); ``label`` = (cols
+    ``[c]``, inside ``[c]``), ``teacher`` = (cols ``[c, k]``, inside ``[c, k]``) from
+    :func:`local_columns`; ``e`` an optional fp32 ``[c, V_valid]`` workspace for ``exp(zm)``.
     """
     if layout.label:
-        out[:, layout.y] = label_shifted_logit(zm, *label)
+        out[:, layout.col_label] = label_shifted_logit(zm, *label)
     if layout.k:
         cols, inside = teacher
-        out[:, layout.teacher:layout.t] = gather_shifted(zm, cols, inside)
+        out[:, layout.col_teacher:layout.col_tail] = gather_shifted(zm, cols, inside)
     e = torch.exp(zm, out=e) if e is not None else zm.exp()
-    out[:, 0] = e.sum(-1)
+    out[:, layout.col_sum_e] = e.sum(-1)
     if layout.entropy:
-        out[:, layout.a] = zm.mul_(e).sum(-1)
+        out[:, layout.col_sum_ez] = zm.mul_(e).sum(-1)
     if layout.sum_pi_squared:
-        out[:, layout.b] = torch.mul(e, e, out=zm).sum(-1)
+        out[:, layout.col_sum_e2] = torch.mul(e, e, out=zm).sum(-1)
     if layout.tail:
         if e.shape[-1]:
             e.scatter_reduce_(1, cols, (~inside).to(e.dtype), reduce="prod")
-        out[:, layout.t] = e.sum(-1)
+        out[:, layout.col_tail] = e.sum(-1)
     return out
 
 
-def chunk_grad(zm: torch.Tensor, inv_s: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None,
-               mu: torch.Tensor, c2: torch.Tensor | None, cols: torch.Tensor | None,
-               vals: torch.Tensor | None, a_tail: torch.Tensor | None = None,
-               tail_cols: torch.Tensor | None = None, p: torch.Tensor | None = None) -> torch.Tensor:
-    """Gradient w.r.t. ``z`` of one chunk, returned in ``zm``'s or ``p``'s storage (``zm`` is consumed).
+def chunk_grad(zm: torch.Tensor, coef: Coefficients, p: torch.Tensor | None = None) -> torch.Tensor:
+    """Gradient w.r.t. ``z`` of one chunk (``Coefficients``' formula), in ``zm``'s or ``p``'s storage.
 
-    With ``p = exp(zm) * inv_s`` (``inv_s = 1 / S``, global) and per-row coefficients ``[c]``:
-
-        off_ids = 1 - onehot(tail_cols)          # [c, V_valid]: 0 at the teacher ids (tail only)
-        g = p * (a + a_tail * off_ids + b * (zm - mu) + c2 * p);  g[row, cols] += vals   (0 off-shard)
-
-    ``b`` = -g_entropy (mu = A / S), ``c2`` = 2 g_sum_pi2, ``a`` collects the remaining terms.
-    ``a_tail [c]`` (the KL tail's ``-g r Q_S``, up to ~1e20) with ``tail_cols [c, k]`` (local column of
-    each in-shard teacher id, -1 off-shard and for repeats): one pass over all columns with
-    ``a + a_tail``, then the teacher columns are SET to the value without ``a_tail``, recomputed from
-    their gathered ``zm`` (``[c, k]`` work): they never see the large term, so nothing cancels.
-    ``p``: an fp32 ``[c, V_valid]`` workspace for the softmax (allocated when None).
+    ``zm`` is consumed; ``p`` is an optional fp32 ``[c, V_valid]`` workspace for the softmax. The
+    tail term ``a_tail`` (up to ~1e20) is applied to every column in one pass, then the teacher
+    columns are set to their value without it, recomputed from their gathered ``zm`` (``[c, k]``
+    work), so no large term is added and cancelled there.
     """
-    tail = a_tail is not None and zm.shape[-1] > 0
-    a_full = a + a_tail if a_tail is not None else a
+    inv_s, a, b, mu, c2 = coef.inv_s, coef.a, coef.b, coef.mu, coef.c2
+    tail = coef.a_tail is not None and zm.shape[-1] > 0
+    a_full = a + coef.a_tail if coef.a_tail is not None else a
     if tail:
-        hit = tail_cols >= 0
-        tcol = tail_cols.clamp_min(0)
+        hit = coef.tail_cols >= 0
+        tcol = coef.tail_cols.clamp_min(0)
         zt = zm.gather(1, tcol)  # before zm is consumed
     p = (torch.exp(zm, out=p) if p is not None else zm.exp()).mul_(inv_s[:, None])
     if b is None and c2 is None:  # log-probs / KL only: g = p * a, in p's storage
@@ -199,8 +126,8 @@ def chunk_grad(zm: torch.Tensor, inv_s: torch.Tensor, a: torch.Tensor, b: torch.
             inner = inner + pt * c2[:, None]
         g.scatter_reduce_(1, tcol, (~hit).to(g.dtype), reduce="prod")  # 0 at the teacher columns
         g.scatter_add_(1, tcol, pt.mul_(inner).mul_(hit))
-    if cols is not None and g.shape[-1]:
-        g.scatter_add_(1, cols, vals)
+    if coef.cols is not None and g.shape[-1]:
+        g.scatter_add_(1, coef.cols, coef.vals)
     return g
 
 
@@ -229,25 +156,24 @@ def finalize(stats: torch.Tensor, layout: StatLayout, *, teacher_log_probs: torc
         active_i = log q_i >= c
         tail: p_t = max(1 - sum P, eps), q_t = max(T / S, eps), KL += p_t log(p_t / q_t)
 
-    ``eps = TAIL_EPS``. The floors make the tail term's GRADIENT zero once ``T / S <= eps`` (the value
-    keeps the floored ``log q_t``), and the term vanish (``|value| <= ~1e-18``, gradient norm ``O(eps)``)
-    when the teacher's top-k probabilities sum to >= 1.
+    ``eps = TAIL_EPS``: the tail term has no gradient once ``T / S <= eps`` and vanishes when the
+    teacher's top-k probabilities sum to >= 1.
     """
-    s = stats[:, 0]
+    s = stats[:, layout.col_sum_e]
     log_s = s.log()
     inv_s = s.reciprocal()
     out: dict[str, torch.Tensor] = {}
     mu = s2 = kl_w = kl_p = tail_r = tail_p = q = None
     if layout.label:
-        out["log_probs"] = stats[:, layout.y] - log_s
+        out["log_probs"] = stats[:, layout.col_label] - log_s
     if layout.entropy:
-        mu = stats[:, layout.a] * inv_s
+        mu = stats[:, layout.col_sum_ez] * inv_s
         out["entropy"] = log_s - mu
     if layout.sum_pi_squared:
-        s2 = stats[:, layout.b] * inv_s.square()
+        s2 = stats[:, layout.col_sum_e2] * inv_s.square()
         out["sum_pi_squared"] = s2
     if layout.k:
-        log_q = stats[:, layout.teacher:layout.t] - log_s[:, None]
+        log_q = stats[:, layout.col_teacher:layout.col_tail] - log_s[:, None]
         log_p = teacher_log_probs.float()
         big_p = log_p.exp()
         if clamp is None:
@@ -264,7 +190,7 @@ def finalize(stats: torch.Tensor, layout: StatLayout, *, teacher_log_probs: torc
         if layout.tail:
             q = q_all
             p_t = (1 - p_mass).clamp_min(TAIL_EPS)
-            q_raw = stats[:, layout.t] * inv_s
+            q_raw = stats[:, layout.col_tail] * inv_s
             q_t = q_raw.clamp_min(TAIL_EPS)
             kl = kl + p_t * (p_t.log() - q_t.log())
             unfloored = q_raw > TAIL_EPS
@@ -276,27 +202,25 @@ def finalize(stats: torch.Tensor, layout: StatLayout, *, teacher_log_probs: torc
     return Finalized(out, inv_s, mu, s2, kl_w, kl_p, tail_r, tail_p, q)
 
 
-class GradCoefficients(NamedTuple):
-    """Per-token coefficients of :func:`chunk_grad` for all rows (fp32 ``[N]``; ``cols``/``vals`` ``[N, n]``).
+@dataclass(frozen=True, slots=True)
+class GradCoefficients:
+    """The :class:`Coefficients` of all rows (``[N]``), with GLOBAL ``cols`` / ``tail_ids`` ``[N, n]``.
 
-    ``g = p * (a + a_tail [j not a tail id] + b (zm - mu) + c2 p)``, then ``g[row, cols] += vals``;
-    ``cols`` and ``tail_ids [N, k]`` are GLOBAL ids (made local per chunk by :meth:`chunk`; a tail id
-    of -1 is none: the repeats of a teacher id). ``b``/``mu``, ``c2``, ``cols``/``vals``,
-    ``a_tail``/``tail_ids`` are None when their term is absent.
+    :meth:`chunk` makes rows ``[r0, r1)`` local to a shard; a tail id of -1 is none (a repeat).
     """
 
+    inv_s: torch.Tensor
     a: torch.Tensor
-    b: torch.Tensor | None
-    mu: torch.Tensor | None
-    c2: torch.Tensor | None
-    cols: torch.Tensor | None
-    vals: torch.Tensor | None
+    b: torch.Tensor | None = None
+    mu: torch.Tensor | None = None
+    c2: torch.Tensor | None = None
+    cols: torch.Tensor | None = None
+    vals: torch.Tensor | None = None
     a_tail: torch.Tensor | None = None
     tail_ids: torch.Tensor | None = None
 
-    def chunk(self, r0: int, r1: int, offset: int, v_valid: int) -> tuple[torch.Tensor | None, ...]:
-        """Rows ``[r0, r1)`` as ``(a, b, mu, c2, cols, vals, a_tail, tail_cols)`` (:func:`chunk_grad`'s
-        arguments): columns local to this shard, vals 0 off it, tail_cols -1 off it."""
+    def chunk(self, r0: int, r1: int, offset: int, v_valid: int) -> Coefficients:
+        """Rows ``[r0, r1)`` in shard-local columns: vals 0 and tail_cols -1 off the shard."""
         cols = vals = tail_cols = None
         if self.cols is not None:
             cols, inside = local_columns(self.cols[r0:r1], offset, v_valid)
@@ -304,9 +228,9 @@ class GradCoefficients(NamedTuple):
         if self.tail_ids is not None:
             tail_cols, inside = local_columns(self.tail_ids[r0:r1], offset, v_valid)
             tail_cols = tail_cols.masked_fill(~inside, -1)
-        a, b, mu, c2, a_tail = (v[r0:r1] if v is not None else None
-                                for v in (self.a, self.b, self.mu, self.c2, self.a_tail))
-        return a, b, mu, c2, cols, vals, a_tail, tail_cols
+        inv_s, a, b, mu, c2, a_tail = (v[r0:r1] if v is not None else None
+                                       for v in (self.inv_s, self.a, self.b, self.mu, self.c2, self.a_tail))
+        return Coefficients(inv_s, a, b, mu, c2, cols, vals, a_tail, tail_cols)
 
 
 def first_occurrence(ids: torch.Tensor) -> torch.Tensor:
@@ -321,10 +245,9 @@ def grad_coefficients(fin: Finalized, grads: Mapping[str, torch.Tensor | None], 
                       ids: torch.Tensor | None) -> GradCoefficients | None:
     """Upstream gradients + :func:`finalize`'s per-token terms -> the coefficients of :func:`chunk_grad`.
 
-    ``grads``: upstream gradient ``[N]`` (any shape with N elements) by output key, None or missing
-    for no gradient (``student_mass`` / ``teacher_mass`` are ignored: no gradient). ``labels [N]`` and
-    ``ids [N, k]`` global ids (needed iff their output has a gradient). None when nothing needs a
-    gradient. With ``g_*`` the upstream gradients and ``p`` the softmax (API.md formulas)::
+    ``grads``: upstream gradient (N elements) by output key, None or missing for none; ``labels [N]``
+    and ``ids [N, k]`` global ids. None when nothing needs a gradient. With ``g_*`` the upstream
+    gradients and ``p`` the softmax::
 
         d log_prob / dz = onehot(y) - p           -> a -= g_lp;        point (y, g_lp)
         d H / dz        = -p (z - mu)             -> b = -g_H
@@ -334,9 +257,8 @@ def grad_coefficients(fin: Finalized, grads: Mapping[str, torch.Tensor | None], 
           j not in S: -r Q_S p_j                  -> a_tail = -g_kl r Q_S   (not at the ids: tail_ids)
           j in S:      r q_t q_j = p_t q_j        -> points += g_kl p_t q   (first occurrences only)
 
-    The tail's ``j in S`` form is the well-conditioned one: ``a_tail`` grows like ``1 / q_t`` (up to
-    1e20) and never reaches the teacher columns (:func:`chunk_grad`), so there is no ``-r Q_S p_j +
-    r q_j`` to cancel as ``q_t -> 0``. Both tail parts are 0 where ``q_t`` was floored (:func:`finalize`).
+    ``a_tail`` grows like ``1 / q_t`` and never reaches the teacher columns, so nothing cancels as
+    ``q_t -> 0``; both tail parts are 0 where ``q_t`` was floored.
     """
     g_lp, g_h, g_s2, g_kl = (grads.get(k) for k in ("log_probs", "entropy", "sum_pi_squared",
                                                      "distillation_losses"))
@@ -367,6 +289,6 @@ def grad_coefficients(fin: Finalized, grads: Mapping[str, torch.Tensor | None], 
             tail_ids = ids.masked_fill(~first, -1)
         cols.append(ids)
         vals.append(g_kl[:, None] * tv)
-    return GradCoefficients(a, b, fin.mu if b is not None else None, c2,
+    return GradCoefficients(fin.inv_s, a, b, fin.mu if b is not None else None, c2,
                             torch.cat(cols, 1) if cols else None, torch.cat(vals, 1) if vals else None,
                             a_tail, tail_ids)

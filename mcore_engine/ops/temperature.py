@@ -1,7 +1,10 @@
-"""Temperature handling: the unit check, out-of-place scaling, and per-row normalisation.
+"""Temperature: the unit check, out-of-place scaling, and the per-row form the chunk loops use.
 
-``z = logits / temperature``; a host scalar equal to 1 never divides (no copy, no device sync);
-any tensor temperature (even ``tensor(1.0)``) takes the general path, per token.
+``z = logits / temperature``; a host scalar equal to 1 never divides (no copy, no device sync); any
+tensor temperature (even ``tensor(1.0)``) takes the general path. A tensor temperature must
+broadcast to ``logits.shape[:-1]`` without growing it, or have that shape plus a trailing 1 (per
+token, as verl builds ``[N, 1]``): ``[N]``, ``[N, 1]``, ``[B, 1]`` with ``[B, S, V]`` logits
+(per sequence) are valid; ``[N, 2]`` or ``[2, N]`` with ``[N, V]`` logits are not.
 """
 
 from __future__ import annotations
@@ -21,52 +24,65 @@ def is_scalar_unit_temperature(t: object) -> bool:
     return isinstance(t, Real) and not isinstance(t, bool) and not isinstance(t, torch.Tensor) and t == 1
 
 
-def _check_temperature(t: object, lead_shape: tuple[int, ...]) -> None:
+def per_token(t: torch.Tensor, lead_shape: tuple[int, ...]) -> torch.Tensor:
+    """``t`` as a tensor that broadcasts to ``lead_shape`` exactly (a trailing singleton dropped).
+
+    Shape-only (no device sync); ValueError naming ``temperature`` and both shapes otherwise.
+    """
+    given = shape = tuple(t.shape)
+    if len(shape) == len(lead_shape) + 1 and shape[-1] == 1:
+        t, shape = t.squeeze(-1), shape[:-1]
+    try:
+        ok = torch.broadcast_shapes(shape, lead_shape) == torch.Size(lead_shape)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"temperature must be a number, a 0-d tensor, or a tensor that broadcasts to "
+                         f"logits.shape[:-1] = {lead_shape} (optionally with a trailing 1), got shape "
+                         f"{given}")
+    return t
+
+
+def _check_temperature(t: object, lead_shape: tuple[int, ...]) -> Temperature:
+    """Validate ``t`` (one device sync for a tensor) and return it in its per-token form."""
     if isinstance(t, torch.Tensor):
         if t.dtype == torch.bool or t.dtype.is_complex:
             raise ValueError(f"temperature must be a real-valued tensor, got dtype {t.dtype}")
-        try:
-            torch.broadcast_shapes(tuple(t.shape), lead_shape)
-        except RuntimeError:
-            raise ValueError(f"temperature must be a number, a 0-d tensor or a tensor broadcastable to "
-                             f"logits.shape[:-1] = {lead_shape}, got shape {tuple(t.shape)}") from None
+        t = per_token(t, lead_shape)
         if t.numel() and not bool(torch.isfinite(t).all() & (t > 0).all()):
             raise ValueError("temperature must be finite and > 0 everywhere")
-        return
+        return t
     if isinstance(t, bool) or not isinstance(t, Real):
         raise ValueError(f"temperature must be a number or a tensor, got {type(t).__name__}")
     if not math.isfinite(t) or t <= 0:
         raise ValueError(f"temperature must be finite and > 0, got {t!r}")
+    return t
 
 
 def scale_logits_by_temperature(logits: torch.Tensor, t: Temperature) -> torch.Tensor:
     """``logits`` itself when ``t`` is a host-scalar 1, else ``logits / t`` out of place, in ``logits.dtype``.
 
-    A tensor ``t`` of shape broadcastable to ``logits.shape[:-1]`` applies per token
-    (``logits / t[..., None]``); a 0-d tensor or number applies to all. Differentiable w.r.t.
-    ``logits`` (the temperature is a constant, as in every op). Memory: one copy of ``logits``
-    (same dtype) unless unit; a per-token ``t`` of a wider dtype (bf16 logits, fp32 ``t``) is divided
-    chunk by chunk in the promoted dtype and rounded once to ``logits.dtype`` (no full-size fp32 copy).
+    A tensor ``t`` applies per token (``logits / t[..., None]``, shapes as in the module docstring).
+    Differentiable w.r.t. ``logits``. Memory: one copy of ``logits`` unless unit; a ``t`` of a wider
+    dtype (bf16 logits, fp32 ``t``) is divided chunk by chunk in the promoted dtype and rounded once.
     """
-    _check_temperature(t, tuple(logits.shape[:-1]))
-    return scale_checked(logits, t)
+    return scale_checked(logits, _check_temperature(t, tuple(logits.shape[:-1])))
 
 
 def scale_checked(logits: torch.Tensor, t: Temperature) -> torch.Tensor:
-    """:func:`scale_logits_by_temperature` for a temperature that was already checked (no device sync).
+    """:func:`scale_logits_by_temperature` for a temperature whose values were checked (no device sync).
 
-    Exactness: ``(x.float() / t).to(bf16)`` rounds once; ``x / t.to(bf16)`` would first round ``t``
-    (relative error up to 2**-9, the same for a whole row) and then the quotient, so it is up to twice
-    as far from the exact quotient and biased per token. Hence the wide divide, chunked.
+    ``(x.float() / t).to(bf16)`` rounds once; ``x / t.to(bf16)`` would round ``t`` first (a bias of
+    up to 2**-9 per token), hence the wide divide, chunked.
     """
     if is_scalar_unit_temperature(t):
         return logits
     if not isinstance(t, torch.Tensor) or t.dim() == 0:
         return logits / (t.detach() if isinstance(t, torch.Tensor) else t)  # a scalar never promotes
-    t_col = t.detach().unsqueeze(-1)
+    lead = tuple(logits.shape[:-1])
+    t_col = per_token(t, lead).detach().unsqueeze(-1)
     if torch.promote_types(logits.dtype, t.dtype) == logits.dtype:
         return logits / t_col
-    lead = tuple(logits.shape[:-1])
     rows_t = t_col.to(logits.device).broadcast_to(lead + (1,)).reshape(-1, 1)
     return _DivRowsKeepDtype.apply(logits, rows_t)
 
@@ -98,12 +114,9 @@ class _DivRowsKeepDtype(torch.autograd.Function):
 
 def temperature_rows(t: Temperature, lead_shape: tuple[int, ...],
                      device: torch.device) -> float | torch.Tensor | None:
-    """Normalise a checked temperature for the chunk loop.
-
-    Returns None for a host-scalar 1 (never divide), a float for any other host scalar, or a
-    detached float32 tensor ``[N]`` (N = prod(lead_shape)) for a tensor temperature.
-    """
-    _check_temperature(t, lead_shape)
+    """Check ``t`` and give the chunk loops' form: None for a host-scalar 1 (never divide), a float
+    for any other number, or a detached fp32 ``[N]`` tensor (N = prod(lead_shape))."""
+    t = _check_temperature(t, lead_shape)
     if is_scalar_unit_temperature(t):
         return None
     if not isinstance(t, torch.Tensor):

@@ -6,9 +6,10 @@ import pytest
 import torch
 from mcore_engine_kernels.backward import chunk_grad
 from mcore_engine_kernels.launch import LaunchConfig
+from mcore_engine_kernels.layout import Coefficients
 
 from mcore_engine.ops import stats as torch_stats
-from tests.kernels._helpers import BF16, DEVICE, F16, F32, chunk_inputs, temperature_rows
+from tests.kernels.inputs import BF16, DEVICE, F16, F32, chunk_inputs, temperature_rows
 from tests.utils import assert_rel_close, rel_err
 
 SMALL = LaunchConfig(block_v=128, num_warps=4)
@@ -32,9 +33,11 @@ def _stats_of(x, t, m):
     return (1 / e.sum(-1)).float(), ((e * zm).sum(-1) / e.sum(-1)).float()
 
 
-def _reference_grad64(x, t, m, inv_s, a, b, mu, c2, cols, vals, a_tail=None, tail_cols=None):
+def _reference_grad64(x, t, m, coef: Coefficients):
     """The module docstring's formula in float64: ``(p (a + a_tail [not tail] + b (zm - mu) + c2 p)
     + scatter) / t``."""
+    inv_s, a, b, mu, c2 = coef.inv_s, coef.a, coef.b, coef.mu, coef.c2
+    cols, vals, a_tail, tail_cols = coef.cols, coef.vals, coef.a_tail, coef.tail_cols
     tt = 1.0 if t is None else (t.double()[:, None] if isinstance(t, torch.Tensor) else t)
     zm = x.double() / tt - m.double()[:, None]
     p = zm.exp() * inv_s.double()[:, None]
@@ -90,14 +93,14 @@ def test_chunk_grad_matches_float64_and_torch_path(case):
     # The chunk's columns of a full-width gradient (padded columns must stay untouched).
     grad = torch.full((rows, v_local), float("nan"), dtype=dtype, device=DEVICE)
     out = grad[:, :v_valid]
-    res = chunk_grad(x, t, m, inv_s, a, b, mu, c2, cols, vals, out, a_tail=a_tail, tail_cols=tail_cols,
-                     splits=splits, config=cfg)
+    coef = Coefficients(inv_s, a, b, mu, c2, cols, vals, a_tail, tail_cols)
+    res = chunk_grad(x, t, m, coef, out, splits=splits, config=cfg)
     assert res is out and out.dtype == dtype
     assert torch.isfinite(out).all(), "some gradient element was not written"
     assert torch.isnan(grad[:, v_valid:]).all(), "chunk_grad wrote past the valid columns"
     assert torch.equal(inp["full"], x_before), "chunk_grad modified its input"
 
-    ref = _reference_grad64(x, t, m, inv_s, a, b, mu, c2, cols, vals, a_tail, tail_cols)
+    ref = _reference_grad64(x, t, m, coef)
     # Error budget: the rounding of the exact result to the output dtype, plus fp32 arithmetic.
     budget = rel_err(ref.to(dtype), ref) + 1e-5
     assert rel_err(out, ref) <= budget, f"grad vs float64: {rel_err(out, ref):.3e} > {budget:.3e}"
@@ -108,8 +111,7 @@ def test_chunk_grad_matches_float64_and_torch_path(case):
         assert rel_err(sub, sub_ref) <= budget, f"teacher columns: {rel_err(sub, sub_ref):.3e} > {budget:.3e}"
 
     # The ops' torch path: recompute zm, chunk_grad (w.r.t. z), divide by t, cast to the logits' dtype.
-    gz = torch_stats.chunk_grad(torch_stats.shifted(x, t, m), inv_s, a, b, mu if b is not None else a, c2,
-                                cols, vals, a_tail, tail_cols)
+    gz = torch_stats.chunk_grad(torch_stats.shifted(x, t, m), coef)
     if t is not None:
         gz = gz / (t[:, None] if isinstance(t, torch.Tensor) else t)
     assert_rel_close(out, gz.to(dtype), 1e-5 if dtype == F32 else 1e-2, "grad vs torch path")
@@ -119,17 +121,12 @@ def test_bad_input_raises_value_error_naming_argument():
     x = torch.randn(5, 40, device=DEVICE)
     r = torch.ones(5, device=DEVICE)
     out = torch.empty(5, 40, device=DEVICE)
-    with pytest.raises(ValueError, match="inv_s must be"):
-        chunk_grad(x, None, r, r[:3], r, None, None, None, None, None, out)
-    with pytest.raises(ValueError, match="mu must be"):
-        chunk_grad(x, None, r, r, r, r, None, None, None, None, out)
-    with pytest.raises(ValueError, match="cols and vals"):
-        chunk_grad(x, None, r, r, r, None, None, None, torch.zeros(5, 1, dtype=torch.long, device=DEVICE),
-                   None, out)
-    with pytest.raises(ValueError, match="a_tail and tail_cols"):
-        chunk_grad(x, None, r, r, r, None, None, None, None, None, out, a_tail=r)
-    with pytest.raises(ValueError, match="tail_cols must be"):
-        chunk_grad(x, None, r, r, r, None, None, None, None, None, out, a_tail=r,
-                   tail_cols=torch.zeros(4, 2, dtype=torch.long, device=DEVICE))
-    with pytest.raises(ValueError, match="out must be"):
-        chunk_grad(x, None, r, r, r, None, None, None, None, None, out[:, :39])
+    col = torch.zeros(5, 1, dtype=torch.long, device=DEVICE)
+    bad = [("inv_s must be", Coefficients(r[:3], r), out), ("mu must be", Coefficients(r, r, b=r), out),
+           ("cols and vals", Coefficients(r, r, cols=col), out),
+           ("a_tail and tail_cols", Coefficients(r, r, a_tail=r), out),
+           ("tail_cols must be", Coefficients(r, r, a_tail=r, tail_cols=col[:4].repeat(1, 2)), out),
+           ("out must be", Coefficients(r, r), out[:, :39])]
+    for message, coef, o in bad:
+        with pytest.raises(ValueError, match=message):
+            chunk_grad(x, None, r, coef, o)

@@ -6,9 +6,10 @@ import pytest
 import torch
 from mcore_engine_kernels.forward import chunk_stats, row_max
 from mcore_engine_kernels.launch import LaunchConfig
+from mcore_engine_kernels.layout import StatLayout
 
 from mcore_engine.ops import stats as torch_stats
-from tests.kernels._helpers import (
+from tests.kernels.inputs import (
     BF16,
     DEVICE,
     F16,
@@ -52,7 +53,7 @@ def test_chunk_stats_matches_float64_and_torch_path(case):
 
     # A global max from "another shard" can exceed the local one: shift it so the stats see m > max.
     m = m + 0.375
-    layout = torch_stats.StatLayout(**flags)
+    layout = StatLayout(**flags)
     label = torch_stats.local_columns(labels, offset, v_valid) if layout.label else None
     teacher = torch_stats.local_columns(ids, offset, v_valid) if layout.k else None
     out = torch.full((rows + 2, layout.width), float("nan"), device=DEVICE)[1:-1]  # a row slice, poisoned
@@ -63,25 +64,26 @@ def test_chunk_stats_matches_float64_and_torch_path(case):
     ref = reference_stats64(x, t, m, labels, ids, offset)
     torch_out = torch.empty_like(out)
     torch_stats.chunk_stats(torch_stats.shifted(x, t, m), layout, torch_out, label=label, teacher=teacher)
-    cols = {"S": 0}
+    cols = {"S": layout.col_sum_e}
     if layout.entropy:
-        cols["A"] = layout.a
+        cols["A"] = layout.col_sum_ez
     if layout.sum_pi_squared:
-        cols["B"] = layout.b
+        cols["B"] = layout.col_sum_e2
     if layout.label:
-        cols["y"] = layout.y
+        cols["y"] = layout.col_label
     if layout.tail:
-        cols["tail"] = layout.t
+        cols["tail"] = layout.col_tail
     for name, col in cols.items():
         assert_rel_close(out[:, col], ref[name].float(), 1e-5, f"{name} vs float64")
         assert_rel_close(out[:, col], torch_out[:, col], 1e-5, f"{name} vs torch path")
     if layout.k:
-        assert_rel_close(out[:, layout.teacher:layout.t], ref["teacher"].float(), 1e-5, "teacher z - m")
-        assert torch.equal(out[:, layout.teacher:layout.t], torch_out[:, layout.teacher:layout.t])
+        teacher = slice(layout.col_teacher, layout.col_tail)
+        assert_rel_close(out[:, teacher], ref["teacher"].float(), 1e-5, "teacher z - m")
+        assert torch.equal(out[:, teacher], torch_out[:, teacher])
 
 
 def test_empty_rows_and_fully_padded_shard():
-    layout = torch_stats.StatLayout(entropy=True, sum_pi_squared=True, label=True, k=2, tail=True)
+    layout = StatLayout(entropy=True, sum_pi_squared=True, label=True, k=2, tail=True)
     x = torch.randn(0, 50, device=DEVICE)
     assert row_max(x, None).shape == (0,)
     out = torch.empty(0, layout.width, device=DEVICE)
@@ -101,7 +103,7 @@ def test_empty_rows_and_fully_padded_shard():
 
 
 def test_bad_input_raises_value_error_naming_argument():
-    layout = torch_stats.StatLayout(entropy=True, sum_pi_squared=False, label=False, k=0, tail=False)
+    layout = StatLayout(entropy=True, sum_pi_squared=False, label=False, k=0, tail=False)
     x = torch.randn(5, 40, device=DEVICE)
     m = torch.zeros(5, device=DEVICE)
     with pytest.raises(ValueError, match="x must be"):

@@ -1,7 +1,7 @@
 """The ops' one-pass function with its chunk math on the Triton kernels: values and gradients, 1 and 2 ranks.
 
 The ops' own chunk loop, collectives, finalisation and gradient coefficients drive the kernels: the
-ops' one dispatch point (``fused.chunk_backend(device)``, from ``ops/backend.py``) is forced to the
+ops' one dispatch point (``plan.chunk_backend(device)``, from ``ops/backend.py``) is forced to the
 Triton backend (CPU tensors under the interpreter; CUDA tensors on a GPU, where the 2-rank check
 all-reduces CUDA tensors over gloo). Compared with the float64 reference from the formulas and with
 the torch backend (forced the same way); -inf logits give the torch path's values.
@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 from mcore_engine_kernels.launch import LaunchConfig
 
-from mcore_engine.ops import backend, fused, vocab_parallel_logits_outputs
-from tests.kernels._helpers import DEVICE
-from tests.ops._cases import Case, case_inputs, shard_of, weighted_sum
+from mcore_engine.ops import backend, plan, vocab_parallel_logits_outputs
+from mcore_engine.ops.lm_head import fused_lm_head_outputs
+from tests.kernels.inputs import DEVICE
+from tests.ops.cases import Case, case_inputs, shard_of, weighted_sum
 from tests.ops.test_fused import check_concentrated_tail
 from tests.reference import reference_logits_outputs
 from tests.utils import REL_TOL, assert_rel_close, run_distributed
@@ -54,17 +55,17 @@ def _forced_triton_backend(splits: int | None, config: LaunchConfig | None, call
 
 @contextlib.contextmanager
 def triton_chunk_math(splits: int | None, config: LaunchConfig | None):
-    """Run ``fused`` on the kernels through its dispatch point; every kernel must have run."""
+    """Run the ops on the kernels through their dispatch point; every kernel must have run."""
     calls: list[str] = []
     forced = _forced_triton_backend(splits, config, calls)
-    with mock.patch.object(fused, "chunk_backend", lambda device: forced):
+    with mock.patch.object(plan, "chunk_backend", lambda device: forced):
         yield
     assert {"row_max", "chunk_stats", "chunk_grad"} <= set(calls), f"kernels not all run: {calls}"
 
 
 def torch_chunk_math():
-    """Run ``fused`` on the torch backend (the reference), also on a CUDA machine."""
-    return mock.patch.object(fused, "chunk_backend", lambda device: backend.TORCH_BACKEND)
+    """Run the ops on the torch backend (the reference), also on a CUDA machine."""
+    return mock.patch.object(plan, "chunk_backend", lambda device: backend.TORCH_BACKEND)
 
 
 def _kwargs(case: Case, inp: dict) -> dict:
@@ -152,8 +153,6 @@ def test_fused_outputs_with_triton_chunk_math_two_ranks():
 
 def test_fused_lm_head_with_triton_chunk_math_matches_torch_backend():
     """The fused lm-head's chunk math through the same dispatch point: outputs and both gradients."""
-    from mcore_engine import lm_head
-
     g = torch.Generator().manual_seed(21)
     hidden = torch.randn(2, 5, 16, generator=g)
     weight = torch.randn(211, 16, generator=g) / 2
@@ -165,8 +164,8 @@ def test_fused_lm_head_with_triton_chunk_math_matches_torch_backend():
     runs = []
     for be in (backend.TORCH_BACKEND, _forced_triton_backend(2, SMALL, calls := [])):
         h, w = hidden.to(DEVICE).requires_grad_(), weight.to(DEVICE).requires_grad_()
-        with mock.patch.object(lm_head, "chunk_backend", lambda device, be=be: be):
-            out = lm_head.fused_lm_head_outputs(
+        with mock.patch.object(plan, "chunk_backend", lambda device, be=be: be):
+            out = fused_lm_head_outputs(
                 h, w, labels=labels.to(DEVICE), teacher_ids=ids.to(DEVICE), teacher_log_probs=tlp.to(DEVICE),
                 entropy=True, sum_pi_squared=True, kl_tail=True, temperature=t.to(DEVICE), vocab_size=200,
                 chunk_size=4)

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
-from mcore_engine_kernels import gpu_check
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "tools"))
+
+import gpu_check  # noqa: E402
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke mode is for CPU machines")

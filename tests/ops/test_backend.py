@@ -8,7 +8,9 @@ from unittest import mock
 import pytest
 import torch
 
-from mcore_engine.ops import _common, backend, fused, vocab_parallel_logits_outputs
+from mcore_engine_kernels.layout import Coefficients
+
+from mcore_engine.ops import _common, backend, plan, vocab_parallel_logits_outputs
 from mcore_engine.ops import stats as _stats
 
 
@@ -39,7 +41,7 @@ def test_chunk_size_default_follows_the_backend():
 
     small = backend.ChunkBackend("torch", row_max, backend.TORCH_BACKEND.chunk_stats,
                                  backend.TORCH_BACKEND.chunk_grad, chunk_elements=4 * 50)
-    with mock.patch.object(fused, "chunk_backend", lambda device: small):
+    with mock.patch.object(plan, "chunk_backend", lambda device: small):
         out = vocab_parallel_logits_outputs(x, entropy=True)
     assert rows_seen == [4, 4, 1]
     ref = vocab_parallel_logits_outputs(x, entropy=True)
@@ -56,10 +58,11 @@ def test_torch_chunk_grad_with_and_without_out():
     inv_s, a, b, mu, c2 = (torch.rand(5, generator=g) + 0.1 for _ in range(5))
     cols = torch.randint(0, 23, (5, 2), generator=g)
     vals = torch.randn(5, 2, generator=g)
-    gz = backend.TORCH_BACKEND.chunk_grad(x, t, m, inv_s, a, b, mu, c2, cols, vals)
+    coef = Coefficients(inv_s, a, b, mu, c2, cols, vals)
+    gz = backend.TORCH_BACKEND.chunk_grad(x, t, m, coef)
     assert gz.dtype == torch.float32 and gz.shape == x.shape
-    ref = _stats.chunk_grad(_stats.shifted(x, t, m), inv_s, a, b, mu, c2, cols, vals) / t[:, None]
+    ref = _stats.chunk_grad(_stats.shifted(x, t, m), coef) / t[:, None]
     assert torch.equal(gz, ref)
     out = torch.full((5, 30), float("nan"), dtype=torch.bfloat16)[:, :23]
-    res = backend.TORCH_BACKEND.chunk_grad(x, t, m, inv_s, a, b, mu, c2, cols, vals, out=out)
+    res = backend.TORCH_BACKEND.chunk_grad(x, t, m, coef, out=out)
     assert res is out and torch.equal(out, ref.bfloat16())

@@ -23,7 +23,7 @@ from mcore_engine.ops import (
     vocab_parallel_sum_pi_squared,
     vocab_parallel_topk,
 )
-from tests.ops._cases import Case, case_inputs
+from tests.ops.cases import Case, case_inputs
 
 N, V, K = 10, 23, 3
 

@@ -14,7 +14,7 @@ from mcore_engine.ops import (
     vocab_parallel_sum_pi_squared,
     vocab_parallel_topk,
 )
-from tests.ops._cases import Case, case_inputs, shard_of, weighted_sum
+from tests.ops.cases import Case, case_inputs, shard_of, weighted_sum
 from tests.reference import reference_logits_outputs
 from tests.utils import REL_TOL, assert_rel_close, run_distributed
 

@@ -1,6 +1,6 @@
 """GPU check of the chunk kernels and the fused lm-head: one command, a few minutes, a markdown table.
 
-    python -m mcore_engine_kernels.gpu_check [--tests] [--tokens 32768] [--vocab 152064] [--hidden 4096]
+    python tools/gpu_check.py [--tests] [--tokens 32768] [--vocab 152064] [--hidden 4096]
 
 On a CUDA device: measures the device's copy bandwidth (``y.copy_(x)``, bytes read + written) and
 bf16 matmul rate, then times each kernel on ``[tokens, vocab]`` bf16 logits (achieved TB/s = bytes
@@ -22,6 +22,12 @@ import time
 from collections.abc import Callable
 
 import torch
+from mcore_engine_kernels.backward import chunk_grad
+from mcore_engine_kernels.forward import chunk_stats, row_max
+from mcore_engine_kernels.layout import Coefficients, StatLayout
+
+from mcore_engine.ops import stats as ts
+from mcore_engine.ops.lm_head import fused_lm_head_outputs
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
@@ -64,28 +70,23 @@ def _baselines(timed, device: torch.device, n: int, v: int, h: int, reps: int) -
 
 def _kernel_rows(timed, device: torch.device, n: int, v: int, k: int, reps: int, copy_bw: float) -> list:
     """Each kernel on one ``[n, v]`` bf16 chunk: time, achieved TB/s, fraction of copy bandwidth, speed-up."""
-    from mcore_engine.ops import stats as ts
-
-    from .backward import chunk_grad
-    from .forward import chunk_stats, row_max
-
     x = (torch.randn(n, v, device=device) * 3).bfloat16()
     t = torch.rand(n, device=device) + 0.5
     ids = torch.randint(0, v, (n, k), device=device)
     labels = torch.randint(0, v, (n,), device=device)
-    lay = ts.StatLayout(entropy=True, sum_pi_squared=True, label=True, k=k, tail=True)
+    lay = StatLayout(entropy=True, sum_pi_squared=True, label=True, k=k, tail=True)
     label, teacher = ts.local_columns(labels, 0, v), ts.local_columns(ids, 0, v)
     m = row_max(x, t)
     out = torch.empty(n, lay.width, device=device)
     inv_s = torch.rand(n, device=device)
-    coef = [torch.randn(n, device=device) for _ in range(4)]  # a, b, mu, c2
-    cols, vals = torch.cat([labels[:, None], ids], 1), torch.randn(n, k + 1, device=device)
-    tail = dict(a_tail=torch.randn(n, device=device), tail_cols=ids)  # the KL tail's restore at the ids
+    a, b, mu, c2, a_tail = (torch.randn(n, device=device) for _ in range(5))
+    coef = Coefficients(inv_s=inv_s, a=a, b=b, mu=mu, c2=c2, cols=torch.cat([labels[:, None], ids], 1),
+                        vals=torch.randn(n, k + 1, device=device), a_tail=a_tail, tail_cols=ids)
     grad = torch.empty_like(x)
     nbytes = x.numel() * x.element_size()
 
     def torch_grad():
-        gz = ts.chunk_grad(ts.shifted(x, t, m), inv_s, *coef, cols, vals, **tail)
+        gz = ts.chunk_grad(ts.shifted(x, t, m), coef)
         grad.copy_(gz.div_(t[:, None]))
 
     cases = [
@@ -94,7 +95,7 @@ def _kernel_rows(timed, device: torch.device, n: int, v: int, k: int, reps: int,
          lambda: chunk_stats(x, t, m, lay, out, label=label, teacher=teacher),
          lambda: ts.chunk_stats(ts.shifted(x, t, m), lay, out, label=label, teacher=teacher), nbytes),
         (f"chunk_grad ({k + 1} points, tail)",
-         lambda: chunk_grad(x, t, m, inv_s, *coef, cols, vals, grad, **tail),
+         lambda: chunk_grad(x, t, m, coef, grad),
          torch_grad, 2 * nbytes),
     ]
     rows = []
@@ -107,8 +108,6 @@ def _kernel_rows(timed, device: torch.device, n: int, v: int, k: int, reps: int,
 
 def _lm_head_row(timed, device: torch.device, args: argparse.Namespace, mm_rate: float) -> list:
     """Fused lm-head fwd+bwd (log-probs + entropy, per-token temperature): TFLOP/s and peak memory."""
-    from mcore_engine.lm_head import fused_lm_head_outputs
-
     n, v, h = args.tokens, args.vocab, args.hidden
     hidden = torch.randn(n, h, device=device).bfloat16().requires_grad_()
     weight = (torch.randn(v, h, device=device) / h**0.5).bfloat16().requires_grad_()

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mcore_engine.lm_head import fused_lm_head_outputs
 from mcore_engine.ops import vocab_parallel_logits_outputs
+from mcore_engine.ops.lm_head import fused_lm_head_outputs
 from tests.reference import reference_logits_outputs
 from tests.utils import REL_TOL, assert_rel_close, run_distributed
 
@@ -171,37 +171,6 @@ def test_bad_input_raises_value_error_naming_argument():
         fused_lm_head_outputs(hidden, weight, entropy=True, chunk_size=0)
 
 
-def test_process_lm_head_hidden_matches_processor_on_logits():
-    from mcore_engine.lm_head import process_lm_head_hidden
-    from mcore_engine.processor import process_lm_head_logits
-
-    g = torch.Generator().manual_seed(7)
-    n, h_dim, v, k = 19, 10, 33, 3
-    hidden, weight = torch.randn(n, h_dim, generator=g), torch.randn(v, h_dim, generator=g)
-    label = torch.randint(0, v, (n,), generator=g)
-    batch = {"teacher_ids": torch.rand(n, v, generator=g).argsort(-1)[:, :k],
-             "teacher_logprobs": torch.randn(n, k, generator=g).log_softmax(-1) - 0.1}
-    for flags in (dict(calculate_sum_pi_squared=True, calculate_entropy=False, distillation_use_topk=True,
-                       distillation_only=False),
-                  dict(calculate_sum_pi_squared=False, calculate_entropy=True, distillation_use_topk=True,
-                       distillation_only=True),
-                  dict(calculate_sum_pi_squared=False, calculate_entropy=True, distillation_use_topk=False,
-                       distillation_only=False)):
-        fused = process_lm_head_hidden(hidden, weight, label, 0.7, **flags, batch=batch, chunk_size=4)
-        ref = process_lm_head_logits(hidden @ weight.T, label, 0.7, **flags, batch=batch)
-        assert set(fused) == set(ref), flags
-        assert ("log_probs" in fused) != flags["distillation_only"]
-        for key in ref:
-            assert_rel_close(fused[key], ref[key], REL_TOL[F32], f"{flags} {key}")
-    off = dict(calculate_sum_pi_squared=False, calculate_entropy=False)
-    with pytest.raises(ValueError, match="logits_processor_func"):
-        process_lm_head_hidden(hidden, weight, label, 1.0, **off, distillation_use_topk=True,
-                               distillation_only=False, logits_processor_func=lambda **kw: {})
-    with pytest.raises(ValueError, match="distillation_only"):
-        process_lm_head_hidden(hidden, weight, label, 1.0, **off, distillation_use_topk=False,
-                               distillation_only=True)
-
-
 def test_fp32_hidden_with_bf16_weight_computes_in_bf16():
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(9, 8, generator=g, requires_grad=True)
@@ -212,58 +181,6 @@ def test_fp32_hidden_with_bf16_weight_computes_in_bf16():
     assert_rel_close(out["log_probs"], ref["log_probs"], 1e-6, "log_probs")
     out["log_probs"].sum().backward()
     assert hidden.grad.dtype == torch.float32
-
-
-# ----------------------------------------------------------------------------------------------------
-# A Megatron GPTModel (TP=2): output_hidden_states + lm_head_weight + fused path == the logits path
-# ----------------------------------------------------------------------------------------------------
-def _gpt_run(model, fused: bool, ids, pos, kwargs: dict, upstream: dict):
-    """Outputs and parameter grads of the logits path (``fused=False``) or the fused lm-head path."""
-    from mcore_engine.lm_head import lm_head_weight, output_hidden_states
-
-    model.zero_grad(set_to_none=True)
-    output_hidden_states(model, enable=fused)
-    y = model(ids, pos, None)
-    out = (fused_lm_head_outputs(y, lm_head_weight(model), **kwargs) if fused
-           else vocab_parallel_logits_outputs(y, **kwargs))
-    _loss(out, upstream).backward()
-    return y, out, {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def _gpt_checks(rank: int, world: int) -> None:
-    from mcore_engine.config import EngineConfig, ModelConfig, ParallelConfig
-    from mcore_engine.model import build_model_chunks
-    from mcore_engine.platform import destroy_distributed, init_distributed
-
-    g = torch.Generator().manual_seed(21)
-    b, s, vocab, k = 2, 11, 250, 3
-    ids = torch.randint(0, vocab, (b, s), generator=g)
-    pos = torch.arange(s).expand(b, s)
-    kwargs = dict(labels=torch.randint(0, vocab, (b, s), generator=g),
-                  teacher_ids=torch.rand(b, s, vocab, generator=g).argsort(-1)[..., :k],
-                  teacher_log_probs=torch.randn(b, s, k, generator=g).log_softmax(-1) - 0.2, entropy=True,
-                  sum_pi_squared=True, kl_tail=True, temperature=0.8, vocab_size=vocab)
-    upstream = {key: torch.randn(b, s, generator=g) for key in KEYS}
-    for tied in (False, True):
-        arch = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48,
-                           vocab_size=vocab, max_sequence_length=32, tie_word_embeddings=tied)
-        cfg = EngineConfig(model=arch, parallel=ParallelConfig(tensor_model_parallel_size=world))
-        init_distributed(cfg.parallel, cfg.seed)
-        (model,) = build_model_chunks(cfg)
-        logits, ref, ref_grads = _gpt_run(model, False, ids, pos, kwargs, upstream)
-        hidden, out, grads = _gpt_run(model, True, ids, pos, kwargs, upstream)
-        assert hidden.shape == (b, s, 32) and logits.shape == (b, s, 256 // world)
-        for key in ref:
-            assert_rel_close(out[key], ref[key], REL_TOL[F32], f"tied={tied} {key}")
-        for name, grad in grads.items():
-            assert_rel_close(grad, ref_grads[name], REL_TOL[F32], f"tied={tied} grad {name}")
-        assert _gpt_run(model, False, ids, pos, kwargs, upstream)[0].shape == logits.shape  # restored
-        destroy_distributed()
-
-
-@pytest.mark.slow
-def test_gpt_model_fused_lm_head_matches_logits_path_tp2():
-    run_distributed(_gpt_checks, 2)
 
 
 def test_frozen_weight_or_hidden_gets_no_gradient_work():

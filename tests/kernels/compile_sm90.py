@@ -1,4 +1,4 @@
-"""Compile every kernel variant for sm_90: ``python -m tests.kernels._compile_sm90`` (interpreter off).
+"""Compile every kernel variant for sm_90: ``python -m tests.kernels.compile_sm90`` (interpreter off).
 
 Prints "compiled" on success; a kernel whose arguments drift from the signatures below fails with KeyError.
 """
@@ -35,8 +35,8 @@ def main() -> None:
         no_t = () if t_mode == 2 else ("t_ptr",)
         compile_(forward._row_max_kernel, x, {"T_MODE": t_mode}, DEFAULT_CONFIGS["row_max"], no_t)
         ids = {"ycol_ptr": "*i64", "yin_ptr": "*i1", "tcol_ptr": "*i64", "tin_ptr": "*i1", "out_ptr": "*fp32"}
-        cols = {"COL_A": 1, "COL_B": 2 if k else -1, "COL_Y": 3 if k else -1, "COL_TEACHER": 4, "K": k,
-                "COL_TAIL": 4 + k if k else -1}
+        cols = {"COL_SUM_EZ": 1, "COL_SUM_E2": 2 if k else -1, "COL_LABEL": 3 if k else -1,
+                "COL_TEACHER": 4, "K": k, "COL_TAIL": 4 + k if k else -1}
         no_ids = () if k else ("ycol_ptr", "yin_ptr", "tcol_ptr", "tin_ptr")
         compile_(forward._chunk_stats_kernel, {**x, **ids}, {**cols, "T_MODE": t_mode},
                  DEFAULT_CONFIGS["chunk_stats"], no_t + no_ids)

@@ -1,0 +1,123 @@
+"""The chunk driver shared by both lm-head paths: forward statistics and backward gradients, per chunk.
+
+A chunk source gives the logits of rows ``[r0, r1)`` restricted to this shard's valid columns,
+``x [c, V_valid]``:
+
+- ``LogitsSource``: a slice of the caller's logits (a view; reading it twice is free), so under TP
+  a pass makes one MAX and one packed SUM all-reduce for all rows;
+- ``MatmulSource``: ``hidden[r0:r1] @ weight[:V_valid].T`` into one buffer allocated per pass, so
+  each chunk is formed once and reduced on its own (one MAX + one SUM per chunk).
+
+Forward, per block of rows (``Plan.blocks``): 1. row max of ``x / t`` -> all-reduce MAX;
+2. packed statistics (``backend.chunk_stats``) -> all-reduce SUM. Backward, per chunk (no
+collectives): ``backend.chunk_grad`` with the coefficients of ``stats.grad_coefficients``.
+Memory per pass: the backend's workspace (torch: two fp32 ``[rows, V_valid]``), allocated once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from mcore_engine.ops import _common
+from mcore_engine.ops import stats as _stats
+from mcore_engine.ops.plan import NO_GRAD_KEYS, Plan, Rows
+
+
+class LogitsSource:
+    """Row slices of the logits ``[N, V_local]`` (views, no copy)."""
+
+    rereadable = True
+
+    def __init__(self, logits: torch.Tensor, plan: Plan) -> None:
+        self.x = _common.flat_rows(logits)[:, :plan.shard.v_valid]
+
+    def rows(self, r0: int, r1: int) -> torch.Tensor:
+        return self.x[r0:r1]
+
+
+class MatmulSource:
+    """``h[r0:r1] @ w.T`` for ``h [N, H]`` and ``w [V_valid, H]``, into one ``[rows, V_valid]`` buffer
+    of the compute dtype (overwritten by the next chunk)."""
+
+    rereadable = False
+
+    def __init__(self, h: torch.Tensor, w: torch.Tensor, plan: Plan) -> None:
+        self.h, self.w = h, w
+        self.buf = torch.empty(min(plan.rows, h.shape[0]), w.shape[0], dtype=torch.result_type(h, w),
+                               device=h.device)
+
+    def rows(self, r0: int, r1: int) -> torch.Tensor:
+        return torch.matmul(self.h[r0:r1], self.w.T, out=self.buf[:r1 - r0])
+
+
+Source = LogitsSource | MatmulSource
+
+
+def forward_stats(plan: Plan, source: Source, rows: Rows, n: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global packed statistics fp32 ``[N, width]`` and row max fp32 ``[N]`` of all rows."""
+    shard, lay, backend = plan.shard, plan.layout, plan.backend
+    stats = torch.empty(n, lay.width, dtype=torch.float32, device=device)
+    row_max = torch.empty(n, dtype=torch.float32, device=device)
+    ws = backend.workspace(min(plan.rows, n), shard.v_valid, device)
+    for b0, b1 in plan.blocks(n, source.rereadable):
+        chunks = plan.chunks(b0, b1)
+        # --- 1. global row max of the block's rows -> one all-reduce MAX ---
+        for r0, r1 in chunks:
+            x = source.rows(r0, r1)
+            row_max[r0:r1] = backend.row_max(x, plan.chunk_t(rows.t_rows, r0, r1))
+        _common.all_reduce_(row_max[b0:b1], dist.ReduceOp.MAX, shard)
+        # --- 2. packed local statistics of the block's rows -> one all-reduce SUM ---
+        for r0, r1 in chunks:
+            if len(chunks) > 1:  # a one-chunk block reuses the x of step 1
+                x = source.rows(r0, r1)
+            label = (_stats.local_columns(rows.labels[r0:r1], shard.offset, shard.v_valid)
+                     if rows.labels is not None else None)
+            teacher = (_stats.local_columns(rows.teacher_ids[r0:r1], shard.offset, shard.v_valid)
+                       if rows.teacher_ids is not None else None)
+            backend.chunk_stats(x, plan.chunk_t(rows.t_rows, r0, r1), row_max[r0:r1], lay, stats[r0:r1],
+                                label=label, teacher=teacher, ws=ws)
+        _common.all_reduce_(stats[b0:b1], dist.ReduceOp.SUM, shard)
+    return stats, row_max
+
+
+def backward_grads(plan: Plan, source: Source, coef: _stats.GradCoefficients, row_max: torch.Tensor,
+                   t_rows: torch.Tensor | None, out: torch.Tensor | None = None,
+                   take: Callable[[int, int, torch.Tensor], None] | None = None) -> None:
+    """Per chunk, the gradient w.r.t. ``x``: written into ``out[r0:r1]`` (``[N, V_valid]``, any float
+    dtype) when given, else an fp32 chunk handed to ``take(r0, r1, gx)`` (valid until the next chunk)."""
+    shard, backend = plan.shard, plan.backend
+    n = row_max.shape[0]
+    ws = backend.workspace(min(plan.rows, n), shard.v_valid, row_max.device)
+    for r0, r1 in plan.chunks(0, n):
+        gx = backend.chunk_grad(source.rows(r0, r1), plan.chunk_t(t_rows, r0, r1), row_max[r0:r1],
+                                coef.chunk(r0, r1, shard.offset, shard.v_valid),
+                                out=None if out is None else out[r0:r1], ws=ws)
+        if take is not None:
+            take(r0, r1, gx)
+
+
+def save_and_output(ctx, plan: Plan, inputs: tuple[torch.Tensor, ...], rows: Rows, row_max: torch.Tensor,
+                    stats: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Finalize, save what backward needs (the inputs, not copies, and per-token tensors) and return
+    the outputs in ``plan.keys`` order (mass outputs marked non-differentiable)."""
+    fin = _stats.finalize(stats, plan.layout, teacher_log_probs=rows.teacher_log_probs, clamp=plan.clamp)
+    ctx.plan, ctx.n_inputs = plan, len(inputs)
+    ctx.save_for_backward(*inputs, rows.labels, rows.teacher_ids, rows.t_rows, row_max, fin.inv_s, fin.mu,
+                          fin.s2, fin.kl_w, fin.kl_p, fin.tail_r, fin.tail_p, fin.q)
+    ctx.set_materialize_grads(False)
+    outs = tuple(fin.outputs[k].clone() for k in plan.keys)
+    ctx.mark_non_differentiable(*(o for k, o in zip(plan.keys, outs, strict=True) if k in NO_GRAD_KEYS))
+    return outs
+
+
+def saved_and_coefficients(ctx, grads: tuple[torch.Tensor | None, ...]):
+    """``(inputs, t_rows, row_max, coef)`` from :func:`save_and_output`'s ctx; coef None without gradient."""
+    saved = ctx.saved_tensors
+    inputs, (labels, ids, t_rows, row_max, *fin_tensors) = saved[:ctx.n_inputs], saved[ctx.n_inputs:]
+    fin = _stats.Finalized({}, *fin_tensors)
+    coef = _stats.grad_coefficients(fin, dict(zip(ctx.plan.keys, grads, strict=True)), labels, ids)
+    return inputs, t_rows, row_max, coef
