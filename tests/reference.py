@@ -18,18 +18,19 @@ def reference_logits_outputs(
     logits: torch.Tensor, *, labels: torch.Tensor | None = None, teacher_ids: torch.Tensor | None = None,
     teacher_log_probs: torch.Tensor | None = None, entropy: bool = False, sum_pi_squared: bool = False,
     kl_tail: bool = False, log_prob_min_clamp: float | None = None, temperature: Any = 1.0,
-    vocab_size: int | None = None,
+    vocab_size: int | None = None, dtype: torch.dtype = torch.float64,
 ) -> dict[str, torch.Tensor]:
     """Float64 reference of ``mcore_engine.ops`` on the FULL (gathered) logits ``[..., V]``, from API.md.
 
     Differentiable w.r.t. ``logits`` (pass a float64 leaf). Padded ids (>= vocab_size) are sliced off.
+    ``dtype=torch.float32``: the same formulas in plain fp32 (a naive implementation's error budget).
     """
     v = logits.shape[-1] if vocab_size is None else vocab_size
     t = temperature
     if isinstance(t, torch.Tensor):
-        t = t.double()
+        t = t.to(dtype)
         t = t.unsqueeze(-1) if t.dim() else t
-    z = logits.double()[..., :v] / t
+    z = logits.to(dtype)[..., :v] / t
     lse = z.logsumexp(-1)
     p = z.softmax(-1)
     out: dict[str, torch.Tensor] = {}
@@ -41,7 +42,7 @@ def reference_logits_outputs(
         out["sum_pi_squared"] = (p * p).sum(-1)
     if teacher_ids is not None:
         log_q = z.gather(-1, teacher_ids) - lse[..., None]
-        log_p = teacher_log_probs.double()
+        log_p = teacher_log_probs.to(dtype)
         big_p = log_p.exp()
         c = log_prob_min_clamp
         if c is None:
@@ -60,13 +61,16 @@ def reference_logits_outputs(
 
 
 def ref_agg(values, mask, seq_ids, mode, num_tokens, num_seqs):
+    """verl's ``agg_loss`` with global normalisers, one Python loop over the sequences; values at
+    ``mask == 0`` are ignored (may be NaN); float masks are weights."""
     values, mask = values.double(), mask.double()
+    values = torch.where(mask != 0, values * mask, torch.zeros((), dtype=values.dtype))
     if mode == "token-mean":
-        return (values * mask).sum() / num_tokens
+        return values.sum() / num_tokens
     total = values.new_zeros(())
     for s in torch.unique(seq_ids).tolist():
         sel = seq_ids == s
-        tok_sum = (values[sel] * mask[sel]).sum()
+        tok_sum = values[sel].sum()
         count = mask[sel].sum()
         if mode == "seq-mean-token-sum":
             total = total + tok_sum
@@ -95,10 +99,15 @@ def ref_kl(lp, ref, kind):
     return (torch.exp(d) - 1 - d).clamp(max=10)
 
 
-def make_teacher(n: int, vocab: int, k: int, generator: torch.Generator, sharpness: float = 2.0):
-    """Teacher top-k ids [n, k] and log-probs [n, k] (sorted) from a random teacher softmax."""
+def make_teacher(n: int, vocab: int, k: int, generator: torch.Generator, sharpness: float = 2.0,
+                 random_ids: bool = False):
+    """Teacher ids [n, k] and their log-probs [n, k] (float32) under a random teacher softmax: its
+    top-k (sorted), or ``k`` random distinct ids per row with ``random_ids``."""
     t_logits = torch.randn(n, vocab, generator=generator, dtype=torch.float64) * sharpness
     logp = torch.log_softmax(t_logits, -1)
+    if random_ids:
+        ids = torch.stack([torch.randperm(vocab, generator=generator)[:k] for _ in range(n)])
+        return ids, logp.gather(-1, ids).float()
     vals, ids = logp.topk(k, dim=-1)
     return ids, vals.float()
 
@@ -142,3 +151,30 @@ def random_split(num_seqs: int, parts: int, generator: torch.Generator) -> list[
     perm = torch.randperm(num_seqs, generator=generator)
     owner = torch.randint(0, parts, (num_seqs,), generator=generator)
     return [perm[owner[perm] == i] for i in range(parts)]
+
+
+def micro_batches(seq_ids: torch.Tensor, parts: int, generator: torch.Generator,
+                  with_empty: bool = False) -> list[torch.Tensor]:
+    """Token indices of a random split of the sequences into ``parts`` micro-batches (whole
+    sequences, tokens shuffled inside each), plus one empty micro-batch at a random place."""
+    num_seqs = int(seq_ids.max()) + 1
+    out = []
+    for seqs in random_split(num_seqs, parts, generator):
+        idx = torch.nonzero(torch.isin(seq_ids, seqs)).flatten()
+        out.append(idx[torch.randperm(idx.numel(), generator=generator)])
+    if with_empty:
+        out.insert(int(torch.randint(0, len(out) + 1, (1,), generator=generator)),
+                   torch.zeros(0, dtype=torch.int64))
+    return out
+
+
+def ppo_inputs(t: int, generator: torch.Generator):
+    """(log_probs, old_log_probs, advantages) [t], float64, with log-ratios inside the clip, beyond
+    ``1 +- eps``, beyond the dual clip ``c = 3`` (log 3 = 1.1) and beyond the +-20 clamp."""
+    adv = torch.randn(t, generator=generator, dtype=torch.float64) * 1.5
+    old = -torch.rand(t, generator=generator, dtype=torch.float64) * 4 - 0.05
+    log_ratio = torch.randn(t, generator=generator, dtype=torch.float64) * 0.6
+    log_ratio[::11] = 25.0 * torch.sign(torch.randn(len(log_ratio[::11]), generator=generator,
+                                                    dtype=torch.float64))
+    log_ratio[3::7] = 1.6
+    return old + log_ratio, old, adv

@@ -1,4 +1,5 @@
-"""agg_loss: float64 reference (values and gradients), micro-batch split invariance, bad input."""
+"""agg_loss: float64 reference (values and gradients), micro-batch split invariance, float weights,
+bad input."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from mcore_engine.losses import AGG_MODES, LossContext, agg_loss, token_mean_metric, tokens_per_sequence
-from tests.reference import random_packed_batch, random_split, ref_agg
+from tests.reference import micro_batches, random_packed_batch, random_split, ref_agg
 from tests.utils import REL_TOL, assert_rel_close
 
 
@@ -55,6 +56,63 @@ def test_agg_loss_is_invariant_under_micro_batch_split(mode):
         (grad,) = torch.autograd.grad(total, values)
         assert_rel_close(total, whole, REL_TOL[torch.float32], f"{mode} split into {parts}: value")
         assert_rel_close(grad, whole_grad, REL_TOL[torch.float32], f"{mode} split into {parts}: grad")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_agg_loss_any_split_matches_reference(mode, dtype):
+    """Micro-batch contributions (an empty one included, sparse ids, bool or int masks) sum to the
+    float64 whole-batch loss and gradient; NaN / inf at masked slots never leak."""
+    g = torch.Generator().manual_seed(11 + AGG_MODES.index(mode))
+    n_seqs = 9
+    seq_ids, mask = random_packed_batch(n_seqs, g, max_len=13)
+    mask = mask.double()
+    sparse_ids = 7 * seq_ids + 1000
+    values = torch.randn(seq_ids.numel(), generator=g, dtype=torch.float64).to(dtype)
+    values[mask == 0] = float("nan")
+    values[(mask == 0).nonzero()[0]] = float("inf")
+    g_up = float(torch.randn((), generator=g)) + 2.0
+    ctx = LossContext.from_counts(float(mask.sum()), float(n_seqs))
+    v64 = values.double().requires_grad_()
+    ref = ref_agg(v64, mask, seq_ids, mode, float(mask.sum()), n_seqs)
+    (ref * g_up).backward()
+    for trial, parts in enumerate((1, 2, 4, 9)):
+        x = values.clone().requires_grad_()
+        total = x.new_zeros((), dtype=torch.float32)
+        for idx in micro_batches(seq_ids, parts, g, with_empty=True):
+            m = mask[idx].to(torch.bool) if trial % 2 else mask[idx].to(torch.int64)
+            part = agg_loss(x[idx], m, sparse_ids[idx], mode, ctx)
+            assert part.dtype == dtype
+            total = total + part.float()
+        (total * g_up).backward()
+        assert torch.isfinite(x.grad.float()).all()
+        assert (x.grad[mask == 0] == 0).all()
+        assert_rel_close(total, ref.detach(), REL_TOL[dtype], f"{mode} value")
+        assert_rel_close(x.grad.float(), v64.grad, REL_TOL[dtype], f"{mode} grad")
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
+def test_agg_loss_float_weights_token_modes(mode):
+    """Float mask weights are used as given in the two modes without per-sequence counts."""
+    g = torch.Generator().manual_seed(5)
+    seq_ids, _ = random_packed_batch(6, g, max_len=13)
+    w = torch.rand(seq_ids.numel(), generator=g, dtype=torch.float64)
+    values = torch.randn(seq_ids.numel(), generator=g, dtype=torch.float64)
+    ctx = LossContext.from_counts(float(w.sum()), 6.0)
+    ref = ref_agg(values, w, seq_ids, mode, float(w.sum()), 6.0)
+    got = sum(agg_loss(values[i].float(), w[i].float(), seq_ids[i], mode, ctx).double()
+              for i in micro_batches(seq_ids, 3, g, with_empty=True))
+    assert_rel_close(got, ref, 1e-6, mode)
+
+
+def test_agg_loss_float_weights_seq_mean_token_mean():
+    values = torch.tensor([1.0, 3.0, -2.0, 5.0], dtype=torch.float64)
+    w = torch.tensor([0.25, 0.25, 0.5, 0.5], dtype=torch.float64)      # sequence sums 0.5 and 1.0
+    seq = torch.tensor([0, 0, 1, 1])
+    ctx = LossContext.from_counts(float(w.sum()), 2.0)
+    ref = ref_agg(values, w, seq, "seq-mean-token-mean", float(w.sum()), 2.0)   # (2 + 1.5) / 2 = 1.75
+    got = agg_loss(values, w, seq, "seq-mean-token-mean", ctx)
+    assert_rel_close(got, ref, 1e-12, "seq-mean-token-mean float weights")
 
 
 def test_tokens_per_sequence_and_empty_input():

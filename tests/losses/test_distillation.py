@@ -1,7 +1,8 @@
 """Top-k distillation processors and the overlap metric against a float64 full-vocab reference.
 
 One process for the 1-shard checks; one gloo launch (2 ranks) for the vocab-parallel processor
-(TP=2, padded vocab) and for data-parallel additivity of ``distillation_ppo_loss`` contributions.
+(TP=2, padded vocab, with and without the clamp) and for data-parallel additivity of
+``distillation_ppo_loss`` contributions (distillation + PPO, and PPO + k3 KL).
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ from mcore_engine.losses import (
     make_forward_kl_topk,
     topk_overlap,
 )
-from tests.reference import make_teacher, random_packed_batch, ref_agg, ref_forward_kl_topk
+from tests.reference import (
+    make_teacher,
+    ppo_inputs,
+    random_packed_batch,
+    ref_agg,
+    ref_forward_kl_topk,
+    ref_kl,
+    ref_ppo_tokens,
+)
 from tests.utils import REL_TOL, assert_rel_close, run_distributed
 
 KEYS = ("distillation_losses", "student_mass", "teacher_mass", "topk_overlap")
@@ -80,6 +89,86 @@ def test_clamped_factory_and_padded_vocab():
     assert "topk_overlap" not in no_overlap(logits, {"teacher_ids": ids, "teacher_logprobs": tlp}, "bshd")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tail", [False, True])
+@pytest.mark.parametrize("clamp", [None, -6.0])
+def test_forward_kl_topk_clamp_chunks_and_extreme_rows(tail, clamp, dtype):
+    """Rows far from the teacher and rows with most student mass on S; half the rows with ids that
+    are not the teacher's top-k; chunked and unchunked; inputs unchanged."""
+    seed = 1000 + 10 * tail + (clamp is not None) + 100 * (dtype == torch.bfloat16)
+    g = torch.Generator().manual_seed(seed)
+    t, v, k = 29, 97, 5
+    logits = torch.randn(t, v, generator=g, dtype=torch.float64) * 2.0
+    ids, t_lp = make_teacher(t, v, k, g, sharpness=2.5)
+    logits[0].scatter_(0, ids[0], -12.0)                  # very low student log-probs on S
+    logits[1].scatter_(0, ids[1], 8.0)                    # q_tail ~ 1e-3
+    ids_r, t_lp_r = make_teacher(t, v, k, g, sharpness=2.5, random_ids=True)
+    ids[2::2], t_lp[2::2] = ids_r[2::2], t_lp_r[2::2]
+    logits = logits.to(dtype)
+    g_up = torch.randn(t, generator=g, dtype=torch.float64)
+    fn = forward_kl_topk_tail if tail else forward_kl_topk
+    x64 = logits.double().requires_grad_()
+    ref = ref_forward_kl_topk(x64, ids, t_lp, tail=tail, clamp=clamp)
+    ref["distillation_losses"].backward(g_up)
+    tol = REL_TOL[torch.float32] if dtype == torch.float32 else 1e-5   # values: fp32 math on exact inputs
+    for chunk in (None, 4):
+        x = logits.clone().requires_grad_()
+        data = {"teacher_ids": ids.clone(), "teacher_logprobs": t_lp.clone()}
+        out = fn(x, data, "thd", log_prob_min_clamp=clamp, chunk_size=chunk)
+        for key in KEYS:
+            assert out[key].dtype == torch.float32 and out[key].shape == (t,)
+            assert_rel_close(out[key], ref[key].detach(), tol, f"{key} tail={tail} clamp={clamp} {dtype}")
+        out["distillation_losses"].backward(g_up.float())
+        assert x.grad.dtype == dtype
+        assert_rel_close(x.grad, x64.grad, REL_TOL[dtype], f"grad tail={tail} clamp={clamp} {dtype}")
+        assert torch.equal(data["teacher_ids"], ids) and torch.equal(data["teacher_logprobs"], t_lp)
+
+
+@pytest.mark.parametrize("gap", [20.0, 40.0])
+def test_tail_kl_of_a_concentrated_student(gap):
+    """The student keeps q_tail ~ V e^-gap (1e-7 .. 1e-16) outside the teacher's set S, the teacher
+    p_tail = 0.3: 1 - sum_S q would cancel in fp32; value (per token) and gradient stay exact."""
+    g = torch.Generator().manual_seed(int(gap))
+    t, v, k = 6, 97, 5
+    logits = torch.randn(t, v, generator=g, dtype=torch.float64) * 2
+    ids = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(t)])
+    logits.scatter_(1, ids, gap + torch.randn(t, k, generator=g, dtype=torch.float64) * 0.5)
+    t_lp = torch.log(torch.tensor([0.3, 0.2, 0.1, 0.05, 0.05], dtype=torch.float64)).expand(t, k).float()
+    x64 = logits.float().double().requires_grad_()
+    ref = ref_forward_kl_topk(x64, ids, t_lp, tail=True)
+    g_up = torch.randn(t, generator=g, dtype=torch.float64)
+    ref["distillation_losses"].backward(g_up)
+    x = logits.float().requires_grad_()
+    out = forward_kl_topk_tail(x, {"teacher_ids": ids, "teacher_logprobs": t_lp}, compute_overlap=False)
+    out["distillation_losses"].backward(g_up.float())
+    err = ((out["distillation_losses"].double() - ref["distillation_losses"]).abs()
+           / ref["distillation_losses"].abs()).max()
+    assert err < 1e-5, err
+    assert_rel_close(x.grad, x64.grad, 1e-4, f"tail grad, q_tail ~ e^-{gap}")
+
+
+def test_padded_vocab_ignores_huge_padding_logits():
+    """``vocab_size`` < V: padding logits of 50 get no mass and no gradient; [1, T, V] with [T, K]."""
+    g = torch.Generator().manual_seed(77)
+    t, v, k, v_true = 23, 64, 4, 59
+    logits = torch.randn(1, t, v, generator=g, dtype=torch.float64) * 2
+    logits[..., v_true:] = 50.0
+    ids, t_lp = make_teacher(t, v_true, k, g, sharpness=2.5)
+    g_up = torch.randn(t, generator=g, dtype=torch.float64)
+    x64 = logits[0, :, :v_true].clone().requires_grad_()
+    ref = ref_forward_kl_topk(x64, ids, t_lp, tail=True)
+    ref["distillation_losses"].backward(g_up)
+    fn = make_forward_kl_topk(tail=True, vocab_size=v_true)
+    x = logits.float().requires_grad_()
+    out = fn(student_logits=x, data={"teacher_ids": ids, "teacher_logprobs": t_lp}, data_format="thd")
+    assert out["distillation_losses"].shape == (1, t)
+    for key in ("distillation_losses", "student_mass", "topk_overlap"):
+        assert_rel_close(out[key][0], ref[key].detach(), 1e-5, key)
+    out["distillation_losses"].backward(g_up.float()[None])
+    assert (x.grad[..., v_true:] == 0).all()
+    assert_rel_close(x.grad[0, :, :v_true], x64.grad, 1e-5, "padded grad")
+
+
 def test_topk_overlap_and_bad_input():
     g = torch.Generator().manual_seed(41)
     teacher = torch.stack([torch.randperm(30, generator=g)[:6] for _ in range(50)]).view(5, 10, 6)
@@ -113,6 +202,26 @@ def _two_rank_checks(rank, world, full_logits, ids, tlp, vocab, seq_ids, mask, a
     assert_rel_close(grad, ref_grad[..., rank * v_local:(rank + 1) * v_local], REL_TOL[torch.float32],
                      f"TP rank {rank}: grad")
 
+    # --- TP=2 with the clamp: tail KL, 61 real ids of 64, log_prob_min_clamp=-9 ---
+    g = torch.Generator().manual_seed(2024)
+    t2, v2, k2, vocab2 = 19, 64, 6, 61
+    v2_local = v2 // world
+    logits2 = torch.randn(t2, v2, generator=g, dtype=torch.float64) * 2
+    ids2, tlp2 = make_teacher(t2, vocab2, k2, g, sharpness=2.5)
+    g_up = torch.randn(t2, generator=g, dtype=torch.float64)
+    x64 = logits2[:, :vocab2].float().double().requires_grad_()
+    ref2 = ref_forward_kl_topk(x64, ids2, tlp2, tail=True, clamp=-9.0)
+    ref2["distillation_losses"].backward(g_up)
+    shard2 = logits2[:, rank * v2_local:(rank + 1) * v2_local].float().requires_grad_()
+    out2 = forward_kl_topk_tail(shard2, {"teacher_ids": ids2, "teacher_logprobs": tlp2},
+                                log_prob_min_clamp=-9.0, vocab_size=vocab2, group=dist.group.WORLD)
+    for key in KEYS:
+        assert_rel_close(out2[key], ref2[key].detach(), 1e-5, f"TP=2 clamped {key}")
+    out2["distillation_losses"].backward(g_up.float())
+    full_grad = torch.cat([x64.grad, torch.zeros(t2, v2 - vocab2, dtype=torch.float64)], 1)
+    own = slice(rank * v2_local, (rank + 1) * v2_local)
+    assert_rel_close(shard2.grad, full_grad[:, own], 1e-5, "TP=2 clamped grad")
+
     # --- DP=2: each rank holds half of the sequences; contributions all-reduce to the global loss ---
     ctx = LossContext.from_counts(mask.sum(), len(set(seq_ids[mask].tolist())), dp_size=world)
     t = seq_ids.numel()
@@ -131,13 +240,39 @@ def _two_rank_checks(rank, world, full_logits, ids, tlp, vocab, seq_ids, mask, a
     dist.all_reduce(grads)
     dl_ref, lp_ref = per_token[0].clone().requires_grad_(), (-per_token[1].abs()).requires_grad_()
     n, b = ctx.global_num_tokens.double(), ctx.global_num_seqs.double()
-    from tests.reference import ref_ppo_tokens
     pg = ref_ppo_tokens(lp_ref, lp_ref.detach(), adv, 0.2, 0.2, 3.0)[0]
     ref_loss = (0.5 * ref_agg(dl_ref, mask, seq_ids, "seq-mean-token-mean", n, b)
                 + ref_agg(pg, mask, seq_ids, "seq-mean-token-mean", n, b))
     ref_loss.backward()
     assert_rel_close(total, ref_loss, REL_TOL[torch.float32], "DP=2 loss")
     assert_rel_close(grads, torch.stack([dl_ref.grad, lp_ref.grad]), REL_TOL[torch.float32], "DP=2 grads")
+
+    # --- DP=2, PPO + k3 KL without a distillation output: all-reduced sum == whole-batch loss ---
+    g = torch.Generator().manual_seed(2025)
+    seq2, mask2 = random_packed_batch(10, g)
+    mask2 = mask2.double()
+    t2 = seq2.numel()
+    lp2, old2, adv2 = (x.float() for x in ppo_inputs(t2, g))
+    ref_lp2 = (old2.double() + torch.randn(t2, generator=g, dtype=torch.float64) * 0.3).float()
+    mode, n2 = "seq-mean-token-mean", float(mask2.sum())
+    lp64 = lp2.double().requires_grad_()
+    pg2 = ref_ppo_tokens(lp64, old2, adv2, 0.2, 0.2, 3.0)[0]
+    ref_loss2 = (ref_agg(pg2, mask2, seq2, mode, n2, 10) + 0.1 * ref_agg(ref_kl(lp64, ref_lp2, "k3"), mask2,
+                                                                          seq2, mode, n2, 10))
+    ref_loss2.backward()
+    loss_fn2 = distillation_ppo_loss(loss_agg_mode=mode, kl_loss_coef=0.1, kl_loss_type="k3")
+    ctx2 = LossContext.from_counts(n2, 10.0, dp_size=world)
+    lp_in = lp2.clone().requires_grad_()
+    idx = torch.nonzero(seq2 % world == rank).flatten()
+    loss2, _ = loss_fn2({"log_probs": lp_in[idx]}, {"loss_mask": mask2[idx], "seq_ids": seq2[idx],
+                                                    "advantages": adv2[idx], "old_log_probs": old2[idx],
+                                                    "ref_log_probs": ref_lp2[idx]}, ctx2)
+    loss2.backward()
+    total2, grad2 = loss2.detach().clone(), lp_in.grad.clone()
+    dist.all_reduce(total2)
+    dist.all_reduce(grad2)
+    assert_rel_close(total2, ref_loss2.detach(), 1e-5, "DP=2 PPO + KL loss")
+    assert_rel_close(grad2, lp64.grad, 1e-5, "DP=2 PPO + KL grad")
 
 
 def test_two_ranks_tensor_and_data_parallel():
