@@ -20,7 +20,7 @@ def reference_logits_outputs(
     kl_tail: bool = False, log_prob_min_clamp: float | None = None, temperature: Any = 1.0,
     vocab_size: int | None = None, dtype: torch.dtype = torch.float64,
 ) -> dict[str, torch.Tensor]:
-    """Float64 reference of ``mcore_engine.ops`` on the FULL (gathered) logits ``[..., V]``, from API.md.
+    """Float64 reference of ``mcore_engine.ops`` on the full (gathered) logits ``[..., V]``.
 
     Differentiable w.r.t. ``logits`` (pass a float64 leaf). Padded ids (>= vocab_size) are sliced off.
     ``dtype=torch.float32``: the same formulas in plain fp32 (a naive implementation's error budget).
@@ -31,17 +31,17 @@ def reference_logits_outputs(
         t = t.to(dtype)
         t = t.unsqueeze(-1) if t.dim() else t
     z = logits.to(dtype)[..., :v] / t
-    lse = z.logsumexp(-1)
-    p = z.softmax(-1)
+    logp = z - z.logsumexp(-1, keepdim=True)
+    p = logp.exp()
     out: dict[str, torch.Tensor] = {}
     if labels is not None:
-        out["log_probs"] = z.gather(-1, labels[..., None])[..., 0] - lse
+        out["log_probs"] = logp.gather(-1, labels[..., None])[..., 0]
     if entropy:
-        out["entropy"] = lse - (p * z).sum(-1)
+        out["entropy"] = -(p * logp).sum(-1)  # = lse - sum p z, without the large-|z| cancellation
     if sum_pi_squared:
         out["sum_pi_squared"] = (p * p).sum(-1)
     if teacher_ids is not None:
-        log_q = z.gather(-1, teacher_ids) - lse[..., None]
+        log_q = logp.gather(-1, teacher_ids)
         log_p = teacher_log_probs.to(dtype)
         big_p = log_p.exp()
         c = log_prob_min_clamp
@@ -52,7 +52,8 @@ def reference_logits_outputs(
         kl = torch.where(big_p > 0, terms, 0.0).sum(-1)  # 0 log 0 = 0
         if kl_tail:
             p_t = (1 - big_p.sum(-1)).clamp_min(1e-20)
-            q_t = (1 - log_q.exp().sum(-1)).clamp_min(1e-20)
+            outside = torch.ones_like(p, dtype=torch.bool).scatter_(-1, teacher_ids, False)
+            q_t = (p * outside).sum(-1).clamp_min(1e-20)  # a repeated id counts once
             kl = kl + p_t * (p_t.log() - q_t.log())
         out["distillation_losses"] = kl
         out["student_mass"] = log_q.exp().sum(-1).detach()

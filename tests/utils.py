@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# Relative-norm error budgets on values AND gradients, by the logits' dtype.
+# Relative-norm error budgets on values and gradients, by the logits' dtype.
 REL_TOL: dict[torch.dtype, float] = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2,
                                      torch.float16: 5e-3}
 

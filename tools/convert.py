@@ -2,12 +2,11 @@
 
     # HF -> engine checkpoint (fresh optimizer state) at TP=2, on 2 ranks
     torchrun --nproc_per_node=2 tools/convert.py hf-to-mcore --hf HF_DIR --out CKPT --tp 2
-    # engine checkpoint -> HF folder (run with the world size the checkpoint was written with)
+    # engine checkpoint -> HF folder (with the world size the checkpoint was written with)
     torchrun --nproc_per_node=2 tools/convert.py mcore-to-hf --ckpt CKPT --out HF_OUT [--hf-base HF_DIR]
 
-``hf-to-mcore`` also writes ``CKPT/engine_config.yaml``, which ``mcore-to-hf`` reads by default;
-``--hf-base`` names a folder whose config fields and tokenizer files the export carries over.
-A single process (no torchrun) works for TP = PP = 1.
+``mcore-to-hf`` reads the ``CKPT/engine_config.yaml`` that ``hf-to-mcore`` writes; ``--hf-base``
+supplies config fields and tokenizer files. TP = PP = 1 runs without torchrun.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Hugging Face checkpoints in and out: Llama / Qwen2 / Qwen3 <-> the engine's TP/PP-sharded GPTModel.
+"""Hugging Face checkpoints in and out: Llama / Qwen2 / Qwen3 <-> the TP/PP-sharded GPTModel.
 
-- ``from_hf_config`` / ``to_hf_config``: ``config.json`` <-> ``ModelConfig`` (``mapping.py``).
-- ``load_hf_weights(model_chunks, hf_path, cfg)``: import, each rank reading only its slices.
-- ``iter_hf_tensors(model_chunks, cfg)``: streaming ``(name, full tensor)`` export for weight sync.
-- ``export_hf(model_chunks, cfg, out_dir)``: a Hugging Face folder (safetensors + config.json).
+``from_hf_config`` / ``to_hf_config`` map ``config.json``; ``load_hf_weights`` imports (each rank
+reads its slices); ``iter_hf_tensors`` streams ``(name, full tensor)``; ``export_hf`` writes a folder.
 """
 
 from mcore_engine.hf.export import export_hf, iter_hf_tensors

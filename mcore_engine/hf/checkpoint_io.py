@@ -1,15 +1,9 @@
-"""Reading and writing Hugging Face safetensors folders, one tensor (or one slice) at a time.
+"""Hugging Face safetensors folders read and written one tensor (or one slice) at a time.
 
-``HFCheckpointReader`` opens a folder (``model.safetensors``, or shards listed by
-``model.safetensors.index.json``, or several ``*.safetensors`` without an index) and hands out rows
-or columns of a named tensor through ``safe_open(...).get_slice``, so a rank reads only the bytes
-its shards need. Every read first checks that the tensor exists and has the full shape the model
-config implies; otherwise ``ValueError`` names the tensor.
-
-``ShardedSafetensorsWriter`` writes tensors as they stream in, cutting a new file when the current
-one would pass ``max_shard_bytes``; memory held = one shard. ``close()`` names the files
-``model-0000i-of-0000n.safetensors`` plus an index (or ``model.safetensors`` when there is one)
-and removes weight files an earlier export left in the folder.
+``HFCheckpointReader`` reads rows or columns of a named tensor (``safe_open(...).get_slice``) from
+``model.safetensors``, indexed shards or unindexed ``*.safetensors``, after checking its full shape.
+``ShardedSafetensorsWriter`` streams tensors into ``model-0000i-of-0000n.safetensors`` files of at
+most ``max_shard_bytes`` plus an index (memory: one shard) and removes stale weight files.
 """
 
 from __future__ import annotations
@@ -28,10 +22,7 @@ SINGLE_FILE = "model.safetensors"
 
 
 class HFCheckpointReader:
-    """Lazy, slice-wise access to the tensors of a Hugging Face safetensors folder.
-
-    Use as a context manager; file handles stay open until exit. Memory: only what is read.
-    """
+    """Lazy, slice-wise reads from a safetensors folder; a context manager. Memory: what is read."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -106,9 +97,8 @@ class HFCheckpointReader:
 
     def read(self, name: str, expected_shape: tuple[int, ...], dim: int = 0,
              start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """Rows (``dim=0``) or columns (``dim=1``) ``[start, stop)`` of tensor ``name`` (all when None).
-
-        Checks the full stored shape against ``expected_shape`` first. Reads only the slice.
+        """Rows (``dim=0``) or columns (``dim=1``) ``[start, stop)`` of ``name`` (all when None), after
+        checking the stored shape against ``expected_shape``; reads only the slice.
         """
         sl = self._slice(name, expected_shape)
         if start is None and stop is None:

@@ -1,18 +1,10 @@
-"""Export the engine's TP/PP-sharded GPTModel chunks as Hugging Face tensors: streamed or to a folder.
+"""Export the TP/PP-sharded GPTModel chunks as Hugging Face tensors, streamed or to a folder.
 
-``iter_hf_tensors`` yields ``(hf_name, full_tensor)`` in checkpoint order on EVERY rank of the
-model-parallel group (a collective: all TP and PP ranks must consume it to the end, in step):
-
-1. the owning pipeline stage all-gathers the parameter over its TP group
-   (``torch.cat(all_gather(shard), dim=tp_dim)``) and rebuilds the Hugging Face tensors
-   (``layout.hf_from_gathered``: split qkv per group, split gate/up per rank, drop vocab padding);
-2. with PP > 1 it broadcasts each tensor to the other stages.
-
-Memory: one gathered parameter plus its Hugging Face tensors at a time. Yielded tensors can share
-storage with live parameters (TP = 1, replicated norms): copy them to keep them past an update.
-
-``export_hf`` drives the generator on data-parallel rank 0's model-parallel group and global
-rank 0 writes safetensors shards (at most one shard in memory) and ``config.json``.
+``iter_hf_tensors`` is a collective over the model-parallel group (every rank consumes it to the
+end): per parameter, the owning stage all-gathers the shard over TP (``torch.cat(all_gather(shard),
+dim=tp_dim)``), rebuilds the Hugging Face tensors (``layout.hf_from_gathered``) and, with PP > 1,
+broadcasts them. Memory: one gathered parameter and its tensors at a time; yielded tensors may share
+storage with parameters (copy them to keep them past an update).
 """
 
 from __future__ import annotations
@@ -65,11 +57,8 @@ def _owners(local_units: dict, pp_group, pp_size: int) -> list[dict[str, str]]:
 
 def iter_hf_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, *,
                     dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream ``(hf_name, tensor)`` for the whole model, in Hugging Face checkpoint order.
-
-    Collective over the TP and PP groups (see the module docstring). Every tensor comes in
-    ``dtype`` (None: the training precision, ``cfg.precision``; parameters kept in another dtype,
-    such as fp32 norms of a bf16 model, are cast). Tensors live on the parameters' device.
+    """``(hf_name, tensor)`` for the whole model in checkpoint order, on the parameters' device, in
+    ``dtype`` (None: ``cfg.precision``; fp32 norms of a bf16 model are cast). Collective.
     """
     model_cfg = cfg.model
     dtype = dtype or precision_dtype(cfg)
@@ -131,13 +120,11 @@ def _copy_side_files(src: Path, dst: Path) -> None:
 
 def export_hf(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, out_dir: str | os.PathLike, *,
               dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write the model as a Hugging Face folder ``out_dir`` (safetensors + ``config.json``).
+    """Write ``out_dir`` (safetensors + ``config.json``); call on every rank, ends with a barrier.
 
-    Call on every rank. Data-parallel rank 0's model-parallel group streams the tensors
-    (``iter_hf_tensors``); global rank 0 writes them in shards of at most ``max_shard_bytes``.
-    When ``cfg.model.hf_path`` is set, its config fields (token ids, ...) and tokenizer files are
-    carried over. ``dtype``: as in ``iter_hf_tensors``. Ends with a barrier. Memory on rank 0: one
-    shard.
+    Data-parallel rank 0's model-parallel group streams ``iter_hf_tensors``; global rank 0 writes
+    shards of at most ``max_shard_bytes`` (its memory: one shard). ``cfg.model.hf_path``, when set,
+    supplies config fields (token ids, ...) and tokenizer files.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     writer = ShardedSafetensorsWriter(out_dir, max_shard_bytes) if rank == 0 else None

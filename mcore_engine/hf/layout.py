@@ -1,15 +1,10 @@
-"""Tensor layout transforms between Hugging Face tensors and Megatron tensor-parallel shards.
+"""Layout transforms between Hugging Face tensors and Megatron tensor-parallel shards (no process groups).
 
-Pure functions (no process groups): ``shard_from_hf`` builds TP rank ``r``'s shard of one Megatron
-parameter by reading only the rows / columns it needs; ``hf_from_gathered`` turns the TP-gathered
-Megatron tensor back into the Hugging Face tensors. The kinds are described in ``mapping.py``.
-
-For ``qkv`` the gathered tensor is, with ``G = ng`` groups, ``Q = heads / ng`` and head dim ``d``::
+``shard_from_hf`` builds TP rank ``r``'s shard reading only the rows / columns it needs;
+``hf_from_gathered`` splits the TP-gathered tensor back. For ``qkv``, with ``G`` groups, ``Q`` query
+heads per group and head dim ``d``, rank ``r`` holds ``full[r*n:(r+1)*n]``, ``n = len(full) / tp``::
 
     full = torch.cat([torch.cat([q[g*Q*d:(g+1)*Q*d], k[g*d:(g+1)*d], v[g*d:(g+1)*d]]) for g in range(G)])
-
-and rank ``r`` holds ``full[r*n:(r+1)*n]`` with ``n = len(full) / tp`` (also when ``ng < tp``, where a
-group is split over ranks, as Megatron-Core does).
 """
 
 from __future__ import annotations
@@ -44,10 +39,8 @@ def _qkv_segments(cfg: ModelConfig, start: int, stop: int) -> list[tuple[int, in
 
 def shard_from_hf(rule: TensorRule, read: Reader, cfg: ModelConfig, tp_rank: int, tp_size: int,
                   local_shape: torch.Size) -> torch.Tensor:
-    """TP rank ``tp_rank``'s shard (shape ``local_shape``) of the parameter described by ``rule``.
-
-    Reads only the slices the shard needs (one read per source tensor). Returned in the stored
-    dtype; padded vocab rows are zeros. Memory: the shard plus, for qkv, one copy while fusing.
+    """TP rank ``tp_rank``'s shard (``local_shape``, stored dtype, zero vocab padding) of ``rule``'s
+    parameter: one read per source tensor. Memory: the shard, plus one copy for qkv.
     """
     names = rule.hf_names
     if rule.kind == "replicated":
@@ -78,10 +71,8 @@ def shard_from_hf(rule: TensorRule, read: Reader, cfg: ModelConfig, tp_rank: int
 
 def hf_from_gathered(rule: TensorRule, full: torch.Tensor, cfg: ModelConfig,
                      tp_size: int) -> list[tuple[str, torch.Tensor]]:
-    """Hugging Face ``(name, tensor)`` pairs from the TP-gathered Megatron tensor ``full``.
-
-    Replicated and row tensors come back as ``full`` itself (no copy); vocab as the view
-    ``full[:vocab_size]``; qkv and gate/up as new contiguous tensors (one copy of ``full``).
+    """Hugging Face ``(name, tensor)`` pairs from the gathered ``full``: replicated and row tensors as
+    ``full``, vocab as the view ``full[:vocab_size]``, qkv and gate/up as one new copy.
     """
     names, rest = rule.hf_names, full.shape[1:]
     if rule.kind in ("replicated", "row"):

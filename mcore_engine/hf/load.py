@@ -1,11 +1,8 @@
-"""Import a Hugging Face Llama / Qwen2 / Qwen3 folder into the engine's (TP/PP-sharded) GPTModel chunks.
+"""Import a Hugging Face Llama / Qwen2 / Qwen3 folder into this rank's GPTModel chunks.
 
-Each rank walks its own chunks' parameters and reads, through ``safe_open(...).get_slice``, only the
-rows / columns its shards need: memory per rank = its shards plus one shard-sized read buffer.
-No collectives: every rank works alone, so the call is cheap to make on all ranks at once.
-
-Call it right after ``build_model_chunks(cfg)``, BEFORE the DDP wrap and the optimizer are built
-(the optimizer's fp32 main parameters are copied from the model at construction).
+No collectives: each rank reads only its shards' rows / columns (memory: its shards plus one
+shard-sized buffer). Call after ``build_model_chunks(cfg)`` and before the DDP wrap and the
+optimizer, whose fp32 main parameters are copied from the model.
 """
 
 from __future__ import annotations
@@ -43,17 +40,10 @@ def check_config_matches(cfg: ModelConfig, hf_cfg: ModelConfig) -> None:
 
 def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_path: str | os.PathLike,
                     cfg: EngineConfig) -> None:
-    """Copy the weights of the Hugging Face folder ``hf_path`` into this rank's ``model_chunks``.
+    """``param.copy_(shard_from_hf(rule, read, cfg.model, tp_rank, tp_size, param.shape))`` per parameter.
 
-    Per parameter (see ``mapping.py`` for the rules)::
-
-        shard = shard_from_hf(rule, read, cfg.model, tp_rank, tp_size, param.shape)
-        param.copy_(shard)          # cast to the parameter's dtype and device
-
-    Raises ``ValueError`` (naming the field or tensor) when the folder's config does not match
-    ``cfg.model``, a tensor is missing, has the wrong shape, or cannot be read, the folder holds
-    tensors the model has no place for, or the architecture is unknown; all of these checks run
-    before any parameter changes.
+    Every check runs before any parameter changes: ``ValueError`` (naming the field or tensor) for a
+    config mismatch, a missing, misshaped or unreadable tensor, an unplaced tensor, an unknown family.
     """
     model_cfg = cfg.model
     check_config_matches(model_cfg, from_hf_config(read_hf_config(hf_path)))

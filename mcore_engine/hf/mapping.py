@@ -1,23 +1,16 @@
 """Name and layout rules between Hugging Face Llama / Qwen2 / Qwen3 and Megatron-Core's GPTModel.
 
-Config: ``from_hf_config(config.json dict) -> ModelConfig`` and back with ``to_hf_config``.
+Every Megatron parameter is one unit with a ``TensorRule``: its Hugging Face tensors and its
+tensor-parallel layout (``kind``):
 
-Tensors: every Megatron parameter is one *unit* with a ``TensorRule``: the Hugging Face tensors it
-is made of and how it is laid out and split over tensor-parallel ranks (``kind``):
+- ``"replicated"``: norms, full on every rank.  ``"row"``: ``linear_proj``, ``linear_fc2``, split on dim 1.
+- ``"vocab"``: embedding / output layer ``[V_pad, h]``, split on dim 0; rows ``>= vocab_size`` are
+  padding (zero on import, dropped on export).
+- ``"qkv"``: ``[ng * (q_per_group + 2) * d, h]``, per group ``[q, k, v]`` rows, split on dim 0.
+- ``"gate_up"``: SwiGLU ``linear_fc1``; rank ``r`` holds ``cat([gate[r], up[r]])``.
 
-- ``"replicated"``: norms; every TP rank holds the full tensor.
-- ``"row"``: row-parallel linear (``linear_proj``, ``linear_fc2``), split along dim 1 (inputs).
-- ``"vocab"``: embedding / output layer, split along dim 0 over the padded vocab
-  ``[V_pad, h]``; rows ``>= vocab_size`` are padding (zero on import, dropped on export).
-- ``"qkv"``: ``linear_qkv`` weight ``[ng * (q_per_group + 2) * d, h]`` (or bias), per query
-  group ``[q heads of the group, k, v]`` stacked along dim 0, then split along dim 0
-  (``torch.cat([cat([q[g], k[g], v[g]]) for g in range(ng)])`` with ``q[g]`` the group's rows).
-- ``"gate_up"``: ``linear_fc1`` with SwiGLU; TP rank ``r`` holds ``cat([gate[r], up[r]])``, i.e.
-  the gathered tensor is ``[gate_0; up_0; gate_1; up_1; ...]``.
-
-Both the local layer spec (``input_layernorm.weight``, ``pre_mlp_layernorm.weight``) and the
-Transformer Engine spec (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``) map to
-the same units. Layer names use the GLOBAL layer index (``TransformerLayer.layer_number - 1``).
+Local-spec and Transformer Engine norm names map to the same units; layer names use the global
+layer index (``TransformerLayer.layer_number - 1``).
 """
 
 from __future__ import annotations
@@ -89,11 +82,8 @@ def head_dim(cfg: ModelConfig) -> int:
 
 
 def canonical_unit(name: str, global_layer: int | None) -> str:
-    """Canonical unit key of a Megatron parameter name (TE names folded to local-spec names).
-
-    ``name`` is the chunk-local parameter name (``decoder.layers.<local>.<suffix>`` or a global
-    one); ``global_layer`` replaces the local layer index. Raises ``ValueError`` for names with no
-    Hugging Face counterpart.
+    """Unit key of a chunk-local Megatron parameter name (TE names folded to local-spec names, layer
+    index replaced by ``global_layer``); ``ValueError`` for names with no Hugging Face counterpart.
     """
     if name in _GLOBAL_UNITS:
         return name
@@ -177,11 +167,8 @@ def unwrap_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
 
 def iter_units(chunk: torch.nn.Module,
                cfg: ModelConfig) -> Iterator[tuple[str, torch.nn.Parameter, TensorRule]]:
-    """``(unit, parameter, rule)`` for every parameter of one (possibly wrapped) model chunk.
-
-    The tied output layer that a last pipeline stage keeps (PP > 1) reads ``model.embed_tokens``.
-    A parameter that ``cfg`` does not describe (e.g. a QKV bias with ``add_qkv_bias=False``) raises
-    ``ValueError``.
+    """``(unit, parameter, rule)`` per parameter of one (possibly wrapped) chunk; a tied output layer
+    on the last stage (PP > 1) reads ``model.embed_tokens``; ``ValueError`` for undescribed parameters.
     """
     expected = set(model_units(cfg))
     model = unwrap_chunk(chunk)
@@ -229,8 +216,9 @@ _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_
 
 
 def _rope(hf_config: Mapping[str, Any]) -> tuple[float, float | None]:
-    """(rope theta, Llama-3 scaling factor or None) from ``rope_parameters`` (transformers >= 5) or
-    the legacy ``rope_theta`` / ``rope_scaling`` keys; ``ValueError`` for what Megatron cannot do."""
+    """(rope theta, Llama-3 scaling factor or None) from ``rope_parameters`` or the legacy keys;
+    ``ValueError`` for what Megatron cannot do.
+    """
     params = {**(hf_config.get("rope_scaling") or {}), **(hf_config.get("rope_parameters") or {})}
     rope_type = params.get("rope_type") or params.get("type") or "default"
     theta = float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
@@ -247,13 +235,11 @@ def _rope(hf_config: Mapping[str, Any]) -> tuple[float, float | None]:
 
 
 def from_hf_config(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfig:
-    """Map a Hugging Face ``config.json`` dict to ``ModelConfig``; ``overrides`` set other fields.
+    """``ModelConfig`` from a ``config.json`` dict (``overrides`` set other fields); a ``head_dim`` other
+    than hidden / heads becomes ``kv_channels``.
 
-    Refuses (``ValueError`` naming the field) what the Megatron model here cannot express: other
-    architectures, activations other than SiLU, RoPE scaling, sliding-window attention, MLP or
-    output-projection biases, RoPE scaling other than Llama-3's with Megatron-Core's fixed
-    parameters (-> ``rope_scaling_factor``). A ``head_dim`` other than hidden / heads becomes
-    ``kv_channels``.
+    ``ValueError`` naming the field for what this model cannot express: other architectures or
+    activations, sliding windows, MLP / output biases, RoPE scaling other than Llama-3's.
     """
     family = hf_family(hf_config)
     hidden, heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
@@ -293,10 +279,8 @@ def from_hf_config(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfi
 
 def to_hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
                  base: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Hugging Face ``config.json`` dict for ``cfg`` (architecture from qkv-bias / qk-norm).
-
-    ``base`` (the source checkpoint's config, when known) keeps fields this mapping does not own
-    (token ids, generation settings); the architecture fields are always overwritten.
+    """``config.json`` dict for ``cfg``; ``base`` (the source config) keeps the fields this mapping does
+    not own (token ids, generation settings).
     """
     if cfg.normalization != "RMSNorm" or not cfg.swiglu:
         raise ValueError("cfg: only RMSNorm + SwiGLU models map to Llama/Qwen2/Qwen3")

@@ -1,8 +1,8 @@
 """RL and distillation losses: aggregation, PPO clip, KL estimators, top-k distillation.
 
-A loss function has the engine's signature ``loss_fn(outputs, data, ctx) -> (loss, metrics)`` and
-returns the micro-batch's contribution to the global loss (see ``aggregation``). Logits processors
-(``forward_kl_topk``, ``forward_kl_topk_tail``) run inside ``process_lm_head_logits``.
+Loss functions have the signature ``loss_fn(outputs, data, ctx) -> (loss, metrics)`` and return
+one micro-batch's contribution to the global loss; the top-k processors run inside
+``process_lm_head_logits``.
 """
 
 from mcore_engine.losses.aggregation import AGG_MODES, agg_loss, token_mean_metric, tokens_per_sequence

@@ -1,21 +1,17 @@
-"""Loss aggregation over tokens and sequences, normalised by GLOBAL counts.
+"""Loss aggregation over tokens and sequences, normalised by global counts.
 
-The engine calls the loss once per micro-batch; each call returns the micro-batch's contribution to
-the loss of the whole global batch (all micro-batches, all data-parallel ranks), so that summing the
-contributions gives the global loss and its gradient does not depend on how the batch was split.
-
-With ``m = loss_mask`` (0/1), ``v`` the per-token values of one micro-batch, ``N = ctx.global_num_tokens``,
-``B = ctx.global_num_seqs``, and ``seq`` the sequence index of each token::
+Each call returns one micro-batch's contribution to the loss of the whole global batch (all
+micro-batches, all data-parallel ranks), so the contributions sum to the global loss whatever the
+split. With ``m = loss_mask``, ``v`` the values, ``N = ctx.global_num_tokens``,
+``B = ctx.global_num_seqs`` and ``seq`` the sequence of each token::
 
     "token-mean":          (v * m).sum() / N
-    "seq-mean-token-sum":  sum_j (v * m)[seq == j].sum() / B                      # == (v * m).sum() / B
+    "seq-mean-token-sum":  (v * m).sum() / B
     "seq-mean-token-mean": sum_j (v * m)[seq == j].sum() / m[seq == j].sum() / B   # 0/0 -> 0
 
-A sequence never splits across micro-batches, so its token count is local. Sequences without a loss
-token contribute 0; count them in ``B`` or not as the engine chooses (verl does not). Masked slots
-contribute exact zeros to the value and the gradient even when their values are not finite.
-Memory: O(T) for ``seq-mean-token-mean`` (a sort of the ``[T]`` sequence ids; no host sync), O(1)
-extra otherwise.
+A sequence never spans micro-batches, so its count is local. Masked slots give exact zeros (value
+and gradient) even when not finite. Memory: a sort of the ``[T]`` ids for ``seq-mean-token-mean``,
+O(1) extra otherwise; no host sync.
 """
 
 from __future__ import annotations
@@ -47,11 +43,10 @@ def _check(values: torch.Tensor, loss_mask: torch.Tensor, seq_ids: torch.Tensor 
 
 
 def tokens_per_sequence(loss_mask: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
-    """Per token, the number of loss tokens of its sequence: ``m[seq == seq[t]].sum()`` for every t.
+    """``[T]``: per token, the loss-token count of its sequence, ``m[seq == seq[t]].sum()``.
 
-    ``loss_mask`` and ``seq_ids`` are ``[T]`` (any order; ids need not be dense). Sync-free: sorts
-    the ids, numbers the runs of equal ids, counts with ``index_add``. Returns ``[T]`` of the mask's
-    float dtype (float32 for bool/int masks).
+    Ids in any order, not necessarily dense; sync-free (sort, number the runs, ``index_add``). Float
+    dtype of the mask (float32 for bool/int masks).
     """
     mask = loss_mask.reshape(-1)
     mask = mask if mask.is_floating_point() else mask.float()
@@ -67,8 +62,7 @@ def tokens_per_sequence(loss_mask: torch.Tensor, seq_ids: torch.Tensor) -> torch
 
 
 def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``values * mask`` with exact zeros where ``mask == 0`` (a non-finite value on a padding slot
-    neither leaks into the sum nor into the gradient)."""
+    """``values * mask`` with exact zeros where ``mask == 0`` (non-finite padding never leaks)."""
     return torch.where(mask != 0, values * mask, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
@@ -76,16 +70,9 @@ def agg_loss(values: torch.Tensor, loss_mask: torch.Tensor, seq_ids: torch.Tenso
              ctx: LossContext) -> torch.Tensor:
     """This micro-batch's contribution to the global aggregated loss (see the module docstring).
 
-    Args:
-        values: ``[T]`` (or any shape) per-token loss values, floating.
-        loss_mask: same shape; bool, int or float 0/1 (float weights are used as given).
-        seq_ids: same shape, integer sequence index of each token (GLOBAL index; only equality
-            matters). Needed only for ``"seq-mean-token-mean"``.
-        mode: one of ``AGG_MODES``.
-        ctx: global normalisers (``global_num_tokens``, ``global_num_seqs``).
-    Returns:
-        0-d tensor of ``values.dtype`` (sums accumulate in at least float32), differentiable
-        w.r.t. ``values``. Never modifies inputs.
+    ``values``, ``loss_mask`` (bool, int, or float weights used as given) and ``seq_ids`` (integer,
+    global, only equality matters; needed by ``"seq-mean-token-mean"`` only) share one shape. Returns
+    a 0-d tensor of ``values.dtype``, accumulated in at least float32; inputs are not modified.
     """
     _check(values, loss_mask, seq_ids, mode)
     acc = torch.promote_types(values.dtype, torch.float32)

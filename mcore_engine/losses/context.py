@@ -1,9 +1,6 @@
-"""Per-step context the engine hands to every loss function call.
-
-A loss function returns the micro-batch's CONTRIBUTION to the loss of the whole global batch, so it
-needs the global normalisers: the number of loss tokens and of sequences over every micro-batch and
-every data-parallel rank. The engine computes them once per step (one all-reduce, kept on device)
-and passes this frozen context to each call ``loss_fn(outputs, data, ctx)``.
+"""Per-step context handed to every loss call ``loss_fn(outputs, data, ctx)``: the global
+normalisers (loss tokens and sequences over all micro-batches and data-parallel ranks, computed
+once per step by one all-reduce and kept on the device) and the step flags.
 """
 
 from __future__ import annotations
@@ -15,23 +12,20 @@ import torch
 
 @dataclass(frozen=True, kw_only=True)
 class LossContext:
-    """Global normalisers and step flags for one optimizer step."""
+    """Global normalisers and step flags for one optimizer step (frozen)."""
 
     global_num_tokens: torch.Tensor
-    """0-d tensor on the compute device: ``loss_mask.sum()`` over the whole global batch (all
-    micro-batches, all data-parallel ranks)."""
+    """0-d, on the compute device: ``loss_mask.sum()`` over the global batch."""
 
     global_num_seqs: torch.Tensor
-    """0-d tensor on the compute device: number of sequences in the whole global batch (all
-    micro-batches, all data-parallel ranks); the divisor of the ``seq-mean-*`` aggregation modes.
-    (verl counts only sequences with at least one loss token; counting all is also consistent.)"""
+    """0-d, on the compute device: sequences in the global batch (the ``seq-mean-*`` divisor; verl
+    counts those with a loss token)."""
 
     dp_size: int = 1
-    """Data-parallel world size (informational: contributions are already globally normalised)."""
+    """Data-parallel world size (informational)."""
 
     distillation_only: bool = False
-    """True when neither task rewards nor the policy gradient are used: the loss then never computes
-    the policy loss, and the processor never computes log-probs."""
+    """No policy gradient this step: neither the policy loss nor the log-probs are computed."""
 
     def __post_init__(self) -> None:
         for name in ("global_num_tokens", "global_num_seqs"):

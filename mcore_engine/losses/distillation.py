@@ -1,25 +1,19 @@
 """Top-k forward-KL distillation as logits processors, and the top-k overlap metric.
 
-A logits processor is called by ``process_lm_head_logits`` as
-``fn(student_logits=..., data=batch, data_format=...) -> dict`` of per-token float32 tensors shaped
-``student_logits.shape[:-1]``. ``student_logits`` is this rank's vocab shard ``[..., V_local]``,
-already divided by the temperature; ``data["teacher_ids"]`` (global ids, int64) and
-``data["teacher_logprobs"]`` are ``student_logits.shape[:-1] + (K,)`` (a flat ``[T, K]`` is accepted
-for packed ``[1, T, V]`` logits). With S the teacher's top-k set, p the teacher's log-probs as given
-and q = softmax(student_logits) over the full global vocab::
+A processor is called as ``fn(student_logits, data, data_format) -> dict`` of float32 tensors
+``[...] = student_logits.shape[:-1]``. ``student_logits [..., V_local]`` is this rank's vocab
+shard, already divided by the temperature; ``data["teacher_ids"]`` (global ids, int64) and
+``data["teacher_logprobs"]`` are ``[..., K]`` (a flat ``[T, K]`` for ``[1, T, V]``). With S the
+teacher's ids, p their probabilities as given and q = softmax over the full vocab::
 
-    distillation_losses = sum_{i in S} p_i * (log p_i - log q_i)                # forward_kl_topk
-                        + p_tail * log(p_tail / q_tail)                         # forward_kl_topk_tail
-    p_tail = 1 - sum_S p,  q_tail = 1 - sum_S q   (q_tail from the mass outside S, computed stably)
-    Both tail masses are floored at 1e-20: the tail term's gradient is 0 once q_tail < 1e-20, and
-    the term vanishes (|value| <= ~1e-18) when the teacher's log-probs sum to >= 1 (p_tail floored).
-    Its gradient stays exact as q_tail -> 0 (at the top-k ids it is formed as p_tail * q_i).
-    student_mass = sum_S q;  teacher_mass = sum_S p;  topk_overlap = |S & top-k(q)| / K   (no grad)
+    distillation_losses = sum_S p * (log p - log q)                   # forward_kl_topk
+                        + p_tail * log(p_tail / q_tail)               # forward_kl_topk_tail
+    p_tail = 1 - sum_S p,  q_tail = sum_{i not in S} q_i              # both floored at 1e-20
+    student_mass = sum_S q,  teacher_mass = sum_S p,  topk_overlap = |S & top-k(q)| / K  (no grad)
 
-The math runs in ``mcore_engine.ops.vocab_parallel_forward_kl_topk`` (chunked, vocab-parallel, no
-fp32 ``[..., V_local]`` buffer kept for backward); the overlap runs one ``vocab_parallel_topk`` pass
-under ``no_grad`` (O(T K) memory). ``log_prob_min_clamp=c`` clamps ``log p`` and ``log q`` from
-below at c, and entries whose student log-prob is below c get no gradient.
+``log_prob_min_clamp = c`` clamps log p and log q below at c (no gradient below c). The math is
+``ops.vocab_parallel_forward_kl_topk`` (chunked, no fp32 ``[..., V_local]`` kept for backward); the
+overlap is one ``vocab_parallel_topk`` pass under ``no_grad``, O(T K) memory.
 """
 
 from __future__ import annotations
@@ -38,11 +32,9 @@ DATA_FORMATS: tuple[str, ...] = ("thd", "bshd")
 
 
 def topk_overlap(teacher_ids: torch.Tensor, student_ids: torch.Tensor) -> torch.Tensor:
-    """Fraction of the teacher's top-k ids found among the student's top-k ids, per token.
+    """``(teacher_ids[..., :, None] == student_ids[..., None, :]).any(-1).float().mean(-1)``.
 
-    ``teacher_ids`` ``[..., K]`` and ``student_ids`` ``[..., K_s]`` (same leading dims, int64) ->
-    float32 ``[...]``: ``(teacher_ids[..., :, None] == student_ids[..., None, :]).any(-1).float().mean(-1)``,
-    computed with a sort and ``searchsorted`` in O(T (K + K_s) log K_s) time and O(T K) memory.
+    ``[..., K]`` and ``[..., K_s]`` int64 -> float32 ``[...]``; a sort and ``searchsorted``, O(T K) memory.
     """
     if teacher_ids.shape[:-1] != student_ids.shape[:-1]:
         raise ValueError(f"student_ids must have leading dims {tuple(teacher_ids.shape[:-1])}, "
@@ -94,10 +86,8 @@ def forward_kl_topk(student_logits: torch.Tensor, data: Mapping[str, Any], data_
                     log_prob_min_clamp: float | None = None, compute_overlap: bool = True,
                     vocab_size: int | None = None, chunk_size: int | None = None,
                     group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
-    """Top-k forward KL (teacher log-probs as given, no tail term): see the module docstring.
-
-    Returns ``distillation_losses`` (differentiable w.r.t. ``student_logits``), ``student_mass``,
-    ``teacher_mass`` and, with ``compute_overlap``, ``topk_overlap``; float32, ``student_logits.shape[:-1]``.
+    """Top-k forward KL without the tail term (module docstring): ``distillation_losses`` (differentiable),
+    ``student_mass``, ``teacher_mass`` and, with ``compute_overlap``, ``topk_overlap``.
     """
     return _topk_distillation(student_logits, data, data_format, kl_tail=False,
                               log_prob_min_clamp=log_prob_min_clamp, compute_overlap=compute_overlap,
@@ -108,10 +98,7 @@ def forward_kl_topk_tail(student_logits: torch.Tensor, data: Mapping[str, Any], 
                          log_prob_min_clamp: float | None = None, compute_overlap: bool = True,
                          vocab_size: int | None = None, chunk_size: int | None = None,
                          group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
-    """Top-k forward KL over k+1 buckets (the top-k ids plus one tail bucket): see the module docstring.
-
-    Same outputs as ``forward_kl_topk``; ``distillation_losses`` adds ``p_tail * log(p_tail / q_tail)``.
-    """
+    """``forward_kl_topk`` plus the tail bucket ``p_tail * log(p_tail / q_tail)``."""
     return _topk_distillation(student_logits, data, data_format, kl_tail=True,
                               log_prob_min_clamp=log_prob_min_clamp, compute_overlap=compute_overlap,
                               vocab_size=vocab_size, chunk_size=chunk_size, group=group)
@@ -121,10 +108,8 @@ def make_forward_kl_topk(*, tail: bool = False, log_prob_min_clamp: float | None
                          compute_overlap: bool = True, vocab_size: int | None = None,
                          chunk_size: int | None = None,
                          group: dist.ProcessGroup | None = None) -> LogitsProcessor:
-    """A configured logits processor ``fn(student_logits, data, data_format) -> dict``.
-
-    ``tail`` picks ``forward_kl_topk_tail`` over ``forward_kl_topk``; the other arguments are bound
-    as keywords (``vocab_size``: the true global vocab when shards are padded).
+    """A processor ``fn(student_logits, data, data_format)``: ``forward_kl_topk_tail`` if ``tail`` else
+    ``forward_kl_topk``, the other arguments bound (``vocab_size``: the true vocab of padded shards).
     """
     if log_prob_min_clamp is not None and not (isinstance(log_prob_min_clamp, int | float)
                                                and log_prob_min_clamp < 0):

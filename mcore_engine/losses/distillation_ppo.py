@@ -1,21 +1,17 @@
 """``distillation_ppo_loss``: top-k distillation plus the PPO policy loss, per micro-batch.
 
-The returned ``loss_fn(outputs, data, ctx) -> (loss, metrics)`` follows the engine's contract
-(``build/INTERFACES.md``): ``outputs`` are the processor's per-token ``[T]`` float32 tensors,
-``data`` the micro-batch's per-token ``[T]`` fields, and the loss is this micro-batch's CONTRIBUTION
-to the global loss (normalised by ``ctx``'s global counts). With ``agg = agg_loss(., loss_mask,
-seq_ids, loss_agg_mode, ctx)``::
+``loss_fn(outputs, data, ctx) -> (loss, metrics)``: ``outputs`` holds the processor's per-token
+``[T]`` float32 tensors, ``data`` the micro-batch's ``[T]`` fields, ``ctx`` a
+:class:`~mcore_engine.losses.context.LossContext`; ``loss`` is the micro-batch's contribution to the
+global loss. With ``agg = agg_loss(., loss_mask, seq_ids, loss_agg_mode, ctx)``::
 
     loss = distillation_loss_coef * agg(outputs["distillation_losses"])     # if present
          + ppo_policy_loss(outputs["log_probs"], data["old_log_probs"], data["advantages"], ...)
          + kl_loss_coef * agg(kl_estimator(outputs["log_probs"], data["ref_log_probs"], kl_loss_type))
 
-Under ``ctx.distillation_only`` (neither task rewards nor the policy gradient are used) the policy
-and KL terms are never started: ``log_probs`` is then absent (the processor skipped it) and only the
-distillation term is computed. ``old_log_probs`` defaults to ``log_probs.detach()`` (one on-policy
-update). Metrics are detached float32 contributions that sum over micro-batches and data-parallel
-ranks to global values: ``loss``, ``distillation_loss``, ``student_mass``, ``teacher_mass``,
-``topk_overlap`` (token means), and the policy metrics of ``ppo_policy_loss`` plus ``kl_loss``.
+Under ``ctx.distillation_only`` only the first term runs (``log_probs`` may be absent).
+``old_log_probs`` defaults to ``log_probs.detach()``. Metrics are detached float32 contributions
+that sum to global values over micro-batches and ranks.
 """
 
 from __future__ import annotations
@@ -45,7 +41,7 @@ def distillation_ppo_loss(*, distillation_loss_coef: float = 1.0, loss_agg_mode:
                           clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
                           clip_ratio_c: float = 3.0, kl_loss_coef: float = 0.0,
                           kl_loss_type: str = "k3") -> LossFn:
-    """Build the combined loss function (see the module docstring); arguments are validated here."""
+    """Build the combined loss function (module docstring); arguments are validated here."""
     if loss_agg_mode not in AGG_MODES:
         raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {loss_agg_mode!r}")
     if kl_loss_type not in KL_ESTIMATORS:

@@ -1,15 +1,11 @@
-"""Sampled-token KL estimators between the policy and a reference policy.
+"""Sampled-token estimators of KL(pi || ref), ``logp = log pi(x)``, ``logr = log ref(x)``::
 
-For a token sampled from the policy ``pi`` with ``logp = log pi(x)`` and ``logr = log ref(x)``::
-
-    k1 = logp - logr                                   # unbiased for KL(pi || ref), high variance
+    k1 = logp - logr                                   # unbiased, high variance
     d  = (logr - logp).clamp(-20, 20)
     k3 = (torch.expm1(d) - d).clamp(max=10)            # == exp(d) - 1 - d >= 0, low variance
 
-``k3`` is Schulman's low-variance estimator (verl's ``low_var_kl``): ``expm1`` keeps it accurate for
-small ``d`` and the clamps (verl's values) keep it finite when the two policies disagree wildly;
-tokens beyond a clamp get no gradient. Elementwise, any shape, the dtype of the inputs (float32 from
-the processor). Memory: a few temporaries of the inputs' size.
+Elementwise, any shape, the inputs' dtype; tokens beyond a clamp get no gradient. Memory: a few
+temporaries of the inputs' size.
 """
 
 from __future__ import annotations
@@ -22,11 +18,7 @@ K3_VALUE_CLAMP = 10.0
 
 
 def kl_estimator(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(pi || ref) from sampled-token log-probs (see the module docstring).
-
-    ``log_probs`` (differentiable) and ``ref_log_probs`` (treated as given) have the same shape.
-    ``kind`` is ``"k1"`` or ``"k3"``. Returns a tensor of that shape.
-    """
+    """Per-token ``k1`` or ``k3`` (module docstring); ``ref_log_probs`` is a constant."""
     if kind not in KL_ESTIMATORS:
         raise ValueError(f"kind must be one of {KL_ESTIMATORS}, got {kind!r}")
     if log_probs.shape != ref_log_probs.shape:

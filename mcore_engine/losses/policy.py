@@ -1,18 +1,14 @@
-"""PPO clipped policy loss with dual-clip (Schulman et al. 2017; Ye et al. 2020), as verl computes it.
+"""PPO clipped policy loss with dual clip, as verl computes it. Per token, advantage ``A``::
 
-Per token, with advantage ``A``, ``log_ratio = (logp - old_logp).clamp(-20, 20)``, ``r = exp(log_ratio)``::
+    r = exp((logp - old_logp).clamp(-20, 20))
+    l1, l2 = -A * r, -A * r.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    clipped = torch.maximum(l1, l2)
+    l3 = -A * clip_ratio_c                                           # dual clip, A < 0 only
+    loss = agg_loss(torch.where(A < 0, torch.minimum(clipped, l3), clipped), loss_mask, ...)
 
-    l1 = -A * r
-    l2 = -A * r.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
-    clipped = torch.maximum(l1, l2)                                  # standard PPO clip
-    l3 = -A * clip_ratio_c                                           # dual clip, only for A < 0
-    pg_losses = torch.where(A < 0, torch.minimum(clipped, l3), clipped)
-    loss = agg_loss(pg_losses, loss_mask, seq_ids, loss_agg_mode, ctx)
-
-Metrics (detached float32 contributions; summing over micro-batches and data-parallel ranks gives
-the global token mean): ``pg_loss`` (the loss contribution), ``pg_clipfrac`` (share of tokens with
-``l2 > l1``), ``pg_clipfrac_lower`` (share with ``A < 0`` and ``clipped > l3``), ``ppo_kl``
-(mean of ``old_logp - logp``). Memory: a few ``[T]`` temporaries.
+Metrics (detached float32 token-mean contributions): ``pg_loss``, ``pg_clipfrac`` (``l2 > l1``),
+``pg_clipfrac_lower`` (``A < 0`` and ``clipped > l3``), ``ppo_kl`` (``old_logp - logp``).
+Memory: a few ``[T]`` temporaries.
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ LOG_RATIO_CLAMP = 20.0
 
 
 def check_clip_ratios(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float) -> None:
-    """ValueError unless ``0 <= clip_ratio_low < 1``, ``clip_ratio_high >= 0`` and ``clip_ratio_c > 1``."""
+    """ValueError unless ``0 <= clip_ratio_low < 1``, ``clip_ratio_high >= 0``, ``clip_ratio_c > 1``."""
     if not 0.0 <= clip_ratio_low < 1.0:
         raise ValueError(f"clip_ratio_low must be in [0, 1), got {clip_ratio_low}")
     if not clip_ratio_high >= 0.0:
@@ -39,15 +35,9 @@ def ppo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advant
                     loss_mask: torch.Tensor, seq_ids: torch.Tensor | None, ctx: LossContext, *,
                     clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
                     loss_agg_mode: str = "token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO dual-clip policy loss contribution of one micro-batch (see the module docstring).
+    """``(loss, metrics)`` of one micro-batch (module docstring); all inputs ``[T]``.
 
-    Args:
-        log_probs: ``[T]`` current policy log-probs of the sampled tokens (differentiable).
-        old_log_probs, advantages, loss_mask, seq_ids: ``[T]``; the first two are treated as constants.
-        ctx: global normalisers.
-        clip_ratio_low, clip_ratio_high: in ``[0, 1)`` resp. ``>= 0``; clip_ratio_c: ``> 1``.
-    Returns:
-        ``(loss, metrics)``: 0-d loss of ``log_probs.dtype`` and detached float32 metric contributions.
+    ``old_log_probs`` and ``advantages`` are constants; the loss is 0-d of ``log_probs.dtype``.
     """
     check_clip_ratios(clip_ratio_low, clip_ratio_high, clip_ratio_c)
     for name, t in (("old_log_probs", old_log_probs), ("advantages", advantages)):
