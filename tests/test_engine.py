@@ -16,7 +16,10 @@ stand-in, one host read for all metrics, exact token counts past 2**24.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import traceback
 from functools import partial
 from unittest import mock
 
@@ -204,29 +207,47 @@ def _assert_same_state(a, b, what: str, *, grads: bool = True) -> None:
         assert all(torch.equal(x[k], y[k]) for k in x), f"{what}: Adam state changed"
 
 
-def _single_rank(rank: int, world_size: int, tmp: str) -> None:
-    from mcore_engine.engine import MegatronEngine
-    from mcore_engine.platform import get_device
+# The launched rank runs the checks below in order on one engine (state restored from the initial
+# checkpoint where a check needs it) and reports each by name; one pytest case per check.
+CHECKS: dict = {}
 
+
+def _check(fn):
+    CHECKS[fn.__name__.removeprefix("_check_")] = fn
+    return fn
+
+
+class _Setup:
+    """The engine every check shares, its initial checkpoint and the reference step."""
+
+    FLAGS = dict(calculate_entropy=True, temperature=0.7)
+
+    def __init__(self, tmp: str) -> None:
+        self.tmp, self.init = tmp, f"{tmp}/init"
+        self.engine = self.fresh()
+        self.init_weights = full_state(self.engine)
+        self.engine.save_checkpoint(self.init)
+        self.batch = make_batch(5, 7, **self.FLAGS)   # thd, 2 sequences per micro-batch, scalar temperature
+        out = self.engine.train_batch(self.batch, policy_loss)
+        self.ref = dict(lp=flat_values(out["log_probs"]), ent=flat_values(out["entropy"]),
+                        loss=out.get_non_tensor("loss"), norm=out.get_non_tensor("metrics")["grad_norm"],
+                        weights=full_state(self.engine))
+
+    @staticmethod
     def fresh(**kwargs):
+        from mcore_engine.engine import MegatronEngine
+
         engine = MegatronEngine(tiny_config(**kwargs))
         engine.initialize()
         return engine
 
-    # --- 1. reference: thd, 2 sequences per micro-batch, scalar temperature ---
-    flags = dict(calculate_entropy=True, temperature=0.7)
-    engine = fresh()
-    init = full_state(engine)
-    engine.save_checkpoint(f"{tmp}/init")
-    batch = make_batch(5, 7, **flags)
-    out = engine.train_batch(batch, policy_loss)
-    ref = dict(lp=flat_values(out["log_probs"]), ent=flat_values(out["entropy"]),
-               loss=out.get_non_tensor("loss"), norm=out.get_non_tensor("metrics")["grad_norm"],
-               weights=full_state(engine))
-    assert all(not torch.equal(ref["weights"][k], init[k]) for k in ("output_layer.weight",
-                                                                      "decoder.layers.3.mlp.linear_fc2.weight"))
+    def restored(self):
+        self.engine.load_checkpoint(self.init)
+        return self.engine
 
-    def same_step(name, out, engine, mask=None):
+    def same_step(self, name, out, engine, mask=None) -> None:
+        """``out`` / ``engine`` after one step equal the reference step's."""
+        ref = self.ref
         for key, want in (("log_probs", ref["lp"]), ("entropy", ref["ent"])):
             got = out[key][mask] if mask is not None else flat_values(out[key])
             assert_rel_close(got, want, TOL, f"{name}: {key}")
@@ -236,8 +257,16 @@ def _single_rank(rank: int, world_size: int, tmp: str) -> None:
         for key, value in full_state(engine).items():
             assert_rel_close(value, ref["weights"][key], TOL, f"{name}: {key} after the step")
 
-    # --- 2. same step, other splits / layouts / temperature forms (state restored from the checkpoint) ---
-    temps = torch.full((7,), 0.7)
+
+@_check
+def _check_reference_step_moves_the_weights(s: _Setup) -> None:
+    for key in ("output_layer.weight", "decoder.layers.3.mlp.linear_fc2.weight"):
+        assert not torch.equal(s.ref["weights"][key], s.init_weights[key]), f"{key} did not move"
+
+
+@_check
+def _check_same_step_for_other_splits_and_temperature_forms(s: _Setup) -> None:
+    flags = s.FLAGS
     variants = {
         "one sequence per micro-batch": make_batch(5, 7, micro_batch_size_per_gpu=1, **flags),
         "one micro-batch": make_batch(5, 7, micro_batch_size_per_gpu=7, **flags),
@@ -245,33 +274,43 @@ def _single_rank(rank: int, world_size: int, tmp: str) -> None:
         "padded input": to_padded(make_batch(5, 7, **flags)),
     }
     per_sample = make_batch(5, 7, calculate_entropy=True)
-    per_sample.set("temperature", temps)
+    per_sample.set("temperature", torch.full((7,), 0.7))
     variants["per-sample temperature"] = per_sample
     for name, variant in variants.items():
-        engine.load_checkpoint(f"{tmp}/init")
+        engine = s.restored()
         mask = variant["attention_mask"] if "attention_mask" in variant.keys() else None
-        same_step(name, engine.train_batch(variant, policy_loss), engine, mask)
-    padded_out = engine.infer_batch(to_padded(batch))
-    assert padded_out["log_probs"].shape == to_padded(batch)["input_ids"].shape
-    bshd = fresh(data_format="bshd")
-    bshd.load_checkpoint(f"{tmp}/init")
-    same_step("bshd", bshd.train_batch(batch, policy_loss), bshd)
-    del bshd
-    fused = fresh(fused_lm_head=True)  # hidden states + lm-head weight, the logits never built
-    fused.load_checkpoint(f"{tmp}/init")
-    same_step("fused lm-head", fused.train_batch(batch, policy_loss), fused)
+        s.same_step(name, engine.train_batch(variant, policy_loss), engine, mask)
+    padded_out = s.engine.infer_batch(to_padded(s.batch))
+    assert padded_out["log_probs"].shape == to_padded(s.batch)["input_ids"].shape
+
+
+@_check
+def _check_bshd_engine_same_step(s: _Setup) -> None:
+    bshd = s.fresh(data_format="bshd")
+    bshd.load_checkpoint(s.init)
+    s.same_step("bshd", bshd.train_batch(s.batch, policy_loss), bshd)
+
+
+@_check
+def _check_fused_lm_head_same_step_and_refuses_logits_funcs(s: _Setup) -> None:
+    fused = s.fresh(fused_lm_head=True)  # hidden states + lm-head weight, the logits never built
+    fused.load_checkpoint(s.init)
+    s.same_step("fused lm-head", fused.train_batch(s.batch, policy_loss), fused)
     before = _state(fused)
     teach = make_batch(6, 4, teacher_k=3, distillation_use_topk=True)
     message = _expect_value_error(partial(fused.train_batch, teach, distill_loss,
                                           logits_processor_func=lambda **kw: {}), "fused + func")
     assert "fused_lm_head" in message, message
     _assert_same_state(before, _state(fused), "fused lm-head refusing a logits_processor_func")
-    del fused
 
-    # --- 3. flag contract end to end: empty_cache iff top-k distillation ran; no log_probs under
-    #        distillation_only; infer_batch leaves parameters and gradients alone ---
-    engine.load_checkpoint(f"{tmp}/init")
-    calls = []
+
+@_check
+def _check_empty_cache_exactly_after_topk_and_infer_leaves_state(s: _Setup) -> None:
+    """empty_cache iff top-k distillation ran with gradients; no log_probs under distillation_only;
+    infer_batch leaves parameters, gradients and the hook alone."""
+    from mcore_engine.platform import get_device
+
+    engine, flags, calls = s.restored(), s.FLAGS, []
     with mock.patch.object(type(get_device()), "empty_cache", side_effect=lambda: calls.append(1)):
         engine.train_batch(make_batch(6, 4, **flags), policy_loss)
         assert calls == [], "empty_cache without top-k distillation"
@@ -286,7 +325,7 @@ def _single_rank(rank: int, world_size: int, tmp: str) -> None:
         assert calls == [1], f"empty_cache calls after top-k distillation: {calls}"
         assert "log_probs" not in out.keys() and out.get_non_tensor("metrics")["update_skipped"] == 0.0
         engine.zero_grad()
-        engine.forward_backward_batch(distill, distill_loss)   # top-k WITH gradients arms the hook,
+        engine.forward_backward_batch(distill, distill_loss)   # top-k with gradients arms the hook,
         engine.infer_batch(make_batch(7, 4, **flags))           # a forward-only pass leaves it armed
         engine.forward_backward_batch(make_batch(7, 4, **flags), None, forward_only=True)
         engine.optimizer_step()
@@ -294,10 +333,14 @@ def _single_rank(rank: int, world_size: int, tmp: str) -> None:
         engine.train_batch(make_batch(7, 4, **flags), policy_loss)
         assert calls == [1, 1], "empty_cache after a step without top-k distillation"
 
-    # --- 3b. the losses package end to end: a custom top-k processor equals the built-in one, and
-    #         distillation_ppo_loss runs with and without distillation_only ---
+
+@_check
+def _check_custom_topk_processor_and_distillation_ppo_loss(s: _Setup) -> None:
+    """A custom top-k processor equals the built-in one; distillation_ppo_loss runs with and
+    without distillation_only."""
     from mcore_engine.losses import distillation_ppo_loss, make_forward_kl_topk
 
+    engine = s.restored()
     func = make_forward_kl_topk(vocab_size=250, compute_overlap=True)
     for only in (True, False):
         teach = make_batch(10, 5, teacher_k=4, distillation_use_topk=True, distillation_only=only)
@@ -311,8 +354,13 @@ def _single_rank(rank: int, world_size: int, tmp: str) -> None:
         assert {"distillation_loss", "topk_overlap", "grad_norm"} <= metrics.keys(), sorted(metrics)
         assert ("pg_clipfrac" in metrics) is not only and metrics["update_skipped"] == 0.0
 
-    # --- 3c. infer_batch(logits_func=...): runs whatever the flags, on the temperature-scaled logits,
-    #         merged with the built-in outputs or (builtin_outputs=False) alone ---
+
+@_check
+def _check_infer_logits_func(s: _Setup) -> None:
+    """logits_func runs whatever the flags, on the temperature-scaled logits, merged with the
+    built-in outputs or (builtin_outputs=False) alone; infer_batch restores the train / eval mode."""
+    engine = s.restored()
+
     def row_stats(student_logits, data, data_format):
         return {"max_logit": student_logits.float().amax(-1), "top2": student_logits.float().topk(2).values}
 
@@ -337,7 +385,7 @@ def _single_rank(rank: int, world_size: int, tmp: str) -> None:
             [t.expand(n) for t, n in zip(temps, raw["max_logit"].offsets().diff().tolist(), strict=True)])
         assert_rel_close(flat_values(only["max_logit"]), flat_values(raw["max_logit"]) / per_token, TOL,
                          f"logits_func sees logits / temperature ({name})")
-    for training in (False, True):  # infer_batch restores the train / eval mode it found
+    for training in (False, True):
         engine.model[0].train(training)
         engine.infer_batch(plain)
         assert {m.training for m in engine.model[0].modules()} == {training}, f"mode {training} not kept"
@@ -347,7 +395,13 @@ def _single_rank(rank: int, world_size: int, tmp: str) -> None:
     assert "logits_func" in _expect_value_error(partial(engine.infer_batch, plain, builtin_outputs=False),
                                                 "builtin_outputs=False without logits_func")
 
-    # --- 4. non-finite gradients: update skipped, parameters and Adam state bit-identical ---
+
+@_check
+def _check_non_finite_gradients_skip_the_update(s: _Setup) -> None:
+    """Update skipped, parameters and Adam state bit-identical; the next step applies."""
+    engine, flags = s.restored(), s.FLAGS
+    engine.train_batch(make_batch(8, 4, **flags), policy_loss)  # Adam state exists
+
     def nan_loss(outputs, data, ctx):
         loss, metrics = policy_loss(outputs, data, ctx)
         return loss * float("nan"), metrics
@@ -355,17 +409,21 @@ def _single_rank(rank: int, world_size: int, tmp: str) -> None:
     step, skipped = engine.global_step, engine.num_skipped_steps
     engine.zero_grad()
     before = _state(engine)
-    out = engine.train_batch(make_batch(8, 4, **flags), nan_loss)
-    metrics = out.get_non_tensor("metrics")
+    metrics = engine.train_batch(make_batch(8, 4, **flags), nan_loss).get_non_tensor("metrics")
     assert metrics["update_skipped"] == 1.0 and not math.isfinite(metrics["grad_norm"])
-    after = _state(engine)
-    _assert_same_state(before, after, "skipped step", grads=False)
+    _assert_same_state(before, _state(engine), "skipped step", grads=False)
     assert (engine.global_step, engine.num_skipped_steps) == (step, skipped + 1)
     out = engine.train_batch(make_batch(8, 4, **flags), policy_loss)
     assert out.get_non_tensor("metrics")["update_skipped"] == 0.0 and engine.global_step == step + 1
 
-    # --- 4b. a failing or malformed loss function: the original exception (one rank), gradients
-    #         zeroed (the earlier accumulation too), parameters and Adam state untouched, no step ---
+
+@_check
+def _check_failing_loss_function_zeroes_grads_and_keeps_params(s: _Setup) -> None:
+    """The original exception (one rank), gradients zeroed (the earlier accumulation too),
+    parameters and Adam state untouched, no step."""
+    engine, flags = s.restored(), s.FLAGS
+    engine.train_batch(make_batch(8, 4, **flags), policy_loss)  # Adam state exists
+
     def broken_loss(outputs, data, ctx):
         raise KeyError("old_log_probs")
 
@@ -389,7 +447,12 @@ def _single_rank(rank: int, world_size: int, tmp: str) -> None:
     assert engine.train_batch(make_batch(8, 4, **flags), policy_loss).get_non_tensor("metrics")[
         "update_skipped"] == 0.0
 
-    # --- 5. bad batches: ValueError naming the problem, before any parameter or gradient change ---
+
+@_check
+def _check_bad_batches_refused_before_any_change(s: _Setup) -> None:
+    """ValueError naming the problem from train / forward_backward / infer, state unchanged."""
+    engine, flags = s.restored(), s.FLAGS
+
     def with_key(key, value, base=None):
         b = (base if base is not None else make_batch(9, 3, **flags)).clone()
         b.set(key, value)
@@ -402,6 +465,8 @@ def _single_rank(rank: int, world_size: int, tmp: str) -> None:
     del missing["input_ids"]
     teacher = make_batch(9, 3, teacher_k=2, distillation_use_topk=True)
     short_teacher = nested([t[:-1] for t in teacher["teacher_ids"].unbind()])
+    nan_teacher = nested([t.index_fill(0, torch.tensor([0]), math.nan)
+                          for t in teacher["teacher_logprobs"].unbind()])
     bad = {
         "input_ids missing": (missing, "input_ids"),
         "float input_ids": (with_key("input_ids", nested([t.float() for t in ids.unbind()])), "input_ids"),
@@ -412,6 +477,7 @@ def _single_rank(rank: int, world_size: int, tmp: str) -> None:
         "teacher too short": (with_key("teacher_ids", short_teacher, teacher), "teacher_ids"),
         "teacher K mismatch": (with_key("teacher_logprobs", nested(
             [t[:, :1] for t in teacher["teacher_logprobs"].unbind()]), teacher), "teacher_logprobs"),
+        "NaN teacher log-probs": (with_key("teacher_logprobs", nan_teacher, teacher), "teacher_logprobs"),
         "no teacher": (make_batch(9, 3, distillation_use_topk=True), "teacher_ids"),
         "padded without mask": (to_padded(good).exclude("attention_mask"), "attention_mask"),
         "flag of wrong type": (make_batch(9, 3, calculate_entropy="yes"), "calculate_entropy"),
@@ -429,7 +495,11 @@ def _single_rank(rank: int, world_size: int, tmp: str) -> None:
             assert key in message, f"{name}: error does not name {key!r}: {message}"
         _assert_same_state(before, _state(engine), name)
 
-    # --- 6. learning-rate schedule: Megatron warm-up from 0 ---
+
+@_check
+def _check_lr_schedule_warms_up_from_zero(s: _Setup) -> None:
+    from mcore_engine.engine import MegatronEngine
+
     warm = MegatronEngine(tiny_config())
     warm.config.optimizer.lr_warmup_steps, warm.config.optimizer.lr_decay_steps = 2, 10
     warm.config.optimizer.lr_decay_style = "cosine"
@@ -439,5 +509,32 @@ def _single_rank(rank: int, world_size: int, tmp: str) -> None:
     assert all(abs(a - b) < 1e-12 for a, b in zip(lrs, expected, strict=True)), lrs
 
 
-def test_single_rank_engine(tmp_path):
-    run_distributed(_single_rank, 1, str(tmp_path))
+def _single_rank(rank: int, world_size: int, tmp: str) -> None:
+    """Run every check, recording ``"ok"`` or its traceback by name in ``tmp/results.json``."""
+    results: dict[str, str] = {}
+    try:
+        setup = _Setup(tmp)
+    except Exception:
+        results = dict.fromkeys(CHECKS, "setup failed:\n" + traceback.format_exc())
+        setup = None
+    for name, check in CHECKS.items() if setup is not None else ():
+        try:
+            check(setup)
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+    with open(os.path.join(tmp, "results.json"), "w") as f:
+        json.dump(results, f)
+
+
+@pytest.fixture(scope="module")
+def single_rank_results(tmp_path_factory) -> dict[str, str]:
+    tmp = tmp_path_factory.mktemp("single_rank_engine")
+    run_distributed(_single_rank, 1, str(tmp))
+    return json.loads((tmp / "results.json").read_text())
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_single_rank_engine(name, single_rank_results):
+    result = single_rank_results.get(name, "not run")
+    assert result == "ok", f"{name}:\n{result}"
