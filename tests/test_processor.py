@@ -16,7 +16,20 @@ import mcore_engine.processor as processor
 from mcore_engine.ops import stats as ops_stats
 from mcore_engine.ops import vocab_parallel_entropy
 from mcore_engine.processor import process_lm_head_hidden, process_lm_head_logits
-from tests.ops.cases import Case, case_inputs, shard_of, weighted_sum
+from tests.ops.cases import (
+    HARD_CASES,
+    HARD_K,
+    HARD_LEAD,
+    HARD_V_LOCAL,
+    Case,
+    HardCase,
+    HardReference,
+    case_inputs,
+    hard_case_inputs,
+    rel,
+    shard_of,
+    weighted_sum,
+)
 from tests.reference import reference_logits_outputs
 from tests.utils import REL_TOL, assert_rel_close, run_distributed
 
@@ -86,9 +99,66 @@ def _check_custom_func(rank: int, world: int) -> None:
     assert_rel_close(x.grad, g64[..., rank * case.v_local:(rank + 1) * case.v_local], 1e-5, "custom grad")
 
 
+def check_hard_case(rank: int, world: int, case: HardCase, dtype: torch.dtype, seed: int) -> None:
+    """Everything in one call on a ``HardCase`` (no kl_tail in the processor), and distillation_only."""
+    group = _group(world)
+    inp = hard_case_inputs(case, world, dtype, seed)
+    ref = HardReference(case, inp, dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    ups = {k: torch.randn(*HARD_LEAD, generator=g) for k in ("log_probs", "entropy", "sum_pi_squared",
+                                                            "distillation_losses")}
+    x = shard_of(inp["full"], rank, HARD_V_LOCAL)
+    batch = {"teacher_ids": inp["tids"], "teacher_logprobs": inp["tlp"]}
+    kw = dict(batch=batch, vocab_size=inp["vocab"], group=group, chunk_size=case.chunk,
+              log_prob_min_clamp=inp["clamp"])
+    out = process_lm_head_logits(x, inp["labels"], inp["temp"], calculate_sum_pi_squared=True,
+                                 calculate_entropy=True, distillation_use_topk=True, distillation_only=False,
+                                 **kw)
+    assert set(out) == {"log_probs", "entropy", "sum_pi_squared", "distillation_losses",
+                        "student_mass", "teacher_mass"}, set(out)
+    for key in out:
+        ref.check(f"proc.{key}", out[key], key)
+    (gx,) = torch.autograd.grad(sum((out[k] * u).sum() for k, u in ups.items()), x)
+    ref.check_grad("proc.grad", gx, ups, slice(rank * HARD_V_LOCAL, (rank + 1) * HARD_V_LOCAL))
+    # distillation_only: no log_probs, label not even needed
+    out = process_lm_head_logits(x, None, inp["temp"], calculate_sum_pi_squared=False,
+                                 calculate_entropy=False, distillation_use_topk=True, distillation_only=True,
+                                 **kw)
+    assert set(out) == {"distillation_losses", "student_mass", "teacher_mass"}
+    ref.check("proc_donly.kl", out["distillation_losses"], "distillation_losses")
+
+
+def check_zero_tokens(rank: int, world: int) -> None:
+    """Zero tokens: every output empty fp32 of the token shape, backward works."""
+    for lead in ((0,), (2, 0)):
+        x = torch.randn(*lead, HARD_V_LOCAL, requires_grad=True)
+        batch = {"teacher_ids": torch.zeros(lead + (HARD_K,), dtype=torch.int64),
+                 "teacher_logprobs": torch.zeros(lead + (HARD_K,))}
+        out = process_lm_head_logits(x, torch.zeros(lead, dtype=torch.int64), 1.0,
+                                     calculate_sum_pi_squared=True, calculate_entropy=True,
+                                     distillation_use_topk=True, distillation_only=False, batch=batch,
+                                     group=_group(world))
+        assert len(out) == 6 and all(o.shape == lead and o.dtype == torch.float32 for o in out.values())
+        (gx,) = torch.autograd.grad(sum(o.sum() for o in out.values() if o.requires_grad), x)
+        assert gx.shape == x.shape
+
+
 def _run_all(rank: int, world: int) -> None:
     _check_combos(rank, world)
     _check_custom_func(rank, world)
+    check_zero_tokens(rank, world)
+    if world > 1:
+        for dtype in (torch.float32, torch.bfloat16):
+            for ci, case in enumerate(HARD_CASES):
+                if not case.tail:
+                    check_hard_case(rank, world, case, dtype, seed=7 + 100 * ci)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("ci", [i for i, c in enumerate(HARD_CASES) if not c.tail],
+                         ids=[c.name for c in HARD_CASES if not c.tail])
+def test_hard_case_one_shard(ci: int, dtype: torch.dtype) -> None:
+    check_hard_case(0, 1, HARD_CASES[ci], dtype, seed=100 * ci)
 
 
 def test_flag_combinations_one_shard() -> None:
@@ -251,3 +321,52 @@ def test_teacher_tensors_of_the_wrong_type_name_the_batch_key(path: str, bad: st
             process_lm_head_logits(hidden @ weight.T, labels, 1.0, **flags)
         else:
             process_lm_head_hidden(hidden, weight, labels, 1.0, **flags)
+
+
+def test_custom_func_and_flags() -> None:
+    """Custom func: unit temperature hands the very same tensor; others the scaled logits; flags pick keys."""
+    x = torch.randn(*HARD_LEAD, HARD_V_LOCAL) * 4
+    lab = torch.randint(0, HARD_V_LOCAL, HARD_LEAD)
+    seen = {}
+
+    def func(*, student_logits, data, data_format):
+        seen.update(logits=student_logits, data=data, fmt=data_format)
+        return {"custom": student_logits.float().logsumexp(-1)}
+
+    batch = {"anything": 1}
+    out = process_lm_head_logits(x, lab, 1.0, calculate_sum_pi_squared=False, calculate_entropy=True,
+                                 distillation_use_topk=True, distillation_only=False,
+                                 logits_processor_func=func, batch=batch, data_format="bshd")
+    assert seen["logits"] is x and seen["data"] is batch and seen["fmt"] == "bshd"
+    assert set(out) == {"log_probs", "entropy", "custom"}
+    temp = torch.rand(HARD_LEAD) + 0.5
+    t0 = temp.clone()
+    out = process_lm_head_logits(x, lab, temp, calculate_sum_pi_squared=True, calculate_entropy=False,
+                                 distillation_use_topk=True, distillation_only=True,
+                                 logits_processor_func=func, batch=batch)
+    assert set(out) == {"sum_pi_squared", "custom"}
+    torch.testing.assert_close(seen["logits"], x / temp[..., None])
+    assert torch.equal(temp, t0)
+    out = process_lm_head_logits(x, lab, 0.3, calculate_sum_pi_squared=False, calculate_entropy=False,
+                                 distillation_use_topk=False, distillation_only=False)
+    assert set(out) == {"log_probs"}
+    ref = (x.double() / 0.3).log_softmax(-1).gather(-1, lab[..., None])[..., 0]
+    assert rel(out["log_probs"], ref) < 1e-5
+
+
+def test_temperature_is_checked_once() -> None:
+    """With a custom func the scaled logits reuse the pass's temperature check (one device sync)."""
+    from mcore_engine.ops import temperature as temp_mod
+
+    x = torch.randn(*HARD_LEAD, HARD_V_LOCAL)
+    lab = torch.randint(0, HARD_V_LOCAL, HARD_LEAD)
+    temp = torch.rand(HARD_LEAD) + 0.5
+    with pytest.MonkeyPatch.context() as mp:
+        calls = []
+        real = temp_mod._check_temperature
+        mp.setattr(temp_mod, "_check_temperature", lambda *a: (calls.append(1), real(*a))[1])
+        out = process_lm_head_logits(x, lab, temp, calculate_sum_pi_squared=False, calculate_entropy=True,
+                                     distillation_use_topk=True, distillation_only=False,
+                                     logits_processor_func=lambda **kw: {"s": kw["student_logits"].sum(-1)})
+    assert set(out) == {"log_probs", "entropy", "s"} and len(calls) == 1
+    torch.testing.assert_close(out["s"], (x / temp[..., None]).sum(-1))

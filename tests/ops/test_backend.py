@@ -7,7 +7,6 @@ from unittest import mock
 
 import pytest
 import torch
-
 from mcore_engine_kernels.layout import Coefficients
 
 from mcore_engine.ops import _common, backend, plan, vocab_parallel_logits_outputs

@@ -23,7 +23,9 @@ from mcore_engine.ops import (
     vocab_parallel_sum_pi_squared,
     vocab_parallel_topk,
 )
-from tests.ops.cases import Case, case_inputs
+from mcore_engine.processor import process_lm_head_logits
+from tests.ops.cases import HARD_K, HARD_LEAD, HARD_V_LOCAL, Case, case_inputs
+from tests.utils import run_distributed
 
 N, V, K = 10, 23, 3
 
@@ -223,3 +225,78 @@ def test_bad_input_raises_value_error_naming_the_argument(i: int) -> None:
     name, call = BAD[i]
     with pytest.raises(ValueError, match=name):
         call(*_inputs())
+
+
+def check_bad_input(rank: int, world: int) -> None:
+    """API.md's ValueErrors on 1 or more shards, each naming the offending argument."""
+    group = dist.group.WORLD if world > 1 else None
+    vg = HARD_V_LOCAL * world
+    x = torch.randn(*HARD_LEAD, HARD_V_LOCAL)
+    lab = torch.randint(0, vg, HARD_LEAD)
+    tids = torch.randint(0, vg, HARD_LEAD + (HARD_K,))
+    tlp = torch.randn(HARD_LEAD + (HARD_K,)).clamp_max(0) - 1
+    cases = [
+        ("labels", lambda: vocab_parallel_log_probs(x, torch.full(HARD_LEAD, vg), group=group)),
+        ("labels", lambda: vocab_parallel_log_probs(x, torch.full(HARD_LEAD, -1), group=group)),
+        ("labels", lambda: vocab_parallel_log_probs(x, torch.full(HARD_LEAD, vg - 1), group=group,
+                                                    vocab_size=vg - 1)),  # a padded id is out of range
+        ("labels", lambda: vocab_parallel_log_probs(x, lab[:, :4], group=group)),
+        ("logits", lambda: vocab_parallel_log_probs(x.long(), lab, group=group)),
+        ("logits", lambda: vocab_parallel_entropy(x.long(), group=group)),
+        ("logits", lambda: vocab_parallel_entropy(torch.randn(*HARD_LEAD, 0), group=group)),
+        ("k", lambda: vocab_parallel_topk(x, vg + 1, group=group)),
+        ("k", lambda: vocab_parallel_topk(x, vg, group=group, vocab_size=vg - 3)),
+        ("k", lambda: vocab_parallel_topk(x, 0, group=group)),
+        ("teacher", lambda: vocab_parallel_forward_kl_topk(x, tids[..., :1, :], tlp, group=group)),
+        ("teacher", lambda: vocab_parallel_forward_kl_topk(x, tids + vg, tlp, group=group)),
+        ("teacher", lambda: vocab_parallel_forward_kl_topk(x, tids, tlp[..., :2], group=group)),
+    ]
+    for bad_t in (0.0, -1.0, float("nan"), float("inf"), torch.tensor(0.0),
+                  torch.full(HARD_LEAD, 2.0).index_fill_(1, torch.tensor([2]), -0.5),
+                  torch.full(HARD_LEAD, float("inf")), torch.ones(4), True):
+        cases.append(("temperature", lambda bad_t=bad_t: vocab_parallel_entropy(x, temperature=bad_t,
+                                                                                group=group)))
+    flags = dict(calculate_sum_pi_squared=False, calculate_entropy=False, group=group)
+    cases += [("distillation_only", lambda: process_lm_head_logits(
+                  x, lab, 1.0, distillation_use_topk=False, distillation_only=True, **flags)),
+              ("teacher_ids", lambda: process_lm_head_logits(
+                  x, lab, 1.0, distillation_use_topk=True, distillation_only=False, batch={}, **flags))]
+    for word, call in cases:
+        with pytest.raises(ValueError) as info:
+            call()
+        assert word in str(info.value), f"ValueError message {str(info.value)!r} does not name {word!r}"
+
+
+def test_bad_input_one_shard() -> None:
+    check_bad_input(0, 1)
+
+
+def test_bad_input_two_ranks() -> None:
+    run_distributed(check_bad_input, 2)
+
+
+@pytest.mark.parametrize("name, call", [
+    ("teacher_topk_ids", lambda x, ids, tlp: vocab_parallel_forward_kl_topk(x, ids[:, :1], tlp)),
+    ("teacher_topk_ids", lambda x, ids, tlp: vocab_parallel_forward_kl_topk(x, ids + HARD_V_LOCAL, tlp)),
+    ("teacher_topk_log_probs", lambda x, ids, tlp: vocab_parallel_forward_kl_topk(x, ids, tlp[..., :2])),
+])
+def test_forward_kl_topk_errors_name_its_own_arguments(name, call) -> None:
+    x = torch.randn(*HARD_LEAD, HARD_V_LOCAL)
+    tids = torch.randint(0, HARD_V_LOCAL, HARD_LEAD + (HARD_K,))
+    tlp = -torch.rand(HARD_LEAD + (HARD_K,)) - 1
+    with pytest.raises(ValueError, match=name):
+        call(x, tids, tlp)
+
+
+def test_transposed_view_gives_the_same_values_and_gradient() -> None:
+    """A transposed [S, B, V] -> [B, S, V] view gives the same values and gradient as a copy."""
+    base = torch.randn(5, 3, HARD_V_LOCAL) * 3
+    x = base.transpose(0, 1).detach().clone().requires_grad_(True)
+    xt = base.clone().requires_grad_(True)
+    up = torch.randn(3, 5)
+    a = vocab_parallel_entropy(xt.transpose(0, 1), temperature=0.7, chunk_size=4)
+    b = vocab_parallel_entropy(x, temperature=0.7, chunk_size=4)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+    (ga,) = torch.autograd.grad((a * up).sum(), xt)
+    (gb,) = torch.autograd.grad((b * up).sum(), x)
+    torch.testing.assert_close(ga.transpose(0, 1), gb, rtol=1e-6, atol=1e-9)

@@ -14,7 +14,19 @@ from mcore_engine.ops import (
     vocab_parallel_sum_pi_squared,
     vocab_parallel_topk,
 )
-from tests.ops.cases import Case, case_inputs, shard_of, weighted_sum
+from tests.ops.cases import (
+    HARD_CASES,
+    HARD_LEAD,
+    HARD_V_LOCAL,
+    Case,
+    HardCase,
+    HardReference,
+    case_inputs,
+    hard_case_inputs,
+    rel,
+    shard_of,
+    weighted_sum,
+)
 from tests.reference import reference_logits_outputs
 from tests.utils import REL_TOL, assert_rel_close, run_distributed
 
@@ -133,15 +145,22 @@ def _check_topk(rank: int, world: int) -> None:
             assert all(torch.equal(g_, ids) for g_ in gathered), "top-k ids differ across ranks"
 
 
-def _check_zero_tokens(rank: int, world: int) -> None:
-    x = torch.randn(0, 5, 11).requires_grad_()
-    labels = torch.zeros(0, 5, dtype=torch.int64)
-    out = vocab_parallel_logits_outputs(x, labels=labels, **FLAGS, temperature=0.7, group=_group(world))
-    assert all(o.shape == (0, 5) for o in out.values())
-    sum(o.sum() for o in out.values()).backward()
-    assert x.grad.shape == x.shape
-    lp, ids = vocab_parallel_topk(x, 3, group=_group(world))
-    assert lp.shape == ids.shape == (0, 5, 3)
+def _check_zero_tokens(rank: int, world: int, lead: tuple[int, ...]) -> None:
+    """Zero tokens is valid: empty fp32 outputs of every op, backward works, top-k is empty."""
+    group = _group(world)
+    x = torch.randn(*lead, 11).requires_grad_()
+    labels = torch.zeros(lead, dtype=torch.int64)
+    tids, tlp = torch.zeros(lead + (3,), dtype=torch.int64), torch.zeros(lead + (3,))
+    out = vocab_parallel_logits_outputs(x, labels=labels, **FLAGS, temperature=0.7, group=group)
+    outs = list(out.values()) + [vocab_parallel_log_probs(x, labels, group=group, temperature=0.3),
+                                 vocab_parallel_entropy(x, group=group, temperature=torch.ones(lead)),
+                                 vocab_parallel_sum_pi_squared(x, group=group)]
+    outs += list(vocab_parallel_forward_kl_topk(x, tids, tlp, group=group, kl_tail=True).values())
+    assert all(o.shape == lead and o.dtype == torch.float32 for o in outs)
+    (gx,) = torch.autograd.grad(sum(o.sum() for o in outs if o.requires_grad), x)
+    assert gx.shape == x.shape
+    lp, ids = vocab_parallel_topk(x, 3, group=group)
+    assert lp.shape == ids.shape == lead + (3,) and ids.dtype == torch.int64
 
 
 def _check_all_padding_shards(rank: int, world: int) -> None:
@@ -201,7 +220,88 @@ def check_concentrated_tail(rank: int, world: int, device: str | torch.device = 
                      "concentrated tail grad")
 
 
-def _run_all(rank: int, world: int, case_indices: list[int]) -> None:
+def check_hard_case(rank: int, world: int, case: HardCase, dtype: torch.dtype, seed: int) -> None:
+    """Each public op on a ``HardCase``: values and gradients (random upstream) within the budget,
+    padded columns get exactly 0, top-k for k = 1, 5 and V_global, inputs unchanged."""
+    group = _group(world)
+    inp = hard_case_inputs(case, world, dtype, seed)
+    ref = HardReference(case, inp, dtype)
+    labels, tids, tlp, temp, vocab = inp["labels"], inp["tids"], inp["tlp"], inp["temp"], inp["vocab"]
+    g = torch.Generator().manual_seed(seed + 1)
+    ups = {k: torch.randn(*HARD_LEAD, generator=g) for k in ("log_probs", "entropy", "sum_pi_squared",
+                                                            "distillation_losses")}
+    x = shard_of(inp["full"], rank, HARD_V_LOCAL)
+    cols = slice(rank * HARD_V_LOCAL, (rank + 1) * HARD_V_LOCAL)
+    kw = dict(temperature=temp, group=group, chunk_size=case.chunk, vocab_size=vocab)
+    saved = (x.detach().clone(), labels.clone(), tids.clone(), tlp.clone(),
+             temp.clone() if isinstance(temp, torch.Tensor) else temp)
+    # --- single ops: value + gradient ---
+    singles = {
+        "log_probs": lambda: vocab_parallel_log_probs(x, labels, **kw),
+        "entropy": lambda: vocab_parallel_entropy(x, **kw),
+        "sum_pi_squared": lambda: vocab_parallel_sum_pi_squared(x, **kw),
+    }
+    for key, fn in singles.items():
+        out = fn()
+        ref.check(key, out, key)
+        (gx,) = torch.autograd.grad((out * ups[key]).sum(), x)
+        ref.check_grad(f"{key}.grad", gx, {key: ups[key]}, cols)
+    kl = vocab_parallel_forward_kl_topk(x, tids, tlp, log_prob_min_clamp=inp["clamp"], kl_tail=case.tail,
+                                        **kw)
+    for key in ("distillation_losses", "student_mass", "teacher_mass"):
+        ref.check(key, kl[key], key)
+    assert not kl["student_mass"].requires_grad and not kl["teacher_mass"].requires_grad
+    (gx,) = torch.autograd.grad((kl["distillation_losses"] * ups["distillation_losses"]).sum(), x)
+    ref.check_grad("kl.grad", gx, {"distillation_losses": ups["distillation_losses"]}, cols)
+    if vocab < (rank + 1) * HARD_V_LOCAL:  # padded columns of this shard get exactly 0 gradient
+        assert (gx[..., max(vocab - rank * HARD_V_LOCAL, 0):] == 0).all()
+    # --- top-k: k = 1, 5, V_global (the true vocab) ---
+    t64 = temp.double().broadcast_to(HARD_LEAD)[..., None] if isinstance(temp, torch.Tensor) else temp
+    zref = inp["full"].double()[..., :vocab] / t64
+    lref = zref.log_softmax(-1)
+    for k in (1, 5, vocab):
+        lp, ids = vocab_parallel_topk(x, k, **kw)
+        assert lp.shape == HARD_LEAD + (k,) and ids.shape == HARD_LEAD + (k,)
+        assert lp.dtype == torch.float32 and ids.dtype == torch.int64
+        assert not lp.requires_grad
+        assert ((ids >= 0) & (ids < vocab)).all()
+        assert (lp[..., 1:] <= lp[..., :-1]).all(), "top-k not sorted descending"
+        assert (ids.sort(-1).values.diff(dim=-1) > 0).all(), "duplicate ids in top-k"
+        e1, e2 = rel(lp, lref.topk(k, dim=-1).values), rel(lp, lref.gather(-1, ids))
+        b = ref.tol if dtype != torch.float32 else min(5 * ref.tol, ref.tol + 2 * rel(  # as in budget()
+            zref.float().log_softmax(-1).topk(k, dim=-1).values, lref.topk(k, dim=-1).values))
+        assert max(e1, e2) <= b, f"{case.name}/topk k={k}: {e1:.3e} {e2:.3e} > {b:.3e}"
+        if k == vocab:
+            assert (ids.sort(-1).values == torch.arange(vocab)).all()
+    # --- inputs never modified ---
+    assert torch.equal(x.detach(), saved[0]) and torch.equal(labels, saved[1])
+    assert torch.equal(tids, saved[2]) and torch.equal(tlp, saved[3])
+    if isinstance(temp, torch.Tensor):
+        assert torch.equal(temp, saved[4])
+
+
+def check_neg_inf_logits(rank: int, world: int) -> None:
+    """-inf logits (masked tokens) on the column where another rank's label / teacher id is clamped to
+    in this shard (its last valid column): log-probs, KL and top-k ids stay finite and correct."""
+    group = _group(world)
+    g = torch.Generator().manual_seed(11)
+    full = torch.randn(4, world * HARD_V_LOCAL, generator=g, dtype=torch.float64).float()
+    full[:, HARD_V_LOCAL - 1] = float("-inf")  # rank 0's last column
+    labels = torch.full((4,), world * HARD_V_LOCAL - 3)  # on the last rank
+    tids = torch.stack([labels, labels - 1], -1)
+    tlp = torch.tensor([[-1.0, -2.0]]).expand(4, 2).contiguous()
+    x = shard_of(full, rank, HARD_V_LOCAL)
+    logp = full.double().log_softmax(-1)
+    lp = vocab_parallel_log_probs(x, labels, group=group)
+    kl = vocab_parallel_forward_kl_topk(x, tids, tlp, group=group)["distillation_losses"]
+    kl_ref = (tlp.double().exp() * (tlp.double() - logp.gather(-1, tids))).sum(-1)
+    _, ids = vocab_parallel_topk(x, world * HARD_V_LOCAL, group=group)
+    assert rel(lp, logp.gather(-1, labels[:, None])[:, 0]) < 1e-5, "log_probs next to -inf logits"
+    assert rel(kl, kl_ref) < 1e-5, "kl next to -inf logits"
+    assert ((ids >= 0) & (ids < world * HARD_V_LOCAL)).all(), "top-k ids next to -inf logits"
+
+
+def _run_all(rank: int, world: int, case_indices: list[int], hard: bool = True) -> None:
     for i in case_indices:
         _check_fused(CASES[i], rank, world)
     if world > 1:
@@ -209,7 +309,19 @@ def _run_all(rank: int, world: int, case_indices: list[int]) -> None:
     _check_chunk_invariance(rank, world)
     check_concentrated_tail(rank, world)
     _check_topk(rank, world)
-    _check_zero_tokens(rank, world)
+    for lead in ((0, 5), (0,), (2, 0)):
+        _check_zero_tokens(rank, world, lead)
+    check_neg_inf_logits(rank, world)
+    if hard and world > 1:
+        for dtype in (torch.float32, torch.bfloat16):
+            for ci, case in enumerate(HARD_CASES):
+                check_hard_case(rank, world, case, dtype, seed=7 + 100 * ci)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("ci", range(len(HARD_CASES)), ids=[c.name for c in HARD_CASES])
+def test_hard_case_one_shard(ci: int, dtype: torch.dtype) -> None:
+    check_hard_case(0, 1, HARD_CASES[ci], dtype, seed=100 * ci)
 
 
 def test_one_shard_in_process() -> None:
@@ -222,7 +334,7 @@ def test_two_ranks() -> None:
 
 @pytest.mark.slow
 def test_four_ranks() -> None:
-    run_distributed(_run_all, 4, [1, 3, 5])
+    run_distributed(_run_all, 4, [1, 3, 5], False)
 
 
 def _check_default_group_is_megatron_tp(rank: int, world: int) -> None:
@@ -243,3 +355,36 @@ def _check_default_group_is_megatron_tp(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_default_group_is_megatron_tp_group() -> None:
     run_distributed(_check_default_group_is_megatron_tp, 2)
+
+
+def test_near_one_hot_gradients_within_4x_of_naive_fp32() -> None:
+    """The fp32 limit of ``ops/stats.py``: at a logit gap of 16 the hot label's gradient needs
+    ``1 - p_y`` (~3e-5) from ``1 / S`` with ``S`` summed in fp32, so ``S``'s rounding shows ~3x more
+    than in plain fp32 autograd. This bounds the gap so that it cannot silently grow."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(15, 154, generator=g)
+    hot = torch.randint(0, 154, (15,), generator=g)
+    x.scatter_(-1, hot[:, None], 16.0)
+    up = torch.randn(15, generator=g)
+    pairs = [(lambda v: vocab_parallel_sum_pi_squared(v), lambda z: (z.softmax(-1) ** 2).sum(-1)),
+             (lambda v: vocab_parallel_log_probs(v, hot),
+              lambda z: z.log_softmax(-1).gather(-1, hot[:, None])[:, 0])]
+    for op, math_fn in pairs:
+        grads = []
+        for dt, fn in ((torch.float64, math_fn), (torch.float32, math_fn), (torch.float32, op)):
+            xl = x.to(dt).requires_grad_(True)
+            grads.append(torch.autograd.grad((fn(xl) * up.to(dt)).sum(), xl)[0])
+        err_naive, err_op = rel(grads[1], grads[0]), rel(grads[2], grads[0])
+        assert err_op <= 4 * err_naive + 1e-5, f"op {err_op:.2e} vs naive fp32 {err_naive:.2e}"
+
+
+def test_entropy_with_neg_inf_logits() -> None:
+    x = torch.randn(4, HARD_V_LOCAL, dtype=torch.float64).float()
+    x[:, 3] = float("-inf")
+    x.requires_grad_(True)
+    h = vocab_parallel_entropy(x, temperature=0.7)
+    z = x.detach().double()[:, torch.arange(HARD_V_LOCAL) != 3] / 0.7
+    ref = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
+    assert torch.isfinite(h).all() and rel(h, ref) < 1e-5, h
+    (g,) = torch.autograd.grad(h.sum(), x)
+    assert torch.isfinite(g).all() and (g[:, 3] == 0).all()

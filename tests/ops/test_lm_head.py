@@ -163,6 +163,11 @@ def test_bad_input_raises_value_error_naming_argument():
     with pytest.raises(ValueError, match="teacher_ids"):
         fused_lm_head_outputs(hidden, weight, teacher_ids=torch.zeros(4, dtype=torch.long),
                               teacher_log_probs=torch.zeros(4))
+    with pytest.raises(ValueError, match="teacher_ids"):  # a list, as the logits path refuses it
+        fused_lm_head_outputs(hidden, weight, teacher_ids=[[0, 1]] * 4, teacher_log_probs=torch.zeros(4, 2))
+    with pytest.raises(ValueError, match="teacher_log_probs"):
+        fused_lm_head_outputs(hidden, weight, teacher_ids=torch.zeros(4, 2, dtype=torch.long),
+                              teacher_log_probs=[[0.0, 0.0]] * 4)
     with pytest.raises(ValueError, match="vocab_size"):
         fused_lm_head_outputs(hidden, weight, entropy=True, vocab_size=11)
     with pytest.raises(ValueError, match="temperature"):
