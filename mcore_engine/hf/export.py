@@ -120,11 +120,8 @@ def _copy_side_files(src: Path, dst: Path) -> None:
 
 def export_hf(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, out_dir: str | os.PathLike, *,
               dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write ``out_dir`` (safetensors + ``config.json``); call on every rank, ends with a barrier.
-
-    Data-parallel rank 0's model-parallel group streams ``iter_hf_tensors``; global rank 0 writes
-    shards of at most ``max_shard_bytes`` (its memory: one shard). ``cfg.model.hf_path``, when set,
-    supplies config fields (token ids, ...) and tokenizer files.
+    """Write ``out_dir`` (shards of at most ``max_shard_bytes`` + ``config.json``) from global rank 0,
+    memory one shard; call on every rank. ``cfg.model.hf_path`` supplies token ids and tokenizer files.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     writer = ShardedSafetensorsWriter(out_dir, max_shard_bytes) if rank == 0 else None

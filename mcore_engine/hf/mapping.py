@@ -235,11 +235,8 @@ def _rope(hf_config: Mapping[str, Any]) -> tuple[float, float | None]:
 
 
 def from_hf_config(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfig:
-    """``ModelConfig`` from a ``config.json`` dict (``overrides`` set other fields); a ``head_dim`` other
-    than hidden / heads becomes ``kv_channels``.
-
-    ``ValueError`` naming the field for what this model cannot express: other architectures or
-    activations, sliding windows, MLP / output biases, RoPE scaling other than Llama-3's.
+    """``ModelConfig`` from a ``config.json`` dict (``overrides`` set other fields); ``ValueError`` naming
+    the field for what this model cannot express (other activations, sliding windows, MLP biases, ...).
     """
     family = hf_family(hf_config)
     hidden, heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])

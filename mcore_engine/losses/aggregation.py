@@ -43,11 +43,7 @@ def _check(values: torch.Tensor, loss_mask: torch.Tensor, seq_ids: torch.Tensor 
 
 
 def tokens_per_sequence(loss_mask: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
-    """``[T]``: per token, the loss-token count of its sequence, ``m[seq == seq[t]].sum()``.
-
-    Ids in any order, not necessarily dense; sync-free (sort, number the runs, ``index_add``). Float
-    dtype of the mask (float32 for bool/int masks).
-    """
+    """``[T]`` loss-token count of each token's sequence, ``m[seq == seq[t]].sum()``; sync-free."""
     mask = loss_mask.reshape(-1)
     mask = mask if mask.is_floating_point() else mask.float()
     ids = seq_ids.reshape(-1)
@@ -68,11 +64,9 @@ def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def agg_loss(values: torch.Tensor, loss_mask: torch.Tensor, seq_ids: torch.Tensor | None, mode: str,
              ctx: LossContext) -> torch.Tensor:
-    """This micro-batch's contribution to the global aggregated loss (see the module docstring).
-
-    ``values``, ``loss_mask`` (bool, int, or float weights used as given) and ``seq_ids`` (integer,
-    global, only equality matters; needed by ``"seq-mean-token-mean"`` only) share one shape. Returns
-    a 0-d tensor of ``values.dtype``, accumulated in at least float32; inputs are not modified.
+    """This micro-batch's contribution to the global loss (module docstring): ``values``, ``loss_mask``
+    (bool, int or float weights) and integer ``seq_ids`` (only for ``"seq-mean-token-mean"``) share
+    one shape; 0-d result of ``values.dtype``, accumulated in at least float32.
     """
     _check(values, loss_mask, seq_ids, mode)
     acc = torch.promote_types(values.dtype, torch.float32)
