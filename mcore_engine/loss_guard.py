@@ -1,29 +1,20 @@
-"""The loss function inside Megatron's schedule, made safe for every rank: failures become agreed.
+"""The loss function inside Megatron's schedule, with failures agreed by every rank.
 
-Megatron calls the per-micro-batch loss only on the last pipeline stage, in the middle of its
-schedule. An exception there would leave the other stages waiting in a p2p receive (and the
-data-parallel peers in the gradient all-reduce) until the collective timeout. :class:`LossGuard`
-turns such an exception into a failure every rank raises promptly::
+Megatron calls the loss only on the last pipeline stage, mid-schedule; an exception there would
+leave the other stages in a p2p receive (and DP peers in the gradient all-reduce) until the
+collective timeout. :class:`LossGuard` records it instead::
 
     try:    loss, metrics = check_loss_result(loss_function(outputs, data, ctx), needs_grad)
     except Exception as exc:
-            guard.error = exc
-            loss = 0.0 * output.sum()        # stand-in: the schedule runs on, every gradient is 0
-    (after a failure the later micro-batches skip the processor and the loss function: stand-ins)
+            guard.error = exc; loss = 0.0 * output.sum()   # the schedule runs on, every gradient 0
     ... the schedule ends on every rank ...
-    guard.raise_if_failed()              # one MAX all-reduce of a flag over the world; on failure
-                                         # one all_gather_object of the messages
+    guard.raise_if_failed()     # one MAX all-reduce of a flag; on failure one all_gather_object
 
-The failing rank re-raises its own exception (traceback intact); every other rank raises
-``ValueError`` (the failing rank's error was a ``ValueError``, e.g. a malformed loss result) or
-``RuntimeError`` naming the failing global ranks and the first message. What the guard covers: the
-lm-head processor, ``logits_processor_func`` / ``logits_func`` and the loss function, each raising
-on every tensor-parallel rank alike (they see identical inputs), or raising before any
-tensor-parallel collective. Not covered: an exception in the model's forward or backward, or a
-user function that raises on one tensor-parallel rank between the processor's collectives.
-
-Cost: one all-reduce of one int and one host read per step (the step's results are read at the
-same point anyway); the failure path adds one object all-gather.
+The failing rank re-raises its own exception; the others raise ``ValueError`` (when it was one)
+or ``RuntimeError`` naming the failing ranks and the first message. Covered: the lm-head
+processor, ``logits_processor_func`` / ``logits_func`` and the loss function, raising alike on
+every TP rank or before any TP collective. Not covered: the model's forward or backward.
+Cost: one int all-reduce and one host read per step.
 """
 
 from __future__ import annotations
@@ -33,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from mcore_engine.platform import get_device
 
 __all__ = ["LossGuard", "check_loss_result"]
 
@@ -103,8 +96,6 @@ class LossGuard:
             if error is not None:
                 raise error
             return
-        from mcore_engine.platform import get_device
-
         flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=get_device().torch_device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not flag.item():

@@ -1,26 +1,19 @@
 """Platform layer: devices, distributed bring-up, seeding, and the CPU device layer for Megatron-Core.
 
-One module owns the process groups and the device (house habit 9): ``init_distributed`` brings up
-``torch.distributed`` (NCCL with CUDA, gloo without), Megatron-Core's ``parallel_state`` and the
-RNG streams; ``get_device`` hands out a small :class:`Device` for ``empty_cache`` / synchronisation /
-memory statistics.
+``init_distributed`` brings up ``torch.distributed`` (NCCL with CUDA, gloo without), Megatron-Core's
+``parallel_state`` and the RNG streams; ``get_device`` hands out a :class:`Device` for
+``empty_cache`` / synchronisation / memory statistics.
 
-Megatron-Core 0.16 has no device abstraction: on a CPU-only torch build ``torch.cuda.current_device``,
-the CUDA RNG state calls, streams, events, ``synchronize`` and ``device='cuda'`` tensor factories
-raise. :func:`apply_cpu_device_layer` makes them run on the CPU, and only when CUDA is absent:
+Megatron-Core 0.16 calls CUDA unconditionally; :func:`apply_cpu_device_layer` (only when CUDA is
+absent) makes those calls run on the CPU:
 
-1. ``torch.cuda.current_device`` -> ``"cpu"`` (Megatron passes it as ``device=``).
-2. CUDA RNG calls -> the CPU default generator (``torch.cuda.{get,set}_rng_state``, ``manual_seed``,
-   and Megatron's ``tensor_parallel.random._set_cuda_rng_state``), so the RNG tracker keeps
-   Megatron's seed layout (data-parallel stream ``seed``, model-parallel ``seed + 2718 + tp_rank``)
-   and forks the generator that CPU dropout really draws from.
-3. Streams, events, ``synchronize``, ``set_stream`` and NVTX ranges become no-ops.
-4. A ``TorchFunctionMode`` rewrites ``device='cuda'`` / ``device=<int>`` keyword arguments and
-   ``Tensor.to('cuda')`` to the CPU, drops ``pin_memory`` (no pinned allocator without CUDA), makes
-   ``Tensor.cuda()`` / ``Tensor.pin_memory()`` return the tensor itself, and reports ``Tensor.type()``
-   with the ``torch.cuda.`` prefix that Megatron's optimizers and ``clip_grads`` assert on.
-   Cost: one Python call per torch function, ~1-2 us (measured +3-8% on the 2-layer, hidden-64
-   test GPT, where Python overhead dominates; negligible at real model sizes).
+1. ``torch.cuda.current_device`` -> ``"cpu"``.
+2. CUDA RNG calls -> the CPU default generator, so the RNG tracker keeps Megatron's seed layout
+   (data-parallel ``seed``, model-parallel ``seed + 2718 + tp_rank``) and forks what CPU dropout draws.
+3. Streams, events, ``synchronize``, ``set_stream`` and NVTX ranges -> no-ops.
+4. A ``TorchFunctionMode`` maps ``device='cuda'`` / ``device=<int>`` / ``.to('cuda')`` to the CPU,
+   drops ``pin_memory``, makes ``.cuda()`` / ``.pin_memory()`` identities and reports
+   ``Tensor.type()`` with the ``torch.cuda.`` prefix Megatron asserts on. Cost ~1-2 us per torch call.
 """
 
 from __future__ import annotations

@@ -1,38 +1,25 @@
 """One engine step's data side: validate, split, pack, and agree on the global normalisers.
 
-``prepare_step`` turns a TensorDict batch into a :class:`PreparedStep` BEFORE any model work:
+``prepare_step`` turns a TensorDict batch into a :class:`PreparedStep` before any model work::
 
     flags = parse_step_flags(batch); validate_batch(batch, ...)              # ValueError naming the key
     micro_batches, order = split_micro_batches(batch, flags, ...)
     inputs = [pack_micro_batch(mb, ...) for mb in micro_batches]
     counts = all_gather([sum(loss_mask), num_seqs, failed], group=dp)    # [dp, 3], one collective
-    ctx = LossContext(global_num_tokens=counts[:, 0].sum().clamp_min(1),
-                      global_num_seqs=counts[:, 1].sum(), ...)
-    seq_ids = local index + sequences on lower DP ranks                   # unique in the global batch
+    ctx = LossContext(global_num_tokens=counts[:, 0].sum().clamp_min(1), global_num_seqs=counts[:, 1].sum())
+    seq_ids = local index + sequences on lower DP ranks
 
-(the clamp: a batch without any loss token gives zero contributions, not 0 / 0).
+The failure flag rides on the same all-gather: a bad batch on one DP rank raises on every rank
+(the failing rank its own exception, the others a ``ValueError`` naming it). Counts travel as
+float64 (exact to 2**53), the context holds float32 0-d tensors.
 
-The failure flag rides on the same all-gather, so a bad batch on one data-parallel rank raises on
-every rank (no rank is left waiting in a collective) and nothing has been touched: the failing rank
-re-raises its own exception (``ValueError`` for a bad batch, whatever else broke in splitting or
-packing), the others a ``ValueError`` naming the failing ranks. Counts travel as float64 (exact
-integers up to 2**53); the context holds them as float32 0-d tensors (``LossContext.from_counts``'s
-convention: one rounding, relative error below 6e-8).
+Interleaved pipeline schedule: its batched send/recv pairs the two directions to one PP=2 peer the
+wrong way round on gloo unless shapes are fixed, so every micro-batch is padded to one model shape
+(``common_shape=True``; padding has ``loss_mask`` 0) and the schedule runs with
+``variable_seq_lengths=False``.
 
-Fixed shapes: Megatron's interleaved schedule exchanges activation shapes with one batched
-send/recv per step; with PP=2 both directions go to the same peer and gloo pairs them the wrong way
-round. Under the interleaved schedule every micro-batch is therefore padded to ONE model shape
-(``common_shape=True``; thd: a longer last block, bshd: more columns and empty rows, all with
-``loss_mask`` 0) and the schedule runs with ``variable_seq_lengths=False``.
-
-``micro_batch_iterator`` yields what the forward step consumes; ``gather_results`` sums the loss
-and metric contributions (over micro-batches and DP ranks) and hands the last pipeline stage's
-results to every stage; ``collect_outputs`` puts the per-token outputs of every micro-batch back
-into the layout and order of the input batch.
-Memory: the packed inputs of all micro-batches, O(tokens) ints/floats. The quadratic bshd attention
-masks ``[b, 1, S, S]`` are NOT kept: ``attention_mask`` rebuilds the micro-batch's mask when the
-forward step needs it, so one mask lives at a time (thd needs none: the packed attention takes the
-sequence boundaries from ``packed_seq_params``).
+Memory: the packed inputs of all micro-batches, O(tokens). The bshd masks ``[b, 1, S, S]`` are
+rebuilt per micro-batch by :func:`attention_mask` (one alive at a time; thd needs none).
 """
 
 from __future__ import annotations
@@ -91,13 +78,11 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
                  default_micro_batch_size: int, has_logits_processor_func: bool, pad_multiple: int,
                  min_num_micro_batches: int, device: torch.device,
                  dp_group: Any, common_shape: bool = False) -> PreparedStep:
-    """Validate and pack ``batch`` for one step; an error on any DP rank (bad batch, or any exception
-    while splitting / packing) raises on every DP rank (see the module docstring); ``common_shape``
-    pads every micro-batch to one model shape (module docstring). Teacher tensors are required under
-    ``distillation_use_topk`` unless a custom logits processor brings its own.
-    ``min_num_micro_batches``: the micro-batch count must be a multiple of it (``pp`` for the
-    interleaved schedule; a token-budget split is refined to reach one). Host syncs beyond
-    ``validate_batch``'s: one, reading the gathered counts."""
+    """Validate and pack ``batch`` for one step (module docstring). Teacher tensors are required
+    under ``distillation_use_topk`` unless a custom logits processor brings its own. The
+    micro-batch count must be a multiple of ``min_num_micro_batches`` (``pp`` for the interleaved
+    schedule; a token-budget split is refined to reach one). One host sync beyond
+    ``validate_batch``'s."""
     error: Exception | None = None
     prepared = None
     local_tokens = torch.zeros((), dtype=torch.float64, device=device)
@@ -268,8 +253,8 @@ def gather_results(step: PreparedStep, store: list[dict[str, Any]], *, is_last_s
     """Per-micro-batch outputs (model layout), global loss (0-d) and global metrics on every rank.
 
     ``store``: the schedule's records on the last pipeline stage (``index``, ``loss``, ``metrics``,
-    ``outputs``), empty elsewhere. Loss and metrics are contributions (INTERFACES.md), so their sum
-    over micro-batches and DP ranks is the global value. With PP > 1 the last stage broadcasts the
+    ``outputs``), empty elsewhere. Loss and metrics are contributions, so their sum over
+    micro-batches and DP ranks is the global value. With PP > 1 the last stage broadcasts the
     keys and metrics (one object broadcast) and each output key as one flat tensor over all
     micro-batches. Host syncs: one on the last stage (the loss and every metric of every
     micro-batch stacked into one float64 tensor ``[num_micro_batches, 1 + num_metrics]``, summed,
