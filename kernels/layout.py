@@ -71,8 +71,9 @@ class Coefficients:
         g[row, cols] += vals
 
     ``cols``/``vals`` ``[c, n]`` (local columns, vals 0 off-shard) and ``tail_cols`` ``[c, k]``
-    (local column, -1 for none) are int64 / fp32. A None term is absent; ``mu`` goes with ``b``,
-    ``tail_cols`` with ``a_tail`` and ``vals`` with ``cols``.
+    (local column, -1 for none) are int64 / fp32; the ops also keep all rows' coefficients in one
+    object with global ids there. A None term is absent; ``mu`` goes with ``b``, ``tail_cols`` with
+    ``a_tail`` and ``vals`` with ``cols``.
     """
 
     inv_s: torch.Tensor

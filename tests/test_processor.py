@@ -16,20 +16,8 @@ import mcore_engine.processor as processor
 from mcore_engine.ops import stats as ops_stats
 from mcore_engine.ops import vocab_parallel_entropy
 from mcore_engine.processor import process_lm_head_hidden, process_lm_head_logits
-from tests.ops.cases import (
-    HARD_CASES,
-    HARD_K,
-    HARD_LEAD,
-    HARD_V_LOCAL,
-    Case,
-    HardCase,
-    HardReference,
-    case_inputs,
-    hard_case_inputs,
-    rel,
-    shard_of,
-    weighted_sum,
-)
+from tests.ops import cases
+from tests.ops.cases import Case, case_inputs, shard_of, weighted_sum
 from tests.reference import reference_logits_outputs
 from tests.utils import REL_TOL, assert_rel_close, run_distributed
 
@@ -99,15 +87,15 @@ def _check_custom_func(rank: int, world: int) -> None:
     assert_rel_close(x.grad, g64[..., rank * case.v_local:(rank + 1) * case.v_local], 1e-5, "custom grad")
 
 
-def check_hard_case(rank: int, world: int, case: HardCase, dtype: torch.dtype, seed: int) -> None:
-    """Everything in one call on a ``HardCase`` (no kl_tail in the processor), and distillation_only."""
+def check_hard_case(rank: int, world: int, case: cases.HardCase, dtype: torch.dtype, seed: int) -> None:
+    """Everything in one call on a ``cases.HardCase`` (no kl_tail in the processor), and distillation_only."""
     group = _group(world)
-    inp = hard_case_inputs(case, world, dtype, seed)
-    ref = HardReference(case, inp, dtype)
+    inp = cases.hard_case_inputs(case, world, dtype, seed)
+    ref = cases.HardReference(case, inp, dtype)
     g = torch.Generator().manual_seed(seed + 1)
-    ups = {k: torch.randn(*HARD_LEAD, generator=g) for k in ("log_probs", "entropy", "sum_pi_squared",
+    ups = {k: torch.randn(*cases.HARD_LEAD, generator=g) for k in ("log_probs", "entropy", "sum_pi_squared",
                                                             "distillation_losses")}
-    x = shard_of(inp["full"], rank, HARD_V_LOCAL)
+    x = shard_of(inp["full"], rank, cases.HARD_V_LOCAL)
     batch = {"teacher_ids": inp["tids"], "teacher_logprobs": inp["tlp"]}
     kw = dict(batch=batch, vocab_size=inp["vocab"], group=group, chunk_size=case.chunk,
               log_prob_min_clamp=inp["clamp"])
@@ -119,7 +107,7 @@ def check_hard_case(rank: int, world: int, case: HardCase, dtype: torch.dtype, s
     for key in out:
         ref.check(f"proc.{key}", out[key], key)
     (gx,) = torch.autograd.grad(sum((out[k] * u).sum() for k, u in ups.items()), x)
-    ref.check_grad("proc.grad", gx, ups, slice(rank * HARD_V_LOCAL, (rank + 1) * HARD_V_LOCAL))
+    ref.check_grad("proc.grad", gx, ups, slice(rank * cases.HARD_V_LOCAL, (rank + 1) * cases.HARD_V_LOCAL))
     # distillation_only: no log_probs, label not even needed
     out = process_lm_head_logits(x, None, inp["temp"], calculate_sum_pi_squared=False,
                                  calculate_entropy=False, distillation_use_topk=True, distillation_only=True,
@@ -131,9 +119,9 @@ def check_hard_case(rank: int, world: int, case: HardCase, dtype: torch.dtype, s
 def check_zero_tokens(rank: int, world: int) -> None:
     """Zero tokens: every output empty fp32 of the token shape, backward works."""
     for lead in ((0,), (2, 0)):
-        x = torch.randn(*lead, HARD_V_LOCAL, requires_grad=True)
-        batch = {"teacher_ids": torch.zeros(lead + (HARD_K,), dtype=torch.int64),
-                 "teacher_logprobs": torch.zeros(lead + (HARD_K,))}
+        x = torch.randn(*lead, cases.HARD_V_LOCAL, requires_grad=True)
+        batch = {"teacher_ids": torch.zeros(lead + (cases.HARD_K,), dtype=torch.int64),
+                 "teacher_logprobs": torch.zeros(lead + (cases.HARD_K,))}
         out = process_lm_head_logits(x, torch.zeros(lead, dtype=torch.int64), 1.0,
                                      calculate_sum_pi_squared=True, calculate_entropy=True,
                                      distillation_use_topk=True, distillation_only=False, batch=batch,
@@ -149,16 +137,16 @@ def _run_all(rank: int, world: int) -> None:
     check_zero_tokens(rank, world)
     if world > 1:
         for dtype in (torch.float32, torch.bfloat16):
-            for ci, case in enumerate(HARD_CASES):
+            for ci, case in enumerate(cases.HARD_CASES):
                 if not case.tail:
                     check_hard_case(rank, world, case, dtype, seed=7 + 100 * ci)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("ci", [i for i, c in enumerate(HARD_CASES) if not c.tail],
-                         ids=[c.name for c in HARD_CASES if not c.tail])
+@pytest.mark.parametrize("ci", [i for i, c in enumerate(cases.HARD_CASES) if not c.tail],
+                         ids=[c.name for c in cases.HARD_CASES if not c.tail])
 def test_hard_case_one_shard(ci: int, dtype: torch.dtype) -> None:
-    check_hard_case(0, 1, HARD_CASES[ci], dtype, seed=100 * ci)
+    check_hard_case(0, 1, cases.HARD_CASES[ci], dtype, seed=100 * ci)
 
 
 def test_flag_combinations_one_shard() -> None:
@@ -325,8 +313,8 @@ def test_teacher_tensors_of_the_wrong_type_name_the_batch_key(path: str, bad: st
 
 def test_custom_func_and_flags() -> None:
     """Custom func: unit temperature hands the very same tensor; others the scaled logits; flags pick keys."""
-    x = torch.randn(*HARD_LEAD, HARD_V_LOCAL) * 4
-    lab = torch.randint(0, HARD_V_LOCAL, HARD_LEAD)
+    x = torch.randn(*cases.HARD_LEAD, cases.HARD_V_LOCAL) * 4
+    lab = torch.randint(0, cases.HARD_V_LOCAL, cases.HARD_LEAD)
     seen = {}
 
     def func(*, student_logits, data, data_format):
@@ -339,7 +327,7 @@ def test_custom_func_and_flags() -> None:
                                  logits_processor_func=func, batch=batch, data_format="bshd")
     assert seen["logits"] is x and seen["data"] is batch and seen["fmt"] == "bshd"
     assert set(out) == {"log_probs", "entropy", "custom"}
-    temp = torch.rand(HARD_LEAD) + 0.5
+    temp = torch.rand(cases.HARD_LEAD) + 0.5
     t0 = temp.clone()
     out = process_lm_head_logits(x, lab, temp, calculate_sum_pi_squared=True, calculate_entropy=False,
                                  distillation_use_topk=True, distillation_only=True,
@@ -351,16 +339,16 @@ def test_custom_func_and_flags() -> None:
                                  distillation_use_topk=False, distillation_only=False)
     assert set(out) == {"log_probs"}
     ref = (x.double() / 0.3).log_softmax(-1).gather(-1, lab[..., None])[..., 0]
-    assert rel(out["log_probs"], ref) < 1e-5
+    assert cases.rel(out["log_probs"], ref) < 1e-5
 
 
 def test_temperature_is_checked_once() -> None:
     """With a custom func the scaled logits reuse the pass's temperature check (one device sync)."""
     from mcore_engine.ops import temperature as temp_mod
 
-    x = torch.randn(*HARD_LEAD, HARD_V_LOCAL)
-    lab = torch.randint(0, HARD_V_LOCAL, HARD_LEAD)
-    temp = torch.rand(HARD_LEAD) + 0.5
+    x = torch.randn(*cases.HARD_LEAD, cases.HARD_V_LOCAL)
+    lab = torch.randint(0, cases.HARD_V_LOCAL, cases.HARD_LEAD)
+    temp = torch.rand(cases.HARD_LEAD) + 0.5
     with pytest.MonkeyPatch.context() as mp:
         calls = []
         real = temp_mod._check_temperature

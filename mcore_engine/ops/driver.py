@@ -84,7 +84,7 @@ def forward_stats(plan: Plan, source: Source, rows: Rows, n: int,
     return stats, row_max
 
 
-def backward_grads(plan: Plan, source: Source, coef: _stats.GradCoefficients, row_max: torch.Tensor,
+def backward_grads(plan: Plan, source: Source, coef: _stats.Coefficients, row_max: torch.Tensor,
                    t_rows: torch.Tensor | None, out: torch.Tensor | None = None,
                    take: Callable[[int, int, torch.Tensor], None] | None = None) -> None:
     """Per chunk, the gradient w.r.t. ``x``: written into ``out[r0:r1]`` (``[N, V_valid]``, any float
@@ -94,7 +94,7 @@ def backward_grads(plan: Plan, source: Source, coef: _stats.GradCoefficients, ro
     ws = backend.workspace(min(plan.rows, n), shard.v_valid, row_max.device)
     for r0, r1 in plan.chunks(0, n):
         gx = backend.chunk_grad(source.rows(r0, r1), plan.chunk_t(t_rows, r0, r1), row_max[r0:r1],
-                                coef.chunk(r0, r1, shard.offset, shard.v_valid),
+                                _stats.chunk_coefficients(coef, r0, r1, shard.offset, shard.v_valid),
                                 out=None if out is None else out[r0:r1], ws=ws)
         if take is not None:
             take(r0, r1, gx)

@@ -202,35 +202,19 @@ def finalize(stats: torch.Tensor, layout: StatLayout, *, teacher_log_probs: torc
     return Finalized(out, inv_s, mu, s2, kl_w, kl_p, tail_r, tail_p, q)
 
 
-@dataclass(frozen=True, slots=True)
-class GradCoefficients:
-    """The :class:`Coefficients` of all rows (``[N]``), with GLOBAL ``cols`` / ``tail_ids`` ``[N, n]``.
-
-    :meth:`chunk` makes rows ``[r0, r1)`` local to a shard; a tail id of -1 is none (a repeat).
-    """
-
-    inv_s: torch.Tensor
-    a: torch.Tensor
-    b: torch.Tensor | None = None
-    mu: torch.Tensor | None = None
-    c2: torch.Tensor | None = None
-    cols: torch.Tensor | None = None
-    vals: torch.Tensor | None = None
-    a_tail: torch.Tensor | None = None
-    tail_ids: torch.Tensor | None = None
-
-    def chunk(self, r0: int, r1: int, offset: int, v_valid: int) -> Coefficients:
-        """Rows ``[r0, r1)`` in shard-local columns: vals 0 and tail_cols -1 off the shard."""
-        cols = vals = tail_cols = None
-        if self.cols is not None:
-            cols, inside = local_columns(self.cols[r0:r1], offset, v_valid)
-            vals = self.vals[r0:r1] * inside
-        if self.tail_ids is not None:
-            tail_cols, inside = local_columns(self.tail_ids[r0:r1], offset, v_valid)
-            tail_cols = tail_cols.masked_fill(~inside, -1)
-        inv_s, a, b, mu, c2, a_tail = (v[r0:r1] if v is not None else None
-                                       for v in (self.inv_s, self.a, self.b, self.mu, self.c2, self.a_tail))
-        return Coefficients(inv_s, a, b, mu, c2, cols, vals, a_tail, tail_cols)
+def chunk_coefficients(coef: Coefficients, r0: int, r1: int, offset: int, v_valid: int) -> Coefficients:
+    """Rows ``[r0, r1)`` of all-rows coefficients (``cols`` / ``tail_cols`` as GLOBAL ids, from
+    :func:`grad_coefficients`) in this shard's local columns: vals 0 and tail_cols -1 off the shard."""
+    cols = vals = tail_cols = None
+    if coef.cols is not None:
+        cols, inside = local_columns(coef.cols[r0:r1], offset, v_valid)
+        vals = coef.vals[r0:r1] * inside
+    if coef.tail_cols is not None:
+        tail_cols, inside = local_columns(coef.tail_cols[r0:r1], offset, v_valid)
+        tail_cols = tail_cols.masked_fill(~inside, -1)
+    inv_s, a, b, mu, c2, a_tail = (v[r0:r1] if v is not None else None
+                                   for v in (coef.inv_s, coef.a, coef.b, coef.mu, coef.c2, coef.a_tail))
+    return Coefficients(inv_s, a, b, mu, c2, cols, vals, a_tail, tail_cols)
 
 
 def first_occurrence(ids: torch.Tensor) -> torch.Tensor:
@@ -242,8 +226,9 @@ def first_occurrence(ids: torch.Tensor) -> torch.Tensor:
 
 
 def grad_coefficients(fin: Finalized, grads: Mapping[str, torch.Tensor | None], labels: torch.Tensor | None,
-                      ids: torch.Tensor | None) -> GradCoefficients | None:
-    """Upstream gradients + :func:`finalize`'s per-token terms -> the coefficients of :func:`chunk_grad`.
+                      ids: torch.Tensor | None) -> Coefficients | None:
+    """Upstream gradients + :func:`finalize`'s per-token terms -> the coefficients of all rows, with
+    GLOBAL ids in ``cols`` / ``tail_cols`` (-1: a repeated teacher id); see :func:`chunk_coefficients`.
 
     ``grads``: upstream gradient (N elements) by output key, None or missing for none; ``labels [N]``
     and ``ids [N, k]`` global ids. None when nothing needs a gradient. With ``g_*`` the upstream
@@ -254,7 +239,7 @@ def grad_coefficients(fin: Finalized, grads: Mapping[str, torch.Tensor | None], 
         d s2 / dz       = 2 p (p - s2)            -> c2 = 2 g_s2;      a -= c2 s2
         d KL / dz       = p W - P 1[active]       -> a += g_kl W;      points (ids, -g_kl P_active)
         tail, r = p_t / q_t (q_t = T / S = 1 - Q_S, S the teacher ids counted once, Q_S = sum_S q):
-          j not in S: -r Q_S p_j                  -> a_tail = -g_kl r Q_S   (not at the ids: tail_ids)
+          j not in S: -r Q_S p_j                  -> a_tail = -g_kl r Q_S   (not at the ids: tail_cols)
           j in S:      r q_t q_j = p_t q_j        -> points += g_kl p_t q   (first occurrences only)
 
     ``a_tail`` grows like ``1 / q_t`` and never reaches the teacher columns, so nothing cancels as
@@ -289,6 +274,6 @@ def grad_coefficients(fin: Finalized, grads: Mapping[str, torch.Tensor | None], 
             tail_ids = ids.masked_fill(~first, -1)
         cols.append(ids)
         vals.append(g_kl[:, None] * tv)
-    return GradCoefficients(fin.inv_s, a, b, fin.mu if b is not None else None, c2,
-                            torch.cat(cols, 1) if cols else None, torch.cat(vals, 1) if vals else None,
-                            a_tail, tail_ids)
+    return Coefficients(fin.inv_s, a, b, fin.mu if b is not None else None, c2,
+                        torch.cat(cols, 1) if cols else None, torch.cat(vals, 1) if vals else None,
+                        a_tail, tail_ids)

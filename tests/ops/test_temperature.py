@@ -6,16 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_engine.ops import (
-    is_scalar_unit_temperature,
-    scale_logits_by_temperature,
-    vocab_parallel_entropy,
-    vocab_parallel_forward_kl_topk,
-    vocab_parallel_log_probs,
-    vocab_parallel_logits_outputs,
-    vocab_parallel_sum_pi_squared,
-    vocab_parallel_topk,
-)
+from mcore_engine import ops
 from mcore_engine.ops import temperature as temp_mod
 from mcore_engine.ops.lm_head import fused_lm_head_outputs
 from mcore_engine.processor import process_lm_head_hidden, process_lm_head_logits
@@ -25,22 +16,22 @@ N, H, K = 7, 6, 3
 
 
 def test_unit_temperature_detection() -> None:
-    assert is_scalar_unit_temperature(1) and is_scalar_unit_temperature(1.0)
+    assert ops.is_scalar_unit_temperature(1) and ops.is_scalar_unit_temperature(1.0)
     # bool is rejected as a temperature (ValueError), so it is consistently not "unit" either
-    assert not is_scalar_unit_temperature(True)
+    assert not ops.is_scalar_unit_temperature(True)
     for t in (torch.tensor(1.0), torch.ones(3), 1.0000001, 0.9999999, 2, 0.3, "1", None):
-        assert not is_scalar_unit_temperature(t), t
+        assert not ops.is_scalar_unit_temperature(t), t
 
 
 def test_scale_logits_by_temperature() -> None:
     x = torch.randn(*LEAD, V, dtype=torch.float64) * 5
     for unit in (1, 1.0):
-        assert scale_logits_by_temperature(x, unit) is x
+        assert ops.scale_logits_by_temperature(x, unit) is x
     x0 = x.clone()
     up = torch.randn(*LEAD, V, dtype=torch.float64)
     for t in (0.3, 3.0, torch.tensor(1.0), torch.tensor(0.7), torch.rand(LEAD) + 0.2, torch.rand(3, 1) + 0.2):
         xl = x.clone().requires_grad_(True)
-        y = scale_logits_by_temperature(xl, t)
+        y = ops.scale_logits_by_temperature(xl, t)
         assert y is not xl and y.data_ptr() != xl.data_ptr()
         tt = t.double()[..., None] if isinstance(t, torch.Tensor) and t.dim() else t
         torch.testing.assert_close(y, x / tt, rtol=1e-12, atol=0)
@@ -49,13 +40,13 @@ def test_scale_logits_by_temperature() -> None:
         assert torch.equal(xl.detach(), x0)
     for bad in (0.0, torch.ones(4)):
         with pytest.raises(ValueError, match="temperature"):
-            scale_logits_by_temperature(x, bad)
+            ops.scale_logits_by_temperature(x, bad)
 
 
 def test_scale_logits_by_temperature_keeps_the_logits_dtype() -> None:
     x = torch.randn(*LEAD, V, dtype=torch.bfloat16)
     for t in (0.7, torch.tensor(0.7), torch.rand(LEAD) + 0.5, torch.rand(LEAD, dtype=torch.float64) + 0.5):
-        assert scale_logits_by_temperature(x, t).dtype == torch.bfloat16, t
+        assert ops.scale_logits_by_temperature(x, t).dtype == torch.bfloat16, t
 
 
 @pytest.mark.parametrize("t_dtype", [torch.float32, torch.float64])
@@ -69,7 +60,7 @@ def test_scale_logits_by_temperature_per_token_rounds_once(t_dtype: torch.dtype)
         mp.setattr(temp_mod, "DEFAULT_CHUNK_ELEMENTS", 4 * 300)  # 5 chunks of 4 rows
         for x in (base.transpose(0, 1).contiguous(), base.transpose(0, 1)):
             xl = x.detach().requires_grad_(True)
-            y = scale_logits_by_temperature(xl, t)
+            y = ops.scale_logits_by_temperature(xl, t)
             assert y.dtype == torch.bfloat16 and y.shape == x.shape
             assert torch.equal(y, (x.to(t_dtype) / t[..., None]).to(torch.bfloat16))
             (gx,) = torch.autograd.grad(y, xl, up)
@@ -90,14 +81,15 @@ def _inputs():
 FLAGS = dict(calculate_sum_pi_squared=True, calculate_entropy=True, distillation_use_topk=True,
              distillation_only=False)
 ENTRY_POINTS = {
-    "scale_logits_by_temperature": lambda h, w, lab, ids, tlp, t: scale_logits_by_temperature(h @ w.T, t),
-    "log_probs": lambda h, w, lab, ids, tlp, t: vocab_parallel_log_probs(h @ w.T, lab, temperature=t),
-    "entropy": lambda h, w, lab, ids, tlp, t: vocab_parallel_entropy(h @ w.T, temperature=t),
-    "sum_pi_squared": lambda h, w, lab, ids, tlp, t: vocab_parallel_sum_pi_squared(h @ w.T, temperature=t),
-    "forward_kl_topk": lambda h, w, lab, ids, tlp, t: vocab_parallel_forward_kl_topk(
+    "scale_logits_by_temperature": lambda h, w, lab, ids, tlp, t: ops.scale_logits_by_temperature(h @ w.T, t),
+    "log_probs": lambda h, w, lab, ids, tlp, t: ops.vocab_parallel_log_probs(h @ w.T, lab, temperature=t),
+    "entropy": lambda h, w, lab, ids, tlp, t: ops.vocab_parallel_entropy(h @ w.T, temperature=t),
+    "sum_pi_squared": lambda h, w, lab, ids, tlp, t: ops.vocab_parallel_sum_pi_squared(h @ w.T,
+                                                                                       temperature=t),
+    "forward_kl_topk": lambda h, w, lab, ids, tlp, t: ops.vocab_parallel_forward_kl_topk(
         h @ w.T, ids, tlp, temperature=t, kl_tail=True)["distillation_losses"],
-    "topk": lambda h, w, lab, ids, tlp, t: vocab_parallel_topk(h @ w.T, 4, temperature=t)[0],
-    "logits_outputs": lambda h, w, lab, ids, tlp, t: torch.stack(list(vocab_parallel_logits_outputs(
+    "topk": lambda h, w, lab, ids, tlp, t: ops.vocab_parallel_topk(h @ w.T, 4, temperature=t)[0],
+    "logits_outputs": lambda h, w, lab, ids, tlp, t: torch.stack(list(ops.vocab_parallel_logits_outputs(
         h @ w.T, labels=lab, entropy=True, temperature=t).values())),
     "fused_lm_head": lambda h, w, lab, ids, tlp, t: torch.stack(list(fused_lm_head_outputs(
         h, w, labels=lab, teacher_ids=ids, teacher_log_probs=tlp, entropy=True, temperature=t,
@@ -132,5 +124,5 @@ def test_per_sequence_temperature_broadcasts_over_the_sequence() -> None:
     """``[B, 1]`` with ``[B, S, V]`` logits: one temperature per sequence (broadcast over S)."""
     x = torch.randn(*LEAD, V)
     t = torch.rand(LEAD[0], 1) + 0.5
-    got = vocab_parallel_entropy(x, temperature=t)
-    torch.testing.assert_close(got, vocab_parallel_entropy(x, temperature=t.expand(LEAD).contiguous()))
+    got = ops.vocab_parallel_entropy(x, temperature=t)
+    torch.testing.assert_close(got, ops.vocab_parallel_entropy(x, temperature=t.expand(LEAD).contiguous()))
