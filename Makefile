@@ -12,11 +12,16 @@ export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/build/inductor
 setup: $(STAMP)
 
 # torch first and pinned: an unpinned torch resolved on a bare machine pulls a multi-GB CUDA build.
-$(STAMP): setup.py
+# verl (for mcore_engine.integrations.verl and its tests) without its dependencies: its pins on
+# tensordict / transformers are older than ours; the `verl` extra brings what its modules import,
+# held at our torch / tensordict / transformers by constraints.txt.
+VERL_VERSION := 0.9.1
+$(STAMP): setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,kernels,hf]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,kernels,hf,verl]'
+	$(PY) -m pip install -q --no-deps verl==$(VERL_VERSION)
 	touch $(STAMP)
 
 test: $(STAMP)

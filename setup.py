@@ -28,5 +28,11 @@ setup(
         "dev": ["pytest>=8", "ruff>=0.6"],
         "kernels": ["triton>=3.0"],
         "hf": ["transformers>=4.45", "safetensors>=0.4"],
+        # What the modules of verl 0.9.1 that mcore_engine.integrations.verl uses import. verl itself
+        # goes in with `pip install --no-deps verl==0.9.1` (its pins on tensordict / transformers are
+        # older than ours); install this extra under `-c constraints.txt` so no second torch comes in.
+        "verl": ["ray", "msgpack", "protobuf", "requests", "jsonschema", "psutil", "omegaconf", "hydra-core",
+                 "dill", "codetiming", "orjson", "accelerate", "peft", "datasets", "pandas", "pyarrow>=19",
+                 "multiprocess", "xxhash", "fastapi", "starlette", "uvicorn", "opentelemetry-api"],
     },
 )

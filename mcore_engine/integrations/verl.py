@@ -1,0 +1,593 @@
+"""mcore-engine as a verl training engine (verl 0.9.1 ``BaseEngine``, backend ``"mcore_engine"``).
+
+    import mcore_engine.integrations.verl   # registers the engine with verl's EngineRegistry
+    # verl config: actor.strategy=mcore_engine, its engine block a McoreEngineVerlConfig
+
+verl's ``TrainingWorker`` builds :class:`McoreEngineVerl` from ``model_config`` (``HFModelConfig``),
+``engine_config`` (:class:`McoreEngineVerlConfig`: verl's Megatron engine fields), ``optimizer_config``
+and ``checkpoint_config``. :func:`engine_config_from_verl` maps every field with a meaning here onto
+an :class:`mcore_engine.EngineConfig` and raises ``ValueError`` naming the field for every setting the
+engine cannot honour; the fields in :data:`NOT_APPLICABLE` have no meaning for this engine.
+
+Batches arrive as verl builds them (``left_right_2_no_padding``): jagged ``input_ids`` /
+``position_ids`` ``[B, j]``, dense ``response_mask`` / ``loss_mask`` ``[B, R]``, dense per-sample
+fields (``prompts``, ``responses``, ``old_log_probs``, ``advantages`` ...), non-tensor flags.
+:class:`VerlLossBridge` is the one place that converts between verl's loss convention and the
+core's (see its docstring). verl's normalisation is kept: ``batch_num_tokens`` (``loss_mask`` summed
+over the data-parallel group) and ``dp_size`` are set on the batch before the step, and since the
+core sums gradients over micro-batches and DP ranks without averaging, each micro-batch's verl loss
+``L_i`` enters the core as ``L_i / dp_size`` (verl's Megatron engine gets the same gradient from
+``L_i * num_micro_batch`` under Megatron's ``1 / num_micro_batch`` and DP averaging).
+
+Top-k distillation runs the core's chunked top-k forward KL (``mcore_engine.ops``) instead of calling
+verl's loss as a logits processor; ``log_prob_min_clamp`` is taken from the loss function's
+``distillation_config`` when it is a ``functools.partial`` of verl's ``distillation_ppo_loss``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+try:
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.py_functional import append_to_dict
+    from verl.workers.config.actor import McoreActorConfig
+    from verl.workers.config.engine import EngineConfig as _VerlEngineConfig
+    from verl.workers.config.engine import McoreEngineConfig as _VerlMcoreEngineConfig
+    from verl.workers.config.optimizer import McoreOptimizerConfig, OptimizerConfig
+    from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
+except ImportError as exc:  # pragma: no cover - exercised only without verl
+    raise ImportError("mcore_engine.integrations.verl needs verl: pip install --no-deps verl==0.9.1 "
+                      "plus its light dependencies (`pip install -e '.[verl]' -c constraints.txt`)") from exc
+
+from mcore_engine import EngineConfig, MegatronEngine
+from mcore_engine.config import OptimizerConfig as CoreOptimizerConfig
+from mcore_engine.config import ParallelConfig
+
+__all__ = ["BACKEND", "NOT_APPLICABLE", "McoreEngineActorConfig", "McoreEngineVerl", "McoreEngineVerlConfig",
+           "VerlLossBridge", "engine_config_from_verl"]
+
+BACKEND = "mcore_engine"
+
+NOT_APPLICABLE: dict[str, str] = {
+    "engine_config.use_mbridge": "HF weights are imported by mcore_engine.hf, not by mbridge",
+    "engine_config.vanilla_mbridge": "HF weights are imported by mcore_engine.hf, not by mbridge",
+    "engine_config.pad_bshd_to_minibatch_max": "a cuDNN plan-reuse knob; the core pads per micro-batch",
+    "engine_config.entropy_from_logits_with_chunking": "entropy is always computed chunk by chunk",
+    "engine_config.dist_ckpt_optim_fully_reshardable": "checkpoints are always reshardable",
+    "engine_config.infer_max_token_len_per_gpu / infer_micro_batch_size_per_gpu":
+        "TrainingWorker puts them on each inference batch, where the core reads them",
+    "model_config.trust_remote_code / external_lib / tokenizer / custom_chat_template":
+        "tokenizer-side settings; the engine sees token ids",
+    "checkpoint_config.strict / save_lora_only": "no LoRA adapters; HF export is always complete",
+    "optimizer_config.use_checkpoint_opt_param_scheduler":
+        "the scheduler state is always restored with the checkpoint",
+}
+
+_DTYPES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16"}
+_CKPT_CONTENTS = {"model", "optimizer", "extra"}
+
+
+@dataclass
+class McoreEngineVerlConfig(_VerlMcoreEngineConfig):
+    """verl's Megatron engine config, selecting this backend (``strategy="mcore_engine"``).
+
+    Same fields and YAML keys as verl's ``McoreEngineConfig`` (``tensor_model_parallel_size`` ...),
+    plus ``logits_chunk_size`` (tokens per chunk of the lm-head pass; None: the ops' default).
+    ``dtype`` may also be ``"float32"``; ``sequence_parallel`` defaults to False (CPU machines cannot
+    run it)."""
+
+    strategy: str = BACKEND
+    dtype: str = "bfloat16"
+    sequence_parallel: bool = False
+    logits_chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _VerlEngineConfig.__post_init__(self)  # not verl's Megatron checks: strategy / bf16 only
+        if self.strategy != BACKEND:
+            raise ValueError(f"engine_config.strategy must be {BACKEND!r}, got {self.strategy!r}")
+        if self.tensor_model_parallel_size == 1:
+            self.sequence_parallel = False
+
+
+@dataclass
+class McoreEngineActorConfig(McoreActorConfig):
+    """verl's Megatron actor config with ``strategy="mcore_engine"`` and the engine block
+    (``megatron:``) a :class:`McoreEngineVerlConfig`."""
+
+    strategy: str = BACKEND
+    megatron: McoreEngineVerlConfig = field(default_factory=McoreEngineVerlConfig)
+
+
+def _refuse(field: str, value: Any, why: str) -> None:
+    raise ValueError(f"{field}={value!r} is not supported by the mcore_engine backend: {why}")
+
+
+def _check(ok: bool, field: str, value: Any, why: str) -> None:
+    if not ok:
+        _refuse(field, value, why)
+
+
+# ------------------------------------------------------------------------------------------- config
+def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_config: Any,
+                            checkpoint_config: Any = None) -> EngineConfig:
+    """The core :class:`EngineConfig` for verl's four config objects; ``ValueError`` naming the
+    first field that cannot be honoured. Architecture from the HF ``config.json``
+    (``mcore_engine.hf.from_hf_config``), weights from ``model_config.local_path``."""
+    from mcore_engine.hf import from_hf_config, read_hf_config
+
+    e, m, o = engine_config, model_config, optimizer_config
+    _check(getattr(e, "strategy", None) == BACKEND, "engine_config.strategy", getattr(e, "strategy", None),
+           f"build the engine block as McoreEngineVerlConfig (strategy={BACKEND!r})")
+    # --- engine_config
+    _check(e.dtype in _DTYPES, "engine_config.dtype", e.dtype, "use float32 or bfloat16")
+    for name in ("context_parallel_size", "expert_model_parallel_size"):
+        _check(getattr(e, name) == 1, f"engine_config.{name}", getattr(e, name), "only TP / PP / VPP / DP")
+    _check(e.expert_tensor_parallel_size in (None, 1), "engine_config.expert_tensor_parallel_size",
+           e.expert_tensor_parallel_size, "dense models only")
+    flags_off = {
+        "dynamic_context_parallel": "no context parallelism",
+        "param_offload": "no parameter offload yet",
+        "optimizer_offload": "no optimizer offload yet",
+        "full_determinism": "no deterministic-kernel mode",
+        "pad_to_length": "micro-batches are packed to their own length",
+        "use_dist_checkpointing": "initial weights come from model_config.path (HF)",
+        "use_megatron_fsdp": "Megatron DDP / distributed optimizer only",
+        "distrib_optim_fully_reshardable_mem_efficient": "not implemented",
+    }
+    for name, why in flags_off.items():
+        _check(not getattr(e, name, False), f"engine_config.{name}", getattr(e, name, None), why)
+    for name in ("max_seqlen_per_dp_cp_rank", "dist_checkpointing_path"):
+        _check(getattr(e, name, None) is None, f"engine_config.{name}", getattr(e, name, None),
+               "no context parallelism / dist-checkpoint weight import")
+    for name in ("override_ddp_config", "override_transformer_config", "override_mcore_model_config"):
+        _check(not getattr(e, name, None), f"engine_config.{name}", getattr(e, name, None),
+               "the model and DDP are built from the HF config and EngineConfig only")
+    mode = e.router_replay.mode if getattr(e, "router_replay", None) is not None else "disabled"
+    _check(mode == "disabled", "engine_config.router_replay.mode", mode, "dense models only")
+    qat = getattr(e, "qat", None)
+    _check(not getattr(qat, "enable", False), "engine_config.qat.enable", True,
+           "no quantisation-aware training")
+    _check(e.micro_batch_size_per_gpu is None or e.micro_batch_size_per_gpu >= 1,
+           "engine_config.micro_batch_size_per_gpu", e.micro_batch_size_per_gpu, "must be >= 1")
+    # --- model_config
+    _check(getattr(m, "model_type", "language_model") == "language_model", "model_config.model_type",
+           getattr(m, "model_type", None), "only language models (no value head)")
+    lora = getattr(m, "lora_rank", 0) or getattr(m, "lora", None) or getattr(m, "lora_adapter_path", None)
+    _check(not lora, "model_config.lora_rank", getattr(m, "lora_rank", None), "no LoRA")
+    for name, why in (("enable_gradient_checkpointing", "no activation recomputation; set it to False"),
+                      ("enable_activation_offload", "no activation offload"),
+                      ("use_liger", "Liger kernels are for the FSDP backend")):
+        _check(not getattr(m, name, False), f"model_config.{name}", getattr(m, name, None), why)
+    _check(not getattr(m, "fused_kernel_options", None), "model_config.fused_kernel_options",
+           getattr(m, "fused_kernel_options", None), "the fused lm-head has no options")
+    tiled = getattr(m, "tiled_mlp", None) or {}
+    _check(not tiled.get("enabled", False), "model_config.tiled_mlp.enabled", True, "no tiled MLP")
+    mtp = getattr(m, "mtp", None)
+    _check(not getattr(mtp, "enable", False), "model_config.mtp.enable", True, "no multi-token prediction")
+    extra = sorted(set(getattr(m, "override_config", None) or {}) - {"attn_implementation"})
+    _check(not extra, "model_config.override_config", extra, "the architecture comes from config.json only")
+    weights = getattr(m, "local_path", None) or getattr(m, "path", None)
+    hf_dir = getattr(m, "local_hf_config_path", None) or weights
+    model = from_hf_config(read_hf_config(hf_dir), hf_path=weights,
+                           fused_lm_head=bool(getattr(e, "use_fused_kernels", False)))
+    # --- optimizer_config
+    optimizer = _optimizer_from_verl(o, e)
+    # --- checkpoint_config
+    if checkpoint_config is not None:
+        c = checkpoint_config
+        for name in ("save_contents", "load_contents"):
+            contents = set(getattr(c, name, None) or _CKPT_CONTENTS)
+            _check(_CKPT_CONTENTS <= contents and contents <= _CKPT_CONTENTS | {"hf_model"},
+                   f"checkpoint_config.{name}", sorted(contents),
+                   "model, optimizer and extra are always saved and loaded together (+ optional hf_model)")
+        _check(not getattr(c, "async_save", False), "checkpoint_config.async_save", True, "no async save")
+    parallel = ParallelConfig(tensor_model_parallel_size=e.tensor_model_parallel_size,
+                              pipeline_model_parallel_size=e.pipeline_model_parallel_size,
+                              virtual_pipeline_model_parallel_size=e.virtual_pipeline_model_parallel_size,
+                              sequence_parallel=bool(e.sequence_parallel))
+    return EngineConfig(model=model, parallel=parallel, optimizer=optimizer, precision=_DTYPES[e.dtype],
+                        seed=int(e.seed), micro_batch_size=int(e.micro_batch_size_per_gpu or 1),
+                        logits_chunk_size=getattr(e, "logits_chunk_size", None),
+                        data_format="thd" if e.use_remove_padding else "bshd")
+
+
+def _optimizer_from_verl(o: Any, e: Any) -> CoreOptimizerConfig:
+    """Adam(W) + warm-up + decay with verl's Megatron step rules: decay steps default to
+    ``total_training_steps``; warm-up is ``lr_warmup_steps`` when > 0, else
+    ``int(lr_warmup_steps_ratio * decay_steps)``."""
+    _check(isinstance(o, OptimizerConfig) and type(o) in (OptimizerConfig, McoreOptimizerConfig),
+           "optimizer_config", type(o).__name__, "use verl's McoreOptimizerConfig (or OptimizerConfig)")
+    mcore = isinstance(o, McoreOptimizerConfig)
+    style = o.lr_decay_style if mcore else "constant"
+    if mcore:
+        _check(o.optimizer in ("adam", "adamw"), "optimizer_config.optimizer", o.optimizer, "Adam(W) only")
+        _check(o.lr_warmup_init == 0, "optimizer_config.lr_warmup_init", o.lr_warmup_init,
+               "warm-up starts at 0")
+        _check(style in ("constant", "cosine", "linear"), "optimizer_config.lr_decay_style", style,
+               "constant, cosine or linear")
+        _check(o.weight_decay_incr_style == "constant", "optimizer_config.weight_decay_incr_style",
+               o.weight_decay_incr_style, "constant weight decay only")
+        _check(o.lr_wsd_decay_steps is None, "optimizer_config.lr_wsd_decay_steps", o.lr_wsd_decay_steps,
+               "no WSD schedule")
+        for name in ("use_precision_aware_optimizer", "use_layer_wise_distributed_optimizer"):
+            _check(not getattr(o, name), f"optimizer_config.{name}", getattr(o, name), "not implemented")
+        _check(not o.override_optimizer_config, "optimizer_config.override_optimizer_config",
+               o.override_optimizer_config, "set the fields of OptimizerConfig instead")
+    decay = (o.lr_decay_steps if mcore and o.lr_decay_steps is not None else o.total_training_steps)
+    warmup = o.lr_warmup_steps if o.lr_warmup_steps is not None and o.lr_warmup_steps > 0 else None
+    if warmup is None:
+        warmup = int((o.lr_warmup_steps_ratio or 0.0) * max(decay, 0))
+    if style != "constant":
+        _check(isinstance(decay, int) and decay > warmup, "optimizer_config.total_training_steps", decay,
+               f"lr_decay_style={style!r} needs lr_decay_steps or total_training_steps > warm-up ({warmup})")
+    beta1, beta2 = o.betas
+    return CoreOptimizerConfig(lr=float(o.lr), min_lr=float(o.min_lr) if mcore else 0.0,
+                               adam_beta1=float(beta1), adam_beta2=float(beta2),
+                               weight_decay=float(o.weight_decay), clip_grad=float(o.clip_grad),
+                               lr_warmup_steps=int(warmup), lr_decay_style=style,
+                               lr_decay_steps=int(decay) if style != "constant" else None,
+                               use_distributed_optimizer=bool(e.use_distributed_optimizer))
+
+
+# ---------------------------------------------------------------------------------- loss conversion
+def _as_bool(data: TensorDict, key: str, default: bool = False) -> bool:
+    value = tu.get_non_tensor_data(data, key, default)
+    return bool(value.item() if hasattr(value, "item") else value)
+
+
+def _lengths(t: torch.Tensor) -> torch.Tensor:
+    return t.offsets().diff()
+
+
+def _prompt_response_lengths(data: TensorDict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per-sample prompt and response lengths as ``no_padding_2_padding`` reads them."""
+    if "prompts" not in data.keys() or "responses" not in data.keys():
+        return None
+    prompts, responses = data["prompts"], data["responses"]
+    if prompts.is_nested:
+        return _lengths(prompts), _lengths(responses)
+    mask = data["attention_mask"]
+    width = prompts.shape[1]
+    return mask[:, :width].sum(1), mask[:, width:].sum(1)
+
+
+def next_token_loss_mask(data: TensorDict) -> torch.Tensor:
+    """The core's jagged ``loss_mask [B, j]`` for verl's batch: entry t masks the output at position
+    t, which is about token t + 1. Dense ``[B, R]`` response masks (RL batches) land on positions
+    ``L - R - 1 ... L - 2``; a jagged full-length mask (SFT batches) is shifted left by one."""
+    ids = data["input_ids"]
+    offsets = ids.offsets()
+    total = int(offsets[-1])
+    mask = data["loss_mask"] if "loss_mask" in data.keys() else data["response_mask"]
+    flat = torch.zeros(total, dtype=torch.float32, device=ids.values().device)
+    if mask.is_nested and torch.equal(_lengths(mask).cpu(), _lengths(ids).cpu()):
+        values = mask.values().to(flat)
+        flat[:-1] = values[1:]
+        flat[(offsets[1:] - 1).to(flat.device)] = 0.0
+    else:
+        lens = _prompt_response_lengths(data)
+        dense = mask.to_padded_tensor(0) if mask.is_nested else mask
+        if lens is None:
+            raise ValueError("loss_mask: a [B, R] response mask needs 'prompts' and 'responses' in the batch")
+        _, resp = lens
+        resp = resp.to(flat.device)
+        width = dense.shape[1]
+        cols = torch.arange(width, device=flat.device)
+        valid = cols[None, :] < resp[:, None]
+        pos = (offsets[1:].to(flat.device) - resp - 1)[:, None] + cols[None, :]
+        flat[pos[valid]] = dense.to(flat)[valid]
+    return torch.nested.nested_tensor_from_jagged(flat, offsets)
+
+
+class VerlLossBridge:
+    """Runs a verl loss function inside the core's step: the one verl <-> core conversion.
+
+    Core side: the core calls ``bridge(outputs, data, ctx)`` once per micro-batch with flat ``[T]``
+    outputs and per-token data in packed slot order. The bridge rebuilds what verl's loss functions
+    take, ``loss_function(model_output=..., data=micro_batch, dp_group=...)``:
+
+    - ``model_output``: each output as a jagged ``[b, j]`` tensor (the micro-batch's sequences in
+      micro-batch order), built from the packed slots through the per-token ``verl_row`` field
+      (local sample index + 1, 0 on padding slots) that :meth:`core_batch` adds;
+    - ``micro_batch``: those rows of verl's batch (``tu.index_select_tensor_dict``: dense ``[B, R]``
+      fields, jagged fields and the non-tensor entries, ``batch_num_tokens`` / ``dp_size`` included).
+
+    It returns ``L_i / dp_size`` to the core (module docstring) and records verl's results: the loss
+    list (``L_i.item()`` per micro-batch, schedule order) and the metrics (``append_to_dict``).
+    With ``loss_function=None`` (inference) it records loss 1.0 per micro-batch, as verl's Megatron
+    engine does. Memory: one jagged view per output and one index-selected micro-batch at a time.
+    """
+
+    def __init__(self, data: TensorDict, loss_function: Callable | None, *, dp_size: int,
+                 dp_group: Any) -> None:
+        self.data = data
+        self.loss_function = loss_function
+        self.dp_size = dp_size
+        self.dp_group = dp_group
+        self.losses: list[float] = []
+        self.metrics: dict[str, list] = {}
+
+    def core_batch(self, *, vocab_size: int | None = None) -> TensorDict:
+        """The core's batch for verl's ``data``: jagged inputs, next-token ``loss_mask``, teacher
+        tensors, ``temperature``, ``verl_row`` and the flags as Python bools / ints."""
+        data = self.data
+        ids = data["input_ids"]
+        if not ids.is_nested:
+            raise ValueError("input_ids: verl batches must be jagged (left_right_2_no_padding)")
+        lengths = _lengths(ids)
+        b = data.batch_size[0]
+        rows = torch.repeat_interleave(torch.arange(1, b + 1, device=lengths.device), lengths)
+        fields: dict[str, torch.Tensor] = {
+            "input_ids": ids,
+            "loss_mask": next_token_loss_mask(data),
+            "verl_row": torch.nested.nested_tensor_from_jagged(rows.to(ids.values().device), ids.offsets()),
+        }
+        if "position_ids" in data.keys():
+            pos = data["position_ids"]
+            if pos.dim() != 2:
+                raise ValueError(f"position_ids: 3-d (multimodal RoPE) position ids are not supported, "
+                                 f"got {pos.dim()} dims")
+            fields["position_ids"] = pos
+        for key in ("teacher_ids", "teacher_logprobs"):
+            if key in data.keys():
+                fields[key] = data[key]
+        core = TensorDict(fields, batch_size=[b])
+        if "temperature" in data.keys():
+            t = data.get("temperature")
+            if isinstance(t, torch.Tensor):  # per-sample [B] (non-tensor entries are not tensors)
+                core.set("temperature", t.reshape(b).to(torch.float32))
+            else:
+                value = tu.get_non_tensor_data(data, "temperature", 1.0)
+                core.set_non_tensor("temperature", value.item() if hasattr(value, "item") else value)
+        for key in ("calculate_entropy", "calculate_sum_pi_squared", "distillation_use_topk",
+                    "distillation_only", "use_dynamic_bsz"):
+            core.set_non_tensor(key, _as_bool(data, key))
+        for key in ("micro_batch_size_per_gpu", "max_token_len_per_gpu"):
+            value = tu.get_non_tensor_data(data, key, None)
+            if value is not None:
+                core.set_non_tensor(key, int(value))
+        return core
+
+    def __call__(self, outputs: dict[str, torch.Tensor], data: TensorDict, ctx: Any
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        rows = data["verl_row"]
+        slots = torch.nonzero(rows > 0).squeeze(-1)
+        sample = rows[slots] - 1
+        starts = torch.ones_like(sample, dtype=torch.bool)
+        starts[1:] = sample[1:] != sample[:-1]
+        samples = sample[starts]
+        first = torch.nonzero(starts).squeeze(-1)
+        offsets = torch.cat([first, first.new_tensor([sample.numel()])])
+        anchor = next(iter(outputs.values()), None)
+        if self.loss_function is None:
+            self.losses.append(1.0)
+            zero = anchor.sum() * 0.0 if anchor is not None else torch.zeros(())
+            return zero, {}
+        model_output = {key: torch.nested.nested_tensor_from_jagged(value[slots], offsets)
+                        for key, value in outputs.items()}
+        micro_batch = tu.index_select_tensor_dict(self.data, samples.cpu())
+        loss, metrics = self.loss_function(model_output=model_output, data=micro_batch,
+                                           dp_group=self.dp_group)
+        if not isinstance(loss, torch.Tensor):
+            loss = torch.as_tensor(float(loss), dtype=torch.float32, device=slots.device)
+        self.losses.append(loss.detach().item())
+        append_to_dict(self.metrics, metrics)
+        return loss / self.dp_size, {}
+
+    def results(self, out: TensorDict) -> dict[str, Any]:
+        """verl's ``{"model_output": {key: jagged [B, j]}, "loss": [...], "metrics": {key: [...]}}``."""
+        model_output = {key: out.get(key) for key in out.keys() if key not in ("loss", "metrics")}
+        return {"model_output": model_output, "loss": list(self.losses), "metrics": dict(self.metrics)}
+
+
+def _topk_clamp(loss_function: Callable | None) -> float | None:
+    """``log_prob_min_clamp`` of a ``partial(distillation_ppo_loss, distillation_config=...)``."""
+    is_partial = isinstance(loss_function, functools.partial)
+    cfg = loss_function.keywords.get("distillation_config") if is_partial else None
+    loss_cfg = getattr(cfg, "distillation_loss", None)
+    return getattr(loss_cfg, "log_prob_min_clamp", None)
+
+
+# ------------------------------------------------------------------------------------------- engine
+class _ModeCtx(BaseEngineCtx):
+    """verl's train / eval context: module modes; the train context zeroes gradients on exit."""
+
+    def __enter__(self):
+        super().__enter__()
+        for chunk in self.engine.engine.model:
+            chunk.train(self.mode == "train")
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        if self.mode == "train" and (self.zero_grad_on_exit or exc_type is not None):
+            self.engine.optimizer_zero_grad()
+        super().__exit__(exc_type, exc_value, traceback)
+
+
+@EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cpu", "cuda"])
+class McoreEngineVerl(BaseEngine):
+    """verl ``BaseEngine`` on :class:`mcore_engine.MegatronEngine` (attribute ``engine``).
+
+    Construction maps the configs (``ValueError`` for what cannot be honoured) and brings up the
+    parallel state, since ``TrainingWorker`` asks for the data-parallel rank before ``initialize``.
+    Outputs of ``forward_backward_batch`` / ``train_batch`` / ``infer_batch`` are verl's dict on the
+    last pipeline stage and ``{}`` on the other stages (verl's Megatron engine's contract).
+    """
+
+    def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any,
+                 checkpoint_config: Any = None) -> None:
+        super().__init__()
+        from mcore_engine.platform import apply_cpu_device_layer, init_distributed
+
+        self.model_config = model_config
+        self.engine_config = engine_config
+        self.optimizer_config = optimizer_config
+        self.checkpoint_config = checkpoint_config
+        self.config = engine_config_from_verl(model_config, engine_config, optimizer_config,
+                                              checkpoint_config)
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        self.config.validate_world_size(world)
+        apply_cpu_device_layer()
+        init_distributed(self.config.parallel, self.config.seed)
+        self.engine = MegatronEngine(self.config)
+        self.mode = None
+        self._saved: list[str] = []
+        self._initialized = False
+
+    # --- set-up and modes
+    def initialize(self) -> None:
+        """Build model, optimizer and scheduler (HF weights from ``model_config.path``); a second
+        call (``TrainingWorker.reset``) builds a fresh engine from the same configs."""
+        if self._initialized:
+            self.engine = MegatronEngine(self.config)
+        self.engine.initialize()
+        self._initialized = True
+
+    @property
+    def is_param_offload_enabled(self) -> bool:
+        return False
+
+    @property
+    def is_optimizer_offload_enabled(self) -> bool:
+        return False
+
+    def train_mode(self, **kwargs):
+        return _ModeCtx(self, "train", **kwargs)
+
+    def eval_mode(self, **kwargs):
+        return _ModeCtx(self, "eval", **kwargs)
+
+    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
+        """A no-op when nothing is to move or ``device`` is where the engine lives (always on CPU);
+        moving to another device (offload) raises ``NotImplementedError``."""
+        super().to(device=device, model=model, optimizer=optimizer, grad=grad)
+        from mcore_engine.platform import get_device
+
+        here = get_device().type
+        if not (model or optimizer or grad) or torch.device(device).type == here:
+            return
+        raise NotImplementedError(f"McoreEngineVerl.to({device!r}): the engine lives on {here!r} and has "
+                                  "no offload yet (param_offload / optimizer_offload are refused)")
+
+    # --- parallel layout
+    def get_data_parallel_rank(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank()
+
+    def get_data_parallel_size(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_world_size()
+
+    def get_data_parallel_group(self):
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group()
+
+    def is_mp_src_rank_with_outputs(self) -> bool:
+        from megatron.core import parallel_state as ps
+
+        return (ps.get_tensor_model_parallel_rank() == 0
+                and ps.get_pipeline_model_parallel_rank() == ps.get_pipeline_model_parallel_world_size() - 1)
+
+    # --- optimizer
+    def optimizer_zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+    def optimizer_step(self) -> float:
+        """The core's step: ``empty_cache()`` first iff the last pass with gradients ran top-k
+        distillation; returns the pre-clip grad norm (a non-finite one skips the update)."""
+        return self.engine.optimizer_step()
+
+    def lr_scheduler_step(self) -> float:
+        return self.engine.lr_scheduler_step()
+
+    # --- the step
+    def forward_backward_batch(self, data: TensorDict, loss_function: Callable | None,
+                               forward_only: bool = False) -> dict[str, Any]:
+        """verl's semantics on the core's step (module docstring): sets ``batch_num_tokens``,
+        ``dp_size`` and ``sp_size`` on ``data``, runs every micro-batch through the core with
+        :class:`VerlLossBridge`, returns verl's result dict on the last pipeline stage."""
+        from megatron.core import parallel_state
+
+        pad_mode = tu.get_non_tensor_data(data, "pad_mode", None)
+        if pad_mode is not None and str(getattr(pad_mode, "value", pad_mode)).lower() != "no_padding":
+            raise ValueError(f"pad_mode={pad_mode!r}: only verl's no-padding batches are supported")
+        fused = tu.get_non_tensor_data(data, "use_fused_kernels", self.config.model.fused_lm_head)
+        if bool(fused) != bool(self.config.model.fused_lm_head):
+            raise ValueError(f"use_fused_kernels={fused!r} on the batch must match "
+                             "engine_config.use_fused_kernels")
+        loss_mask = data["loss_mask"]
+        num_tokens = (loss_mask.values().sum() if loss_mask.is_nested else loss_mask.sum()).to(torch.float64)
+        group = self.get_data_parallel_group()
+        dp_size = self.get_data_parallel_size()
+        if dp_size > 1:
+            dist.all_reduce(num_tokens, group=group)
+        tu.assign_non_tensor(data, batch_num_tokens=int(num_tokens.item()), dp_size=dp_size, sp_size=1)
+        bridge = VerlLossBridge(data, loss_function, dp_size=dp_size, dp_group=group)
+        core = bridge.core_batch()
+        processor = None
+        clamp = _topk_clamp(loss_function)
+        if _as_bool(data, "distillation_use_topk") and clamp is not None:
+            processor = self._topk_processor(clamp)
+        out = self.engine.forward_backward_batch(core, bridge, forward_only, logits_processor_func=processor)
+        if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            return {}
+        return bridge.results(out)
+
+    def _topk_processor(self, clamp: float) -> Callable:
+        from mcore_engine.ops import vocab_parallel_forward_kl_topk
+
+        cfg = self.config
+
+        def topk_kl(student_logits, data, data_format):
+            out = vocab_parallel_forward_kl_topk(
+                student_logits, data["teacher_ids"], data["teacher_logprobs"], log_prob_min_clamp=clamp,
+                vocab_size=cfg.model.vocab_size, chunk_size=cfg.logits_chunk_size)
+            return {k: out[k] for k in ("distillation_losses", "student_mass", "teacher_mass")}
+
+        return topk_kl
+
+    # --- weights and checkpoints
+    def get_per_tensor_param(self, **kwargs) -> tuple[Generator[tuple[str, torch.Tensor], None, None], None]:
+        """``(generator of (hf_name, full tensor), None)``: no PEFT config. Collective over TP / PP:
+        every rank consumes the generator to the end."""
+        return self.engine.per_tensor_generator(), None
+
+    def save_checkpoint(self, local_path: str, hdfs_path: str | None = None, global_step: int = 0,
+                        max_ckpt_to_keep: int | None = None, **kwargs) -> None:
+        """Collective: the core checkpoint in ``local_path`` (+ an HF folder ``local_path/huggingface``
+        when ``checkpoint_config.save_contents`` holds ``hf_model``); keeps the newest
+        ``max_ckpt_to_keep`` folders this engine saved. ``hdfs_path`` is refused."""
+        if hdfs_path is not None:
+            _refuse("hdfs_path", hdfs_path, "no HDFS client; save to a shared local path")
+        self.engine.save_checkpoint(local_path)
+        contents = getattr(self.checkpoint_config, "save_contents", None) or ()
+        if "hf_model" in contents:
+            self.engine.export_hf(os.path.join(local_path, "huggingface"))
+        path = os.path.abspath(local_path)
+        self._saved = [p for p in self._saved if p != path] + [path]
+        if max_ckpt_to_keep and len(self._saved) > max_ckpt_to_keep:
+            old, self._saved = self._saved[:-max_ckpt_to_keep], self._saved[-max_ckpt_to_keep:]
+            if dist.get_rank() == 0:
+                for p in old:
+                    shutil.rmtree(p, ignore_errors=True)
+        dist.barrier()
+
+    def load_checkpoint(self, local_path: str, hdfs_path: str | None = None,
+                        del_local_after_load: bool = True, **kwargs) -> None:
+        """Collective: restore what :meth:`save_checkpoint` wrote. A local checkpoint is never
+        deleted (verl deletes only downloaded copies); ``hdfs_path`` is refused."""
+        if hdfs_path is not None:
+            _refuse("hdfs_path", hdfs_path, "no HDFS client; load from a shared local path")
+        self.engine.load_checkpoint(local_path)

@@ -1,0 +1,455 @@
+"""verl 0.9.1's own TrainingWorker and losses on the mcore_engine backend (2 gloo ranks, TP=2).
+
+One multi-rank launch runs three scenarios through a real ``TrainingWorker`` (its ``device_name``
+set to "cpu" and ``flops_counter`` to None, as verl's own CPU tests do): verl's PPO loss, its top-k
+distillation loss with ``distillation_only`` true and false. Each is compared with the native
+mcore-engine API (``MegatronEngine`` + ``mcore_engine.losses.distillation_ppo_loss``) on the same
+Hugging Face weights, fp32, relative error 1e-5: inference outputs, loss and metrics of two training
+steps and all weights afterwards. Spies check the seed behaviours through verl's interface. The
+refused config fields are checked in-process (no ranks).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+
+import numpy
+import pytest
+import torch
+
+pytest.importorskip("verl", reason="verl is installed by `make setup` (pip install --no-deps verl==0.9.1)")
+
+from tests.utils import run_distributed  # noqa: E402
+
+TOL = 1e-5
+B, P, R, K = 4, 6, 6, 4  # sequences, max prompt / response lengths, teacher top-k
+VOCAB = 250
+
+
+def make_hf_model(path: str) -> None:
+    """A tiny random Qwen2 folder shaped like configs/tiny_cpu_tp2.yaml."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False)
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+
+
+def verl_configs(hf_dir: str, **engine_overrides):
+    from verl.trainer.config.config import CheckpointConfig
+    from verl.workers.config import HFModelConfig, McoreOptimizerConfig
+
+    from mcore_engine.integrations.verl import McoreEngineVerlConfig
+
+    model = HFModelConfig(path=hf_dir, load_tokenizer=False, enable_gradient_checkpointing=False)
+    engine = McoreEngineVerlConfig(**{**dict(dtype="float32", tensor_model_parallel_size=2,
+                                             micro_batch_size_per_gpu=2, use_dynamic_bsz=False,
+                                             use_distributed_optimizer=False), **engine_overrides})
+    optim = McoreOptimizerConfig(lr=1e-2, lr_decay_style="constant", weight_decay=0.01, clip_grad=1.0)
+    return model, engine, optim, CheckpointConfig()
+
+
+# ------------------------------------------------------------------------------------------ batches
+def make_batch(seed: int, *, distill: bool):
+    """A verl PPO batch the way the trainer builds it: padded DataProto tensors, then verl's
+    ``left_right_2_no_padding``; plus the lengths for the native batch."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    g = torch.Generator().manual_seed(seed)
+    p_len = torch.tensor([6, 3, 5, 2])
+    r_len = torch.tensor([4, 6, 2, 5])
+    prompts = torch.zeros(B, P, dtype=torch.int64)
+    responses = torch.zeros(B, R, dtype=torch.int64)
+    mask = torch.zeros(B, P + R, dtype=torch.int64)
+    response_mask = torch.zeros(B, R, dtype=torch.int64)
+    for i in range(B):
+        prompts[i, P - p_len[i]:] = torch.randint(0, VOCAB, (int(p_len[i]),), generator=g)
+        responses[i, : r_len[i]] = torch.randint(0, VOCAB, (int(r_len[i]),), generator=g)
+        mask[i, P - p_len[i]: P + r_len[i]] = 1
+        response_mask[i, : r_len[i]] = 1
+    response_mask[1, 2] = 0  # a masked token inside a response
+    input_ids = torch.cat([prompts, responses], 1)
+    position_ids = (mask.cumsum(1) - 1).clamp_min(0)
+    fields = dict(prompts=prompts, responses=responses, input_ids=input_ids, attention_mask=mask,
+                  position_ids=position_ids, response_mask=response_mask,
+                  old_log_probs=-5.5 + 0.3 * torch.randn(B, R, generator=g),
+                  advantages=torch.randn(B, R, generator=g))
+    if distill:  # a peaked teacher (top-k mass ~0.9): every per-token KL > 0, no clamp binds
+        ids = torch.stack([torch.randperm(VOCAB, generator=g)[:K] for _ in range(B * (P + R))])
+        probs = torch.softmax(torch.randn(B * (P + R), K, generator=g), -1) * 0.9
+        fields["teacher_ids"] = ids.view(B, P + R, K)
+        fields["teacher_logprobs"] = probs.log().view(B, P + R, K)
+    td = TensorDict(fields, batch_size=[B])
+    tu.assign_non_tensor(td, temperature=1.0, global_batch_size=B)
+    return left_right_2_no_padding(td), p_len, r_len
+
+
+def native_batch(verl_td, p_len, r_len, flags: dict):
+    """The same data as a native mcore-engine batch, built independently of the adapter: per-token
+    fields at the positions whose output is about the response token (t = P_i - 1 + r)."""
+    from tensordict import TensorDict
+
+    ids = verl_td["input_ids"]
+    def per_token(dense, dtype):
+        rows = []
+        for i in range(B):
+            row = torch.zeros(int(p_len[i] + r_len[i]), dtype=dtype)
+            row[int(p_len[i]) - 1: int(p_len[i] + r_len[i]) - 1] = dense[i, : int(r_len[i])].to(dtype)
+            rows.append(row)
+        return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+    fields = dict(input_ids=ids, position_ids=verl_td["position_ids"],
+                  loss_mask=per_token(verl_td["response_mask"], torch.float32),
+                  old_log_probs=per_token(verl_td["old_log_probs"], torch.float32),
+                  advantages=per_token(verl_td["advantages"], torch.float32))
+    for key in ("teacher_ids", "teacher_logprobs"):
+        if key in verl_td.keys():
+            fields[key] = verl_td[key]
+    td = TensorDict(fields, batch_size=[B])
+    td.set_non_tensor("temperature", 1.0)
+    td.set_non_tensor("micro_batch_size_per_gpu", 2)
+    for k, v in flags.items():
+        td.set_non_tensor(k, v)
+    return td
+
+
+# ------------------------------------------------------------------------------------------ checks
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def close(a, b, what: str, report: dict) -> None:
+    """Relative norm error < TOL; scalars relative to max(|b|, 0.1) (fp32 sums in another order)."""
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    if b.dim() == 0:
+        err = float((a.double() - b.double()).abs() / b.double().abs().clamp_min(0.1))
+    else:
+        err = rel(a.values() if a.is_nested else a, b.values() if b.is_nested else b)
+    report[what] = max(report.get(what, 0.0), err)
+    assert err < TOL, f"{what}: relative error {err:.2e} >= {TOL}"
+
+
+def metric_value(v) -> float:
+    from verl.utils.metric import Metric
+
+    while isinstance(v, list) and len(v) == 1 and isinstance(v[0], list):
+        v = v[0]
+    if isinstance(v, list) and v and isinstance(v[0], Metric):
+        return float(Metric.aggregate_dp(v))
+    if isinstance(v, Metric):
+        return float(Metric.aggregate_dp([v]))
+    if isinstance(v, list):
+        return float(sum(v))
+    return float(v)
+
+
+class Events:
+    """Order of ``empty_cache`` and optimizer steps, and what reached the lm-head processor."""
+
+    def __init__(self):
+        self.log: list[str] = []
+        self.processor_calls: list[dict] = []
+
+
+def spy(adapter, events: Events) -> None:
+    """Record empty_cache / optimizer.step order and the processor's arguments and divisions."""
+    from torch.overrides import TorchFunctionMode
+
+    from mcore_engine.platform import get_device
+
+    dev = get_device()
+    if not hasattr(dev, "spy_events"):
+        original = dev.empty_cache
+        def empty_cache():
+            dev.spy_events.log.append("empty_cache")
+            return original()
+        dev.empty_cache = empty_cache
+    dev.spy_events = events
+    core = adapter.engine
+    prepare = core.optimizer.prepare_grads  # the optimizer step's first action (mcore_engine.optim)
+    def opt_step(*a, **k):
+        events.log.append("step")
+        return prepare(*a, **k)
+    core.optimizer.prepare_grads = opt_step
+    processor = core._lm_head_logits_processor
+
+    class Divisions(TorchFunctionMode):
+        def __init__(self, logits):
+            super().__init__()
+            self.logits, self.count = logits, 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if "div" in name and args and isinstance(args[0], torch.Tensor) and (
+                    args[0] is self.logits or args[0].shape == self.logits.shape):
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    def wrapped(logits, label, temperature, **kw):
+        with Divisions(logits) as mode:
+            out = processor(logits, label, temperature, **kw)
+        flags = {k: kw[k] for k in ("distillation_only", "distillation_use_topk")}
+        events.processor_calls.append(dict(temperature=temperature, divisions=mode.count, keys=sorted(out),
+                                           **flags))
+        return out
+    core._lm_head_logits_processor = wrapped
+
+
+# ------------------------------------------------------------------------------------------ ranks
+SCENARIOS = {
+    "ppo": dict(distill=False, distillation_only=False),
+    "distill_only": dict(distill=True, distillation_only=True),
+    "distill_ppo": dict(distill=True, distillation_only=False),
+}
+
+
+def scenario(name: str, hf_dir: str, report: dict) -> None:
+    from safetensors.torch import load_file
+    from verl.trainer.distillation import distillation_ppo_loss as verl_distillation_ppo_loss
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import DistillationConfig, DistillationLossConfig, TrainingWorkerConfig
+    from verl.workers.config.actor import McoreActorConfig
+    from verl.workers.engine_workers import TrainingWorker
+    from verl.workers.utils.losses import ppo_loss
+
+    from mcore_engine import MegatronEngine
+    from mcore_engine.integrations.verl import McoreEngineVerl
+    from mcore_engine.losses import distillation_ppo_loss
+
+    spec = SCENARIOS[name]
+    model, engine, optim, ckpt = verl_configs(hf_dir)
+    worker = TrainingWorker(TrainingWorkerConfig(model_type="language_model", model_config=model,
+                                                 engine_config=engine, optimizer_config=optim,
+                                                 checkpoint_config=ckpt))
+    worker.device_name, worker.flops_counter = "cpu", None
+    worker.reset()
+    adapter = worker.engine
+    assert isinstance(adapter, McoreEngineVerl)
+    actor = McoreActorConfig(strategy="megatron", rollout_n=1, ppo_mini_batch_size=B,
+                             ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False)
+    coef = 0.5
+    if spec["distill"]:
+        dcfg = DistillationConfig(enabled=False, distillation_loss=DistillationLossConfig(
+            loss_mode="forward_kl_topk", topk=K, use_policy_gradient=False,
+            use_task_rewards=not spec["distillation_only"], distillation_loss_coef=coef))
+        worker.set_loss_fn(partial(verl_distillation_ppo_loss, config=actor, distillation_config=dcfg))
+        native_loss = distillation_ppo_loss(distillation_loss_coef=1.0 if spec["distillation_only"] else coef)
+    else:
+        worker.set_loss_fn(partial(ppo_loss, config=actor))
+        native_loss = distillation_ppo_loss()
+    native = MegatronEngine(adapter.config)
+    native.initialize()
+    events = Events()
+    spy(adapter, events)
+    flags = dict(distillation_use_topk=spec["distill"], distillation_only=spec["distillation_only"])
+
+    # inference: outputs through verl's infer path vs the native API
+    data, p_len, r_len = make_batch(10, distill=spec["distill"])
+    tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False, **flags)
+    out = worker.infer_batch(data)
+    ref = native.infer_batch(native_batch(data, p_len, r_len, dict(calculate_entropy=True, **flags)))
+    keys = ["entropy"] + (["log_probs"] if not spec["distillation_only"] else [])
+    keys += ["distillation_losses", "student_mass", "teacher_mass"] if spec["distill"] else []
+    assert (out is not None) is adapter.is_mp_src_rank_with_outputs()
+    for key in keys if out is not None else ():
+        close(tu.get(out, key), ref[key], f"{name}: infer {key}", report)
+    if out is not None and spec["distillation_only"]:
+        assert tu.get(out, "log_probs") is None
+    assert events.log == [], "inference must not step or empty the cache"
+
+    # two training steps through TrainingWorker.train_batch vs the native train_batch
+    for step in range(2):
+        data, p_len, r_len = make_batch(20 + step, distill=spec["distill"])
+        tu.assign_non_tensor(data, **{k: numpy.bool_(v) for k, v in flags.items()})  # as numpy bools
+        events.log.clear()
+        events.processor_calls.clear()
+        got = worker.train_batch(data)
+        assert events.log == (["empty_cache", "step"] if spec["distill"] else ["step"]), events.log
+        for call in events.processor_calls:
+            assert call["temperature"] == 1 and not isinstance(call["temperature"], torch.Tensor)
+            assert call["divisions"] == 0, "a host-scalar temperature 1 must never divide the logits"
+            assert call["distillation_only"] is spec["distillation_only"]
+            assert ("log_probs" in call["keys"]) is not spec["distillation_only"]
+        want = native.train_batch(native_batch(data, p_len, r_len, flags), native_loss)
+        if got is None:  # not the collecting rank
+            continue
+        metrics = tu.get(got, "metrics")
+        wm = want.get_non_tensor("metrics")
+        close(metrics["loss"], float(want.get_non_tensor("loss")), f"{name}: loss", report)
+        close(metrics["grad_norm"], wm["grad_norm"], f"{name}: grad_norm", report)
+        if spec["distill"]:
+            close(metric_value(metrics["distillation/loss"]), wm["distillation_loss"],
+                  f"{name}: distillation loss", report)
+        if not spec["distillation_only"]:
+            close(metric_value(metrics["actor/pg_loss"]), wm["pg_loss"], f"{name}: pg_loss", report)
+
+    # weights after two steps
+    mine = dict(adapter.get_per_tensor_param()[0])
+    theirs = dict(native.per_tensor_generator())
+    assert mine.keys() == theirs.keys()
+    # The key biases' gradient is zero in exact arithmetic (softmax is shift invariant), so Adam turns
+    # rounding noise into lr-sized steps there: they count in the global norm, not per tensor.
+    errs = {k: rel(mine[k], theirs[k]) for k in mine if not k.endswith("k_proj.bias")}
+    report[f"{name}: weights (worst tensor)"] = max(errs.values())
+    report[f"{name}: weights (all)"] = rel(torch.cat([mine[k].reshape(-1) for k in sorted(mine)]),
+                                           torch.cat([theirs[k].reshape(-1) for k in sorted(mine)]))
+    assert max(errs.values()) < TOL and report[f"{name}: weights (all)"] < TOL, (name, report)
+    initial = load_file(os.path.join(hf_dir, "model.safetensors"))
+    assert max(rel(mine[k], initial[k]) for k in mine if k in initial) > 1e-4, "the weights must move"
+
+
+def verl_ranks(rank: int, world: int, hf_dir: str, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29999",
+                      LOCAL_RANK="0", VERL_ENGINE_DEVICE="cpu")
+    import json
+
+    import mcore_engine.integrations.verl  # noqa: F401  (registers the backend)
+
+    report: dict[str, float] = {}
+    for name in SCENARIOS:
+        scenario(name, hf_dir, report)
+    if rank == 0:
+        with open(os.path.join(out_dir, "parity.json"), "w") as f:
+            json.dump(report, f, indent=1)
+
+
+@pytest.mark.slow
+def test_verl_training_worker_matches_native_api(tmp_path):
+    hf_dir = str(tmp_path / "hf")
+    make_hf_model(hf_dir)
+    run_distributed(verl_ranks, 2, hf_dir, str(tmp_path))
+    print(open(tmp_path / "parity.json").read())
+
+
+# ---------------------------------------------------------------------------- refused config fields
+REFUSED = [
+    ("engine", dict(dtype="float16"), "engine_config.dtype"),
+    ("engine", dict(context_parallel_size=2), "engine_config.context_parallel_size"),
+    ("engine", dict(expert_model_parallel_size=2), "engine_config.expert_model_parallel_size"),
+    ("engine", dict(expert_tensor_parallel_size=2), "engine_config.expert_tensor_parallel_size"),
+    ("engine", dict(dynamic_context_parallel=True), "engine_config.dynamic_context_parallel"),
+    ("engine", dict(param_offload=True), "engine_config.param_offload"),
+    ("engine", dict(optimizer_offload=True), "engine_config.optimizer_offload"),
+    ("engine", dict(full_determinism=True), "engine_config.full_determinism"),
+    ("engine", dict(pad_to_length=True), "engine_config.pad_to_length"),
+    ("engine", dict(use_dist_checkpointing=True), "engine_config.use_dist_checkpointing"),
+    ("engine", dict(use_megatron_fsdp=True), "engine_config.use_megatron_fsdp"),
+    ("engine", dict(distrib_optim_fully_reshardable_mem_efficient=True),
+     "engine_config.distrib_optim_fully_reshardable_mem_efficient"),
+    ("engine", dict(max_seqlen_per_dp_cp_rank=8), "engine_config.max_seqlen_per_dp_cp_rank"),
+    ("engine", dict(dist_checkpointing_path="ckpt"), "engine_config.dist_checkpointing_path"),
+    ("engine", dict(override_ddp_config={"bucket_size": 1}), "engine_config.override_ddp_config"),
+    ("engine", dict(override_transformer_config={"recompute_granularity": "full"}),
+     "engine_config.override_transformer_config"),
+    ("engine", dict(override_mcore_model_config={"x": 1}), "engine_config.override_mcore_model_config"),
+    ("engine", dict(router_replay="R2"), "engine_config.router_replay.mode"),
+    ("engine", dict(qat=True), "engine_config.qat.enable"),
+    ("engine", dict(strategy="megatron"), "engine_config.strategy"),
+    ("model", dict(lora_rank=8), "model_config.lora_rank"),
+    ("model", dict(enable_gradient_checkpointing=True), "model_config.enable_gradient_checkpointing"),
+    ("model", dict(enable_activation_offload=True), "model_config.enable_activation_offload"),
+    ("model", dict(use_liger=True), "model_config.use_liger"),
+    ("model", dict(fused_kernel_options={"impl_backend": "triton"}), "model_config.fused_kernel_options"),
+    ("model", dict(tiled_mlp={"enabled": True, "num_shards": 4}), "model_config.tiled_mlp.enabled"),
+    ("model", dict(override_config={"num_hidden_layers": 3}), "model_config.override_config"),
+    ("model", dict(model_type="value_model"), "model_config.model_type"),
+    ("optim", dict(optimizer="sgd"), "optimizer_config.optimizer"),
+    ("optim", dict(lr_warmup_init=1e-4), "optimizer_config.lr_warmup_init"),
+    ("optim", dict(lr_decay_style="inverse_square_root"), "optimizer_config.lr_decay_style"),
+    ("optim", dict(weight_decay_incr_style="cosine"), "optimizer_config.weight_decay_incr_style"),
+    ("optim", dict(lr_wsd_decay_steps=3), "optimizer_config.lr_wsd_decay_steps"),
+    ("optim", dict(use_precision_aware_optimizer=True), "optimizer_config.use_precision_aware_optimizer"),
+    ("optim", dict(use_layer_wise_distributed_optimizer=True),
+     "optimizer_config.use_layer_wise_distributed_optimizer"),
+    ("optim", dict(override_optimizer_config={"adam_eps": 1e-6}),
+     "optimizer_config.override_optimizer_config"),
+    ("optim", dict(lr_decay_style="linear", total_training_steps=-1),
+     "optimizer_config.total_training_steps"),
+    ("optim", dict(fsdp=True), "optimizer_config"),
+    ("checkpoint", dict(save_contents=["model"]), "checkpoint_config.save_contents"),
+    ("checkpoint", dict(load_contents=["model", "hf_model"]), "checkpoint_config.load_contents"),
+    ("checkpoint", dict(async_save=True), "checkpoint_config.async_save"),
+]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("verl_hf") / "hf")
+    make_hf_model(path)
+    return path
+
+
+def build_configs(hf_dir: str, group: str, kw: dict):
+    """verl's four config objects with ``kw`` applied to ``group``."""
+    from verl.trainer.config.config import CheckpointConfig
+    from verl.workers.config import FSDPOptimizerConfig, HFModelConfig, McoreOptimizerConfig
+    from verl.workers.config.engine import EngineRouterReplayConfig, QATEngineConfig
+
+    from mcore_engine.integrations.verl import McoreEngineVerlConfig
+
+    kw = dict(kw)
+    model = dict(path=hf_dir, load_tokenizer=False, enable_gradient_checkpointing=False)
+    engine = dict(dtype="float32", tensor_model_parallel_size=2, use_dynamic_bsz=False)
+    optim = dict(lr=1e-3, lr_decay_style="constant")
+    if "router_replay" in kw:
+        kw["router_replay"] = EngineRouterReplayConfig(mode=kw["router_replay"])
+    if "qat" in kw:
+        kw["qat"] = QATEngineConfig(enable=True)
+    {"model": model, "engine": engine, "optim": optim, "checkpoint": {}}[group].update(kw)
+    optim_cls = McoreOptimizerConfig
+    if optim.pop("fsdp", False):
+        optim_cls = FSDPOptimizerConfig
+        optim.pop("lr_decay_style")
+    return (HFModelConfig(**model), McoreEngineVerlConfig(**engine), optim_cls(**optim),
+            CheckpointConfig(**({} if group != "checkpoint" else kw)))
+
+
+def test_verl_config_mapping(hf_dir):
+    from mcore_engine.integrations.verl import engine_config_from_verl
+
+    cfg = engine_config_from_verl(*build_configs(hf_dir, "engine", {}))
+    assert (cfg.parallel.tensor_model_parallel_size, cfg.precision, cfg.data_format) == (2, "fp32", "thd")
+    assert cfg.model.hf_path == hf_dir and cfg.model.vocab_size == VOCAB and cfg.model.add_qkv_bias
+    cfg = engine_config_from_verl(*build_configs(hf_dir, "optim", dict(
+        lr=3e-4, betas=(0.8, 0.95), weight_decay=0.1, clip_grad=0.5, lr_decay_style="cosine",
+        total_training_steps=100, lr_warmup_steps_ratio=0.1, min_lr=1e-5)))
+    o = cfg.optimizer
+    assert (o.lr, o.adam_beta1, o.adam_beta2, o.weight_decay, o.clip_grad) == (3e-4, 0.8, 0.95, 0.1, 0.5)
+    assert (o.lr_decay_style, o.lr_decay_steps, o.lr_warmup_steps, o.min_lr) == ("cosine", 100, 10, 1e-5)
+    cfg = engine_config_from_verl(*build_configs(hf_dir, "engine", dict(
+        dtype="bfloat16", pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=None,
+        micro_batch_size_per_gpu=3, use_remove_padding=False, seed=7, use_fused_kernels=True)))
+    assert (cfg.precision, cfg.parallel.pipeline_model_parallel_size, cfg.micro_batch_size) == ("bf16", 2, 3)
+    assert (cfg.data_format, cfg.seed, cfg.model.fused_lm_head) == ("bshd", 7, True)
+
+
+@pytest.mark.parametrize("group, kw, field", REFUSED, ids=[r[2] + ":" + next(iter(r[1])) for r in REFUSED])
+def test_verl_refused_field(hf_dir, group, kw, field):
+    from mcore_engine.integrations.verl import engine_config_from_verl
+
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        engine_config_from_verl(*build_configs(hf_dir, group, kw))
+
+
+def test_verl_refused_hdfs_path():
+    from mcore_engine.integrations.verl import McoreEngineVerl
+
+    engine = object.__new__(McoreEngineVerl)
+    for method in (McoreEngineVerl.save_checkpoint, McoreEngineVerl.load_checkpoint):
+        with pytest.raises(ValueError, match="hdfs_path"):
+            method(engine, "ckpt", hdfs_path="hdfs://x")
+
+
+def test_import_mcore_engine_does_not_import_verl():
+    import subprocess
+    import sys
+
+    code = "import sys, mcore_engine, mcore_engine.integrations; print('verl' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
