@@ -1,8 +1,6 @@
 """Launcher plumbing shared by the kernels: argument checks, temperature modes, Triton helpers.
 
-``z - m`` is floored at ``layout.ZM_FLOOR`` wherever the kernels form it. The temperature comes as
-None (unit: never divide), a host float, or a per-row fp32 tensor ``[c]``; kernels take it as
-``(t_ptr, t_scalar, T_MODE)`` with ``T_MODE`` 0 / 1 / 2 for those three cases.
+A temperature None / host float / fp32 ``[c]`` becomes ``(t_ptr, t_scalar, T_MODE)``, T_MODE 0 / 1 / 2.
 """
 
 from __future__ import annotations
@@ -63,10 +61,7 @@ def divide_by_temperature(v, t_ptr, row, t_scalar, T_MODE: tl.constexpr):
 
 
 def emulate_rtne(out: torch.Tensor) -> bool:
-    """True when fp32 -> ``out.dtype`` stores must round in software: bf16 under the interpreter.
-
-    GPUs round fp32 -> bf16 to nearest-even; Triton's CPU interpreter truncates, doubling the error.
-    """
+    """True for bf16 stores under the interpreter, which truncates where GPUs round to nearest-even."""
     from .dispatch import interpreter_enabled
 
     return out.dtype == torch.bfloat16 and interpreter_enabled()

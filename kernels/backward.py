@@ -1,17 +1,11 @@
-"""Triton backward of one chunk: the gradient of ``layout.Coefficients`` fused with ``/ t`` and the cast.
+"""Triton backward of one chunk: the ``layout.Coefficients`` gradient fused with ``/ t`` and the cast.
 
-For ``x [c, V_valid]`` (this rank's valid columns), temperature ``t`` (None / float / ``[c]``), the
-global row max ``m [c]`` and the coefficients ``coef``::
-
-    zm = (x.float() / t - m[:, None]).clamp_min(ZM_FLOOR)
-    p = zm.exp() * inv_s[:, None]
-    g = p * ((a + a_tail) + b * (zm - mu) + c2 * p)           # absent terms are 0
+    zm = (x.float() / t - m[:, None]).clamp_min(ZM_FLOOR); p = zm.exp() * inv_s[:, None]
+    g = p * ((a + a_tail) + b * (zm - mu) + c2 * p)                      # absent terms are 0
     g[row, tail_cols] = (p * (a + b * (zm - mu) + c2 * p))[row, tail_cols]   # no a_tail at the ids
-    g[row, cols] += vals
-    out = (g / t).to(out.dtype)
+    g[row, cols] += vals;  out = (g / t).to(out.dtype)
 
-Grid ``(c, splits)``; each program streams its column range in ``block_v`` tiles and writes ``out``
-directly (a view into the caller's gradient). Memory: nothing beyond ``out``; reads ``x`` once.
+Grid ``(c, splits)``; writes ``out`` (a view of the caller's gradient) directly; reads ``x`` once.
 """
 
 from __future__ import annotations
@@ -105,12 +99,7 @@ def _chunk_grad_kernel(
 def chunk_grad(x: torch.Tensor, t: float | torch.Tensor | None, m: torch.Tensor, coef: Coefficients,
                out: torch.Tensor, *, splits: int | None = None,
                config: LaunchConfig | None = None) -> torch.Tensor:
-    """Write the gradient w.r.t. the logits chunk ``x [c, V_valid]`` into ``out [c, V_valid]`` (returned).
-
-    ``m`` and the coefficients' row vectors are fp32 ``[c]`` (``mu`` is ignored without ``b``);
-    ``cols``/``vals`` ``[c, n]`` int64 / fp32, ``tail_cols [c, k]`` int64. ``out`` has any float dtype
-    and may be a strided view into the full gradient. Allocates nothing.
-    """
+    """Write the gradient w.r.t. ``x [c, V_valid]`` into ``out [c, V_valid]`` (any float dtype; returned)."""
     check_chunk(x)
     rows, n_cols = x.shape
     m = row_vector(m, "m", rows)

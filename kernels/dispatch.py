@@ -1,9 +1,7 @@
-"""Whether the Triton backend should run on a device; imports Triton only when asked about CUDA.
+"""Whether the Triton backend runs on a device; imports Triton only when asked about CUDA.
 
-The ops' chunk loop asks ``triton_available(logits.device)`` once per call: True only for a CUDA
-device with an importable ``triton`` and the interpreter off. CPU tensors always take the torch
-path, even under ``TRITON_INTERPRET=1`` (the interpreter is for the kernel tests, which call the
-launchers directly, and would make every CPU op orders of magnitude slower).
+True only for CUDA with an importable ``triton`` and the interpreter off: CPU tensors take the torch
+path even under ``TRITON_INTERPRET=1`` (the kernel tests call the launchers directly).
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """Triton forward of the chunk statistics (``layout.py``'s definitions, no workspace).
 
-Two kernels per chunk of rows, around the ops' MAX all-reduce (``x: [c, V_valid]`` this rank's
-valid columns of the chunk, ``t`` None / float / ``[c]``)::
+Around the ops' MAX all-reduce, on ``x [c, V_valid]`` with ``t`` None / float / ``[c]``::
 
-    m_local = x.amax(-1).float() / t                            # row_max          -> [c]
-    # ... ops: all-reduce MAX -> global m ...
-    zm = (x.float() / t - m[:, None]).clamp_min(ZM_FLOOR)       # chunk_stats      -> out [c, width]
-    e = zm.exp()
-    out[:, col_sum_e] = e.sum(-1)
-    out[:, col_sum_ez] = (e * zm).sum(-1)                         # (layout.entropy)
-    out[:, col_sum_e2] = (e * e).sum(-1)                          # (layout.sum_pi_squared)
-    out[:, col_label] = zm[row, label_col] * label_inside         # (layout.label)
-    out[:, col_teacher + i] = zm[row, col_i] * inside_i           # (layout.k)
-    out[:, col_tail] = e.sum(-1) without the in-shard teacher ids  # (layout.tail)
+    m_local = x.amax(-1).float() / t                                # row_max -> [c]
+    zm = (x.float() / t - m[:, None]).clamp_min(ZM_FLOOR); e = zm.exp()
+    out[:, col_sum_e] = e.sum(-1); out[:, col_sum_ez] = (e * zm).sum(-1); out[:, col_sum_e2] = (e * e).sum(-1)
+    out[:, col_label] = zm[row, y]; out[:, col_teacher + i] = zm[row, id_i]   # 0 off-shard
+    out[:, col_tail] = e.sum(-1) without the in-shard teacher ids   # chunk_stats -> [c, width]
 
-Grid ``(c, splits)``: a program streams one contiguous column range of one row in ``block_v`` tiles
-with ``[block_v]`` fp32 accumulators; with ``splits > 1`` the partials ``[c, splits(, width)]`` are
-summed in torch. Memory: no ``[c, V]`` buffer. Reads ``x`` once per kernel.
+Grid ``(c, splits)``, ``[block_v]`` fp32 accumulators; split partials summed in torch. Reads ``x``
+once per kernel.
 """
 
 from __future__ import annotations
@@ -133,10 +126,7 @@ def _chunk_stats_kernel(
 
 def row_max(x: torch.Tensor, t: float | torch.Tensor | None, *, splits: int | None = None,
             config: LaunchConfig | None = None) -> torch.Tensor:
-    """``x.amax(-1).float() / t`` for a chunk ``x [c, V]`` (-inf for ``V == 0``): fp32 ``[c]``.
-
-    ``t``: None (unit), a float, or a float32 ``[c]`` tensor. Reads ``x`` once; allocates ``[c, splits]``.
-    """
+    """``x.amax(-1).float() / t`` for ``x [c, V]`` (-inf for V = 0): fp32 ``[c]``."""
     check_chunk(x)
     rows, cols = x.shape
     t_ptr, t_scalar, t_mode = temperature_args(t, rows, x.device)
@@ -158,12 +148,9 @@ def chunk_stats(x: torch.Tensor, t: float | torch.Tensor | None, m: torch.Tensor
                 label: tuple[torch.Tensor, torch.Tensor] | None = None,
                 teacher: tuple[torch.Tensor, torch.Tensor] | None = None, splits: int | None = None,
                 config: LaunchConfig | None = None) -> torch.Tensor:
-    """Fill ``out [c, layout.width]`` with this shard's statistics of the chunk ``x [c, V_valid]``.
+    """Fill ``out [c, layout.width]`` (a row slice is fine) with the statistics of ``x [c, V_valid]``.
 
-    From the logits chunk ``x``, temperature ``t`` and global row max ``m [c]``; ``label`` = (cols
-    ``[c]`` int64, inside ``[c]`` bool), ``teacher`` = (cols ``[c, k]``, inside ``[c, k]``) as the
-    ops' ``local_columns`` gives them. ``out`` may be a row slice of a larger buffer (last stride 1).
-    Allocates only ``[c, splits, width]`` partials when ``splits > 1``.
+    ``label`` = (cols ``[c]`` int64, inside ``[c]`` bool), ``teacher`` = (cols, inside) ``[c, k]``.
     """
     check_chunk(x)
     rows, cols = x.shape

@@ -1,11 +1,8 @@
-"""Launch configurations of every kernel in this package, in one place (fixed defaults).
+"""Launch configurations of every kernel, in one place (fixed defaults).
 
-Every kernel streams rows of a logits chunk ``[c, V]`` in ``BLOCK_V``-wide column tiles. A program
-owns one row and one contiguous column range (a "split"); the grid is ``(c, splits)``. A chunk of
-a few rows of a 150k-wide vocab would otherwise leave most of a GPU idle, so ``splits`` grows until
-there are about ``PROGRAMS_PER_SM`` programs per streaming multiprocessor. Partial results of the
-splits are combined by the launchers in torch (``O(c * splits)`` numbers, deterministic).
-Every launcher also takes ``config=`` (a :class:`LaunchConfig`) and ``splits=`` to override them.
+A program owns one row of a chunk ``[c, V]`` and one contiguous column range (a split), streamed
+in ``BLOCK_V`` tiles; the grid is ``(c, splits)``, with enough splits on CUDA for about
+``PROGRAMS_PER_SM`` programs per SM. Launchers take ``config=`` and ``splits=`` to override.
 """
 
 from __future__ import annotations
@@ -19,11 +16,7 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class LaunchConfig:
-    """How one kernel is launched.
-
-    block_v:   columns per tile (a power of two); each program holds a few fp32 ``[block_v]`` tiles.
-    num_warps: warps per program.
-    """
+    """How one kernel is launched: ``block_v`` columns per tile (a power of two), ``num_warps``."""
 
     block_v: int
     num_warps: int

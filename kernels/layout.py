@@ -64,16 +64,13 @@ class StatLayout:
 
 @dataclass(frozen=True, slots=True)
 class Coefficients:
-    """Per-row terms of one chunk's gradient w.r.t. ``z`` (fp32 ``[c]`` unless noted).
+    """Per-row terms of one chunk's gradient w.r.t. ``z`` (fp32 ``[c]``; None: absent)::
 
         p = exp(z - m) * inv_s
-        g = p * (a + a_tail * [j not in tail_cols] + b * (z - m - mu) + c2 * p)
-        g[row, cols] += vals
+        g = p * (a + a_tail * [j not in tail_cols] + b * (z - m - mu) + c2 * p);  g[row, cols] += vals
 
-    ``cols``/``vals`` ``[c, n]`` (local columns, vals 0 off-shard) and ``tail_cols`` ``[c, k]``
-    (local column, -1 for none) are int64 / fp32; the ops also keep all rows' coefficients in one
-    object with global ids there. A None term is absent; ``mu`` goes with ``b``, ``tail_cols`` with
-    ``a_tail`` and ``vals`` with ``cols``.
+    ``cols``/``vals`` ``[c, n]``, ``tail_cols [c, k]`` (-1: none) are local columns; the ops also keep
+    all rows' coefficients in one with global ids there.
     """
 
     inv_s: torch.Tensor

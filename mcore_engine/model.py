@@ -1,20 +1,9 @@
-"""Megatron-Core ``GPTModel`` from an :class:`~mcore_engine.config.EngineConfig`.
+"""Megatron-Core ``GPTModel`` from an :class:`~mcore_engine.config.EngineConfig` (no process-group code).
 
-No process-group code lives here (house habit 9): the platform layer must have run
-``init_distributed`` first; the pipeline / virtual-pipeline ranks only decide which chunks hold the
-embedding (``pre_process``) and the output layer (``post_process``).
-
-- Layer spec: Transformer Engine's when ``transformer_engine`` imports (GPU machines), else the local
-  Megatron-Core spec whose core attention also accepts packed ``thd`` batches
-  (:class:`PackedDotProductAttention`).
-- Vocab: padded as Megatron does (:func:`padded_vocab_size`); logits come out vocab-sharded
-  ``[b, s, V_padded / tp]`` (``parallel_output=True``) and the true ``vocab_size`` goes to the ops.
-- Precision: parameters are built directly in the training dtype (``params_dtype``); no
-  ``Float16Module`` wrap, so bf16 logits are never upcast to a full fp32 copy.
-- CPU: ``use_cpu_initialization=True``; every weight is drawn in full on every rank from the same
-  seed and sliced, so a TP shard is an exact slice of the TP=1 weight.
-- Fused lm-head: :func:`output_hidden_states` makes the last stage return its final hidden states and
-  :func:`lm_head_weight` gives the weight shard they are multiplied by.
+Transformer Engine's layer spec when it imports, else the local one with
+:class:`PackedDotProductAttention`; vocab padded as Megatron does; logits vocab-sharded
+``[b, s, V_padded / tp]`` in the parameters' dtype. On CPU a TP shard is an exact slice of the TP=1
+weight. :func:`output_hidden_states` and :func:`lm_head_weight` serve the fused lm-head.
 """
 
 from __future__ import annotations
@@ -39,10 +28,7 @@ __all__ = ["PackedDotProductAttention", "build_model_chunks", "build_transformer
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's rule: round ``vocab_size`` up to a multiple of ``divisible_by * tp``.
-
-    ``padded_vocab_size(250, 128, 2) == 256``; ``padded_vocab_size(151936, 128, 2) == 152064``.
-    """
+    """``vocab_size`` rounded up to a multiple of ``divisible_by * tp`` (``(250, 128, 2) -> 256``)."""
     for name, value in (("vocab_size", vocab_size), ("divisible_by", divisible_by), ("tp", tp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"padded_vocab_size: {name} must be an int >= 1, got {value!r}")
@@ -60,19 +46,15 @@ def has_te() -> bool:
 
 
 class PackedDotProductAttention(DotProductAttention):
-    """Megatron-Core's local ``DotProductAttention`` that also accepts packed ``thd`` sequences.
+    """Megatron-Core's local ``DotProductAttention`` that also takes packed ``thd`` sequences.
 
-    With ``packed_seq_params`` (``qkv_format='thd'``), ``query`` is ``[t, np, hn]`` and ``key`` /
-    ``value`` ``[t, ng, hn]`` for ``t`` packed tokens; attention is causal inside each sequence of
-    ``cu_seqlens_q`` (``cu_seqlens_q_padded`` when given) and blocked across sequences:
+    With ``packed_seq_params`` (``qkv_format='thd'``; ``query [t, np, hn]``, ``key``/``value [t, ng, hn]``)::
 
         seq = searchsorted(cu_seqlens[1:], arange(t), right=True)           # [t]
-        masked[i, j] = (seq[i] != seq[j]) | (j > i)                         # [t, t] bool
+        masked[i, j] = (seq[i] != seq[j]) | (j > i)                         # [t, t]
         out = softmax(q k^T / sqrt(hn) masked by -10000) v                  # [t, 1, np * hn]
 
-    ``attention_mask`` is ignored for ``thd`` (the mask comes from the sequence boundaries).
-    Memory: the ``[np, t, t]`` score matrix of all packed tokens (quadratic in the pack, not in the
-    longest sequence); meant for CPU tests and GPUs without Transformer Engine.
+    ``attention_mask`` is ignored for ``thd``. Memory: the ``[np, t, t]`` scores of the whole pack.
     """
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -97,9 +79,8 @@ class PackedDotProductAttention(DotProductAttention):
 
 
 def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
-    """Megatron-Core ``TransformerConfig`` for ``cfg`` (dropout off, no bias except QKV's, RoPE).
-
-    ``sequence_parallel`` needs the Transformer Engine norms: ``ValueError`` without them.
+    """Megatron-Core ``TransformerConfig`` for ``cfg`` (no dropout, no bias but QKV's, RoPE);
+    ``sequence_parallel`` without Transformer Engine is a ValueError.
     """
     m, p = cfg.model, cfg.parallel
     on_gpu = torch.cuda.is_available()
@@ -159,17 +140,9 @@ def _layer_spec(cfg: EngineConfig) -> ModuleSpec:
 
 
 def build_model_chunks(cfg: EngineConfig) -> list[GPTModel]:
-    """One ``GPTModel`` per virtual pipeline stage of this rank (one chunk without VPP), not wrapped.
-
-    Needs ``parallel_state`` initialised with ``cfg.parallel`` (``platform.init_distributed``).
-    Chunk ``i`` holds the embedding iff it is the first virtual stage of the first pipeline rank,
-    the output layer iff the last of the last. Logits: ``[b, s, padded_vocab / tp]`` in the
-    parameters' dtype. Memory: the parameters, plus on CPU one full fp32 master copy of the largest
-    weight while it is initialised.
-
-    Gradients of ``q_layernorm`` / ``k_layernorm`` weights are partial per TP rank (each rank sees its
-    own heads) and tied embeddings live on the first and last stage: Megatron's
-    ``finalize_model_grads`` (set as ``config.finalize_model_grads_func``) all-reduces both.
+    """One unwrapped ``GPTModel`` per virtual pipeline stage of this rank (embedding on the first
+    stage, output layer on the last). Memory: the parameters (on CPU plus one fp32 copy of the largest
+    weight while it is drawn).
     """
     if not parallel_state.model_parallel_is_initialized():
         raise ValueError("build_model_chunks: parallel_state is not initialised; call "
@@ -210,17 +183,15 @@ def build_model_chunks(cfg: EngineConfig) -> list[GPTModel]:
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The ``GPTModel`` inside Megatron's DDP / Float16Module wrappers."""
+    """The ``GPTModel`` inside DDP / Float16Module wrappers."""
     while hasattr(model, "module"):
         model = model.module
     return model
 
 
 def lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
-    """The lm-head weight shard ``[V_local, H]`` a Megatron ``GPTModel`` (last stage) multiplies by.
-
-    The tied word embedding (``shared_embedding_or_output_weight()``) when embeddings are shared,
-    else ``output_layer.weight``; wrappers (DDP, Float16Module) are looked through.
+    """The lm-head weight shard ``[V_local, H]`` of a (last-stage) ``GPTModel``: the tied embedding
+    when embeddings are shared, else ``output_layer.weight``.
     """
     gpt = _unwrap(model)
     if gpt.share_embeddings_and_output_weights:
@@ -235,14 +206,9 @@ def _hidden_passthrough(input_: torch.Tensor, weight: torch.Tensor | None = None
 
 
 def output_hidden_states(model: torch.nn.Module, enable: bool = True) -> None:
-    """Make a Megatron ``GPTModel`` (last stage) return its final hidden states instead of logits.
-
-    The output layer's forward becomes ``(hidden, None)``, so the model returns ``[b, s, H]`` (the
-    final norm applied) where it returned ``[b, s, V_local]``; parameters, state dict and every other
-    stage are untouched. Feed the result and :func:`lm_head_weight` to
-    ``mcore_engine.processor.process_lm_head_hidden`` (which all-reduces the hidden gradient over the
-    TP group, the output layer's backward job).
-    ``enable=False`` restores the logits. Sequence parallelism (sharded hidden states) is refused.
+    """Make a last-stage ``GPTModel`` return its final hidden states ``[b, s, H]`` instead of logits
+    (for ``processor.process_lm_head_hidden`` with :func:`lm_head_weight`); ``enable=False`` restores
+    the logits. Parameters and state dict are untouched; sequence parallelism is refused.
     """
     gpt = _unwrap(model)
     layer = getattr(gpt, "output_layer", None)

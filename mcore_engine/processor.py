@@ -1,10 +1,5 @@
-"""The lm-head processors: RL flags -> one chunked pass of ``mcore_engine.ops``.
-
-``process_lm_head_logits`` (what ``MegatronEngine._lm_head_logits_processor`` delegates to) works
-on the logits shard; ``process_lm_head_hidden`` gives the same keys from the final hidden states and
-the lm-head weight shard without building the logits. Both read the flags the same way
-(:func:`_builtin_inputs`); only a custom ``logits_processor_func`` sees temperature-scaled logits
-(the caller's tensor itself when the temperature is a host-scalar 1).
+"""The lm-head processors: RL flags -> one chunked pass of ``mcore_engine.ops``, on the logits
+(``process_lm_head_logits``) or on hidden states + the lm-head shard (``process_lm_head_hidden``).
 """
 
 from __future__ import annotations
@@ -25,9 +20,9 @@ BATCH_TEACHER_NAMES = ('batch["teacher_ids"]', 'batch["teacher_logprobs"]')
 
 def _builtin_inputs(label: torch.Tensor | None, batch: Mapping[str, Any] | None, *,
                     distillation_use_topk: bool, distillation_only: bool, builtin_kl: bool) -> dict[str, Any]:
-    """The op's ``labels`` / teacher arguments for the flags. ``labels`` is None under
-    ``distillation_only`` (the log-prob path never starts); the teacher tensors come from the batch
-    when the built-in top-k KL runs (``builtin_kl``)."""
+    """The op's labels (None under ``distillation_only``) and, for the built-in KL, the teacher
+    tensors of ``batch``, named as batch keys in errors.
+    """
     if distillation_only and not distillation_use_topk:
         raise ValueError("distillation_only=True requires distillation_use_topk=True")
     if not distillation_only and label is None:
@@ -86,11 +81,9 @@ def process_lm_head_hidden(
     chunk_size: int | None = None, group: dist.ProcessGroup | None = None,
     log_prob_min_clamp: float | None = None,
 ) -> dict[str, torch.Tensor]:
-    """``process_lm_head_logits(hidden @ weight.T, ...)`` on the fused path: same flags, keys, contract.
+    """``process_lm_head_logits(hidden @ weight.T, ...)`` without the logits: same flags and keys.
 
-    ``hidden [..., H]`` the final hidden states, ``weight [V_local, H]`` this rank's lm-head shard.
-    A custom ``logits_processor_func`` needs the logits, which this path never builds: ValueError.
-    ``data_format`` is accepted for symmetry.
+    ``hidden [..., H]``, ``weight [V_local, H]``; a custom ``logits_processor_func`` is a ValueError.
     """
     if logits_processor_func is not None:
         raise ValueError("logits_processor_func needs the logits; the fused lm-head never builds them "

@@ -1,13 +1,11 @@
-"""GPU check of the chunk kernels and the fused lm-head: one command, a few minutes, a markdown table.
+"""GPU check of the chunk kernels and the fused lm-head: a few minutes, one markdown table.
 
-    python tools/gpu_check.py [--tests] [--tokens 32768] [--vocab 152064] [--hidden 4096]
+    python tools/gpu_check.py [--tests] [--tokens 32768] [--vocab 152064] [--hidden 4096] [--smoke]
 
-On a CUDA device: measures the device's copy bandwidth (``y.copy_(x)``, bytes read + written) and
-bf16 matmul rate, then times each kernel on ``[tokens, vocab]`` bf16 logits (achieved TB/s = bytes
-the kernel must move / time, and its fraction of the copy bandwidth) next to the torch chunk path,
-and the fused lm-head forward+backward (achieved TFLOP/s over its four ``2 N V H`` matmuls, peak
-memory above the inputs). ``--tests`` first runs ``pytest tests/kernels`` on the GPU.
-``--smoke`` runs everything on tiny CPU shapes under ``TRITON_INTERPRET=1`` (a wiring check only).
+Times each kernel on ``[tokens, vocab]`` bf16 logits (achieved TB/s and its fraction of the copy
+bandwidth) next to the torch path, and the fused lm-head forward + backward (TFLOP/s over its four
+``2 N V H`` matmuls, peak memory). ``--tests`` runs ``pytest tests/kernels`` first; ``--smoke``:
+tiny CPU shapes under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations

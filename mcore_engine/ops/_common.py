@@ -1,9 +1,4 @@
-"""Shared plumbing of the vocab-parallel ops: process-group resolution, input checks, chunking.
-
-Nothing here touches vocab-sized data; every helper is O(tokens) at most. Megatron-Core is only
-consulted (never imported) to find the default tensor-parallel group, so importing
-``mcore_engine.ops`` stays cheap.
-"""
+"""Plumbing of the vocab-parallel ops: process group, shard geometry, input checks, chunking (O(N))."""
 
 from __future__ import annotations
 
@@ -21,13 +16,8 @@ DEFAULT_CHUNK_ELEMENTS = 2**21
 
 @dataclass(frozen=True, slots=True)
 class Shard:
-    """Where this rank's vocab shard sits in the global vocab.
-
-    group:       process group of the vocab shards, or None for a single shard (no communication).
-    rank, world: position of this rank in ``group`` and the group size.
-    v_local:     the shard width (``logits.shape[-1]``).
-    v_valid:     how many of this shard's columns are real vocab entries (``vocab_size`` padding).
-    vocab_size:  the true global vocab size.
+    """This rank's vocab shard: ``group`` (None: one shard), ``rank`` / ``world`` in it, ``v_local``
+    columns of which ``v_valid`` are real ids (``vocab_size`` padding), the true ``vocab_size``.
     """
 
     group: dist.ProcessGroup | None
@@ -44,10 +34,8 @@ class Shard:
 
 
 def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """``group`` if given; else Megatron-Core's TP group when it is initialised; else None (single shard).
-
-    Megatron-Core is looked up in ``sys.modules`` only: if it was never imported, its parallel state
-    cannot be initialised, and we avoid paying its import time.
+    """``group``; else Megatron-Core's TP group if initialised (looked up in ``sys.modules``, never
+    imported); else None.
     """
     if group is not None:
         return group

@@ -1,18 +1,14 @@
 """The one dispatch point of the chunk math: Triton kernels on CUDA when Triton imports, torch otherwise.
 
-A backend is three functions on one chunk ``x = logits.view(N, V_local)[r0:r1, :V_valid]`` (a view
-or a chunk of ``hidden @ weight.T``), its temperature ``t`` (None / float / fp32 ``[c]``) and global
-row max ``m`` (fp32 ``[c]``), with the definitions of ``stats.py``::
+A backend computes, on a chunk ``x [c, V_valid]`` with temperature ``t`` and global row max ``m``::
 
-    workspace(rows, v_valid, device) -> ws or None                 once per pass, for every chunk
+    workspace(rows, v_valid, device) -> ws or None                 once per pass
     row_max(x, t) -> [c]                                            (x / t).amax(-1) in fp32
-    chunk_stats(x, t, m, layout, out, *, label, teacher, ws=None)   packed statistics into out [c, width]
+    chunk_stats(x, t, m, layout, out, *, label, teacher, ws=None)   packed statistics into out
     chunk_grad(x, t, m, coef, out=None, ws=None)                    stats.chunk_grad(...) / t
 
-``chunk_grad`` writes into ``out`` (any float dtype, e.g. a view of the logits gradient) and returns
-it; with ``out=None`` it returns an fp32 ``[c, V_valid]`` tensor (the torch backend's own workspace,
-overwritten by the next call with the same ``ws``). Memory: the torch workspace is two fp32
-``[rows, V_valid]`` tensors; the Triton kernels stream the logits and keep none.
+``chunk_grad`` writes ``out`` (any float dtype) or returns fp32 (the torch workspace, reused by the
+next call). Memory: the torch workspace is two fp32 ``[rows, V_valid]``; the kernels keep none.
 """
 
 from __future__ import annotations
@@ -37,13 +33,7 @@ def _no_workspace(rows: int, v_valid: int, device: torch.device) -> None:
 
 @dataclass(frozen=True, slots=True)
 class ChunkBackend:
-    """The chunk math of one implementation (see the module docstring).
-
-    name:           "torch" or "triton".
-    row_max, chunk_stats, chunk_grad: the three chunk functions.
-    chunk_elements: default rows per chunk x V_local (``chunk_size=None``).
-    workspace:      ``(rows, v_valid, device) -> ws`` passed to every chunk of a pass (default: None).
-    """
+    """The chunk functions of one implementation, its default rows x V_local and its workspace."""
 
     name: str
     row_max: Callable[..., torch.Tensor]

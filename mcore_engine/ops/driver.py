@@ -1,17 +1,10 @@
-"""The chunk driver shared by both lm-head paths: forward statistics and backward gradients, per chunk.
+"""The chunk driver of both lm-head paths, fed by a chunk source of ``x [c, V_valid]`` logits:
 
-A chunk source gives the logits of rows ``[r0, r1)`` restricted to this shard's valid columns,
-``x [c, V_valid]``:
+- ``LogitsSource``: slices of the logits (free to re-read: one MAX + one SUM all-reduce per pass);
+- ``MatmulSource``: ``hidden @ weight[:V_valid].T`` into one buffer (one MAX + one SUM per chunk).
 
-- ``LogitsSource``: a slice of the caller's logits (a view; reading it twice is free), so under TP
-  a pass makes one MAX and one packed SUM all-reduce for all rows;
-- ``MatmulSource``: ``hidden[r0:r1] @ weight[:V_valid].T`` into one buffer allocated per pass, so
-  each chunk is formed once and reduced on its own (one MAX + one SUM per chunk).
-
-Forward, per block of rows (``Plan.blocks``): 1. row max of ``x / t`` -> all-reduce MAX;
-2. packed statistics (``backend.chunk_stats``) -> all-reduce SUM. Backward, per chunk (no
-collectives): ``backend.chunk_grad`` with the coefficients of ``stats.grad_coefficients``.
-Memory per pass: the backend's workspace (torch: two fp32 ``[rows, V_valid]``), allocated once.
+Forward per block: row max -> all-reduce MAX; packed statistics -> all-reduce SUM. Backward per
+chunk, no collectives. Memory: the backend's workspace, once per pass.
 """
 
 from __future__ import annotations
@@ -27,7 +20,7 @@ from mcore_engine.ops.plan import NO_GRAD_KEYS, Plan, Rows
 
 
 class LogitsSource:
-    """Row slices of the logits ``[N, V_local]`` (views, no copy)."""
+    """Row slices of the logits ``[N, V_local]`` (views)."""
 
     rereadable = True
 
@@ -39,8 +32,7 @@ class LogitsSource:
 
 
 class MatmulSource:
-    """``h[r0:r1] @ w.T`` for ``h [N, H]`` and ``w [V_valid, H]``, into one ``[rows, V_valid]`` buffer
-    of the compute dtype (overwritten by the next chunk)."""
+    """``h[r0:r1] @ w.T`` into one ``[rows, V_valid]`` buffer (overwritten by the next chunk)."""
 
     rereadable = False
 
@@ -58,7 +50,7 @@ Source = LogitsSource | MatmulSource
 
 def forward_stats(plan: Plan, source: Source, rows: Rows, n: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global packed statistics fp32 ``[N, width]`` and row max fp32 ``[N]`` of all rows."""
+    """Global packed statistics fp32 ``[N, width]`` and row max fp32 ``[N]``."""
     shard, lay, backend = plan.shard, plan.layout, plan.backend
     stats = torch.empty(n, lay.width, dtype=torch.float32, device=device)
     row_max = torch.empty(n, dtype=torch.float32, device=device)
@@ -87,8 +79,9 @@ def forward_stats(plan: Plan, source: Source, rows: Rows, n: int,
 def backward_grads(plan: Plan, source: Source, coef: _stats.Coefficients, row_max: torch.Tensor,
                    t_rows: torch.Tensor | None, out: torch.Tensor | None = None,
                    take: Callable[[int, int, torch.Tensor], None] | None = None) -> None:
-    """Per chunk, the gradient w.r.t. ``x``: written into ``out[r0:r1]`` (``[N, V_valid]``, any float
-    dtype) when given, else an fp32 chunk handed to ``take(r0, r1, gx)`` (valid until the next chunk)."""
+    """Per chunk, the gradient w.r.t. ``x`` into ``out[r0:r1]`` (any float dtype), or an fp32
+    chunk handed to ``take(r0, r1, gx)``.
+    """
     shard, backend = plan.shard, plan.backend
     n = row_max.shape[0]
     ws = backend.workspace(min(plan.rows, n), shard.v_valid, row_max.device)
@@ -102,8 +95,7 @@ def backward_grads(plan: Plan, source: Source, coef: _stats.Coefficients, row_ma
 
 def save_and_output(ctx, plan: Plan, inputs: tuple[torch.Tensor, ...], rows: Rows, row_max: torch.Tensor,
                     stats: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Finalize, save what backward needs (the inputs, not copies, and per-token tensors) and return
-    the outputs in ``plan.keys`` order (mass outputs marked non-differentiable)."""
+    """Finalize, save the inputs (no copies) and per-token tensors, return the outputs."""
     fin = _stats.finalize(stats, plan.layout, teacher_log_probs=rows.teacher_log_probs, clamp=plan.clamp)
     ctx.plan, ctx.n_inputs = plan, len(inputs)
     ctx.save_for_backward(*inputs, rows.labels, rows.teacher_ids, rows.t_rows, row_max, fin.inv_s, fin.mu,
@@ -115,7 +107,7 @@ def save_and_output(ctx, plan: Plan, inputs: tuple[torch.Tensor, ...], rows: Row
 
 
 def saved_and_coefficients(ctx, grads: tuple[torch.Tensor | None, ...]):
-    """``(inputs, t_rows, row_max, coef)`` from :func:`save_and_output`'s ctx; coef None without gradient."""
+    """``(inputs, t_rows, row_max, coef)`` back from the ctx; coef None without gradient."""
     saved = ctx.saved_tensors
     inputs, (labels, ids, t_rows, row_max, *fin_tensors) = saved[:ctx.n_inputs], saved[ctx.n_inputs:]
     fin = _stats.Finalized({}, *fin_tensors)

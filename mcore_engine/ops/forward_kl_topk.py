@@ -18,17 +18,11 @@ def vocab_parallel_forward_kl_topk(student_logits: torch.Tensor, teacher_topk_id
 
         log_q = z.gather(-1, ids) - z.logsumexp(-1, keepdim=True); P = log_p.exp()
         "distillation_losses" = (P * (log_p.clamp_min(c) - log_q.clamp_min(c))).sum(-1)
-            (+ p_t * log(p_t / q_t) with p_t = 1 - P.sum(-1), q_t = 1 - log_q.exp().sum(-1) iff kl_tail)
+            (+ p_t * log(p_t / q_t), p_t = 1 - P.sum(-1), q_t = q outside the ids, iff kl_tail)
         "student_mass" = log_q.exp().sum(-1);  "teacher_mass" = P.sum(-1)   (no gradient)
 
-    student_logits ``[..., V_local]``; ids / log-probs ``[..., k]`` (global ids) -> fp32 ``[...]`` each.
-    With a clamp ``c``, student entries with ``log_q < c`` get no gradient. q_t is summed directly over
-    the ids outside the top-k set (no ``1 - sum`` cancellation); both tail masses are floored at 1e-20
-    (``stats.TAIL_EPS``): the tail term's gradient is 0 once q_t < 1e-20, and the term vanishes
-    (|value| <= ~1e-18) when the teacher's top-k probabilities sum to >= 1. Its gradient at the top-k
-    ids is formed as ``p_t * q_i`` (not ``(p_t / q_t) q_i - (p_t / q_t) Q_S q_i``, which cancels as
-    q_t -> 0), so it stays accurate for a student that puts almost all its mass on the ids.
-    A repeated id counts once in q_t (and per occurrence in the top-k sum).
+    student_logits ``[..., V_local]``, ids / log-probs ``[..., k]`` -> fp32 ``[...]``. Entries with
+    ``log_q < c`` get no gradient; the tail masses are floored at 1e-20 and a repeated id counts once.
     """
     return vocab_parallel_logits_outputs(
         student_logits, teacher_ids=teacher_topk_ids, teacher_log_probs=teacher_topk_log_probs,

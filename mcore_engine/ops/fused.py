@@ -1,10 +1,7 @@
 """All per-token outputs of vocab-sharded logits from one chunked pass, forward and backward.
 
-``vocab_parallel_logits_outputs`` checks its inputs (``plan.make_plan``) and runs the shared chunk
-driver (``driver.py``) on slices of the logits; the public ops and the logits processor are thin
-wrappers over it. Memory: forward saves the logits (the caller's tensor, no copy) and O(N (8 + 2k))
-fp32 per-token statistics; each pass allocates the backend's chunk workspace once; backward writes
-one gradient of the logits' shape and dtype.
+Memory: saves the logits (no copy) and O(N (8 + 2k)) fp32 statistics; the chunk workspace is
+allocated once per pass; backward writes one gradient of the logits' shape and dtype.
 """
 
 from __future__ import annotations
@@ -20,9 +17,9 @@ from mcore_engine.ops.temperature import Temperature
 
 
 class _VocabParallelLogitsFunction(torch.autograd.Function):
-    """Forward: ``driver.forward_stats`` on ``LogitsSource`` (under TP one MAX and one packed SUM
-    all-reduce for all rows), then ``stats.finalize``. Backward: per chunk, recompute the softmax and
-    write the gradient divided by t into one preallocated gradient (padded columns get 0)."""
+    """Forward: ``driver.forward_stats`` on slices of the logits, then ``stats.finalize``.
+    Backward: per chunk, the recomputed softmax's gradient / t into one gradient (padded columns 0).
+    """
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor | None, teacher_ids: torch.Tensor | None,
@@ -67,16 +64,12 @@ def vocab_parallel_logits_outputs(
         log_q = z.gather(-1, teacher_ids) - lse[..., None]; P = teacher_log_probs.exp()   (iff teacher_*)
         "distillation_losses" = (P * (teacher_log_probs.clamp_min(c) - log_q.clamp_min(c))).sum(-1)
                                 [+ p_t * log(p_t / q_t), p_t = 1 - P.sum(-1), q_t = 1 - log_q.exp().sum(-1)
-                                 when kl_tail]
+                                 when kl_tail; both floored at TAIL_EPS, a repeated id counted once]
         "student_mass" = log_q.exp().sum(-1); "teacher_mass" = P.sum(-1)         (no gradient)
 
-    The tail masses are floored at ``TAIL_EPS`` (1e-20) and q_t is summed over the ids outside the
-    top-k set (a repeated id counts once there).
-
-    Shapes: logits ``[..., V_local]`` (this rank's shard); labels ``[...]``; teacher_* ``[..., k]``;
-    outputs fp32 ``[...]``. Differentiable w.r.t. ``logits`` (not the temperature or the teacher).
-    Memory: O(N (8 + 2k)) saved fp32 + the backend's ``[chunk_size, V_local]`` workspace per pass.
-    ``teacher_arg_names``: how ValueErrors name the teacher tensors (wrappers pass their own names).
+    Shapes: logits ``[..., V_local]`` (this rank's shard), labels ``[...]``, teacher_* ``[..., k]``
+    -> fp32 ``[...]``. Differentiable w.r.t. ``logits``. ``teacher_arg_names``: how errors name the
+    teacher tensors.
     """
     group = _common.resolve_group(group)
     shard = _common.make_shard(logits, group, vocab_size)

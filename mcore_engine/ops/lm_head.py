@@ -1,14 +1,9 @@
 """Fused lm-head: the per-token outputs from hidden states and the lm-head shard, never the logits.
 
-``fused_lm_head_outputs(hidden, weight, ...)`` equals ``vocab_parallel_logits_outputs(hidden @
-weight.T, ...)``; the shared chunk driver forms each chunk's logits ``[chunk, V_local]`` in one
-reused buffer (``driver.MatmulSource``), reduces them to the per-token statistics (one MAX + one
-packed SUM all-reduce per chunk) and drops them. Backward recomputes each chunk's logits from the
-saved ``hidden`` and ``weight`` (no copies) and turns its logit gradient into both gradients.
-
-Memory above the inputs: O(N (8 + 2k)) fp32 statistics, the logits chunk buffer and the backend's
-workspace (once per pass), and in backward the two gradients (a bf16/fp16 weight accumulates in one
-fp32 ``[V_local, H]`` buffer). Never ``[N, V_local]``.
+Each chunk's logits ``[chunk, V_local]`` are formed in one reused buffer and reduced (one MAX + one
+SUM all-reduce per chunk); backward recomputes them from the saved ``hidden`` and ``weight``.
+Memory above the inputs: O(N (8 + 2k)) fp32, the chunk buffer and workspace, the two gradients (a
+bf16/fp16 weight accumulates in fp32 ``[V_local, H]``). Never ``[N, V_local]``.
 """
 
 from __future__ import annotations
@@ -23,13 +18,12 @@ from mcore_engine.ops.temperature import Temperature
 
 
 def _chunk_elements(backend: ChunkBackend) -> int:
-    """Default rows x V_local: each chunk holds its logits whatever the backend (at most 2**26 with
-    Triton); the torch path adds two fp32 workspaces of that size, so a quarter of its logits chunk."""
+    """Default rows x V_local: 2**26 with Triton, a quarter of the torch default (two workspaces)."""
     return min(backend.chunk_elements, 2**26) if backend.name == "triton" else backend.chunk_elements // 4
 
 
 class _LMHeadGrads:
-    """Gradients of ``h [N, H]`` and ``w [V_valid, H]`` accumulated from each chunk's logit gradient."""
+    """Gradients of ``h [N, H]`` and ``w [V_valid, H]`` accumulated chunk by chunk."""
 
     def __init__(self, h: torch.Tensor, w: torch.Tensor, weight: torch.Tensor, need_h: bool,
                  need_w: bool) -> None:
@@ -41,8 +35,7 @@ class _LMHeadGrads:
                        else None)
 
     def add(self, r0: int, r1: int, gx: torch.Tensor) -> None:
-        """grad_h[r0:r1] = gx @ w (in the compute dtype, as the logits path has it);
-        grad_w += gx.T @ h[r0:r1] (from the fp32 gx: no extra rounding)."""
+        """``grad_h[r0:r1] = gx @ w`` (compute dtype); ``grad_w += gx.T @ h[r0:r1]`` (fp32)."""
         if self.grad_h is not None:
             torch.matmul(gx.to(self.w.dtype), self.w, out=self.grad_h[r0:r1])
         if self.grad_w is not None:
@@ -50,11 +43,10 @@ class _LMHeadGrads:
 
 
 class _FusedLMHeadFunction(torch.autograd.Function):
-    """Forward: ``driver.forward_stats`` on ``MatmulSource`` (per chunk: x = h @ w[:V_valid].T, one
-    MAX and one SUM all-reduce), then ``stats.finalize``. Backward: per chunk, recompute x and its
-    fp32 logit gradient G, then ``grad_hidden[r0:r1] = G @ W`` and ``grad_weight += G.T @ hidden``;
-    finally one all-reduce SUM of ``grad_hidden`` (``hidden`` is replicated over the group, as in
-    Megatron's column-parallel output layer)."""
+    """Forward: ``driver.forward_stats`` on ``hidden @ weight.T`` chunks, then ``stats.finalize``.
+    Backward: per chunk, the logit gradient G -> ``G @ W`` and ``G.T @ hidden``; one all-reduce SUM of
+    the hidden gradient (hidden is replicated over the group, as in a column-parallel layer).
+    """
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None,
@@ -90,15 +82,11 @@ def fused_lm_head_outputs(
     group: dist.ProcessGroup | None = None, chunk_size: int | None = None, vocab_size: int | None = None,
     teacher_arg_names: tuple[str, str] = TEACHER_ARG_NAMES,
 ) -> dict[str, torch.Tensor]:
-    """``vocab_parallel_logits_outputs(hidden @ weight.T, ...)`` without ever holding ``[N, V_local]``.
+    """``vocab_parallel_logits_outputs(hidden @ weight.T, ...)`` without holding ``[N, V_local]``.
 
-    Shapes: ``hidden [..., H]`` (identical on every rank of ``group``), ``weight [V_local, H]`` this
-    rank's lm-head (or tied embedding) shard holding global ids ``[rank V_local, (rank + 1) V_local)``;
-    labels ``[...]``, teacher_* ``[..., k]``; outputs fp32 ``[...]``. Differentiable w.r.t. ``hidden``
-    (gradient all-reduced over ``group``) and ``weight``; the logits are computed in ``weight.dtype``
-    (e.g. fp32 hidden states with a bf16 weight, as the output layer does). Other arguments and the
-    math as ``vocab_parallel_logits_outputs``. ``chunk_size=None``: ~2**19 / V_local rows on the torch
-    path, ~2**26 / V_local with the Triton backend.
+    ``hidden [..., H]`` (the same on every rank), ``weight [V_local, H]`` this rank's shard; the logits
+    are computed in ``weight.dtype``. Differentiable w.r.t. both (hidden's gradient all-reduced over
+    ``group``). Other arguments, shapes and math as ``vocab_parallel_logits_outputs``.
     """
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
         raise ValueError(f"hidden must be a floating tensor [..., H], got "

@@ -1,10 +1,4 @@
-"""The plan of one chunked pass: checked inputs, shard geometry, rows per chunk, what to compute.
-
-``make_plan`` is the one validator of both lm-head paths (``fused.py`` on the logits, ``lm_head.py``
-on the hidden states and the weight shard): the same checks and the same ValueError messages, which
-name the teacher tensors as the caller calls them (``batch["teacher_ids"]`` from the processors).
-Everything it returns is O(tokens x k).
-"""
+"""The plan of a chunked pass and the one validator of both lm-head paths (one set of messages)."""
 
 from __future__ import annotations
 
@@ -27,15 +21,7 @@ TEACHER_ARG_NAMES = ("teacher_ids", "teacher_log_probs")
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """Everything non-tensor a pass needs.
-
-    shard:    this rank's place in the global vocab.
-    rows:     rows per chunk.
-    layout:   which statistics, in which columns.
-    clamp:    ``log_prob_min_clamp`` (None: no clamp).
-    t_scalar: a host-scalar temperature != 1 (None: unit, or a per-row tensor).
-    backend:  the chunk math (torch, the reference, or the Triton kernels).
-    """
+    """A pass's non-tensor state: shard, rows per chunk, layout, clamp, host-scalar t != 1, backend."""
 
     shard: _common.Shard
     rows: int
@@ -46,30 +32,30 @@ class Plan:
 
     @property
     def keys(self) -> tuple[str, ...]:
-        """The requested outputs in ``OUTPUT_KEYS`` order (the order of the Function's outputs)."""
+        """The requested outputs in ``OUTPUT_KEYS`` order."""
         lay = self.layout
         wanted = {"log_probs": lay.label, "entropy": lay.entropy, "sum_pi_squared": lay.sum_pi_squared,
                   "distillation_losses": lay.k > 0, "student_mass": lay.k > 0, "teacher_mass": lay.k > 0}
         return tuple(k for k in OUTPUT_KEYS if wanted[k])
 
     def chunks(self, r0: int, r1: int) -> list[tuple[int, int]]:
-        """Row ranges ``[a, b)`` of the chunks covering rows ``[r0, r1)``."""
+        """Row ranges of the chunks covering ``[r0, r1)``."""
         return [(a, min(a + self.rows, r1)) for a in range(r0, r1, self.rows)]
 
     def blocks(self, n: int, rereadable: bool) -> list[tuple[int, int]]:
-        """Row ranges that share one MAX and one SUM all-reduce: all rows under TP when a chunk is
-        cheap to read twice (a slice of the logits), else one chunk (no collectives at world 1)."""
+        """Rows sharing one MAX and one SUM all-reduce: all rows under TP when chunks are cheap to
+        re-read (logits slices), else one chunk each.
+        """
         return [(0, n)] if rereadable and self.shard.world > 1 else self.chunks(0, n)
 
     def chunk_t(self, t_rows: torch.Tensor | None, r0: int, r1: int) -> float | torch.Tensor | None:
-        """The temperature of rows ``[r0, r1)`` as the backends take it."""
+        """The temperature of rows ``[r0, r1)``."""
         return t_rows[r0:r1] if t_rows is not None else self.t_scalar
 
 
 @dataclass(frozen=True, slots=True)
 class Rows:
-    """A pass's per-token tensors flattened to N rows: labels ``[N]`` and teacher ids ``[N, k]`` int64,
-    teacher log-probs ``[N, k]`` (detached), temperature fp32 ``[N]`` (None unless a tensor)."""
+    """The per-token tensors as rows: labels ``[N]``, teacher ids / log-probs ``[N, k]``, t ``[N]``."""
 
     labels: torch.Tensor | None
     teacher_ids: torch.Tensor | None
@@ -79,8 +65,7 @@ class Rows:
 
 def _check_teacher(teacher_ids: object, teacher_log_probs: object, lead: tuple[int, ...], vocab_size: int,
                    names: tuple[str, str]) -> int:
-    """Both teacher tensors or neither: ids integer ``lead + (k,)`` in ``[0, vocab_size)``, log-probs
-    floating of the same shape. Returns k (0 without a teacher)."""
+    """Both teacher tensors or neither, shaped ``lead + (k,)``; returns k (0: none)."""
     ids_name, lp_name = names
     if (teacher_ids is None) != (teacher_log_probs is None):
         raise ValueError(f"{ids_name} and {lp_name} must be given together (shape [..., k])")
@@ -107,10 +92,9 @@ def make_plan(
     chunk_size: int | None, teacher_arg_names: tuple[str, str] = TEACHER_ARG_NAMES,
     default_elements: Callable[[ChunkBackend], int] = lambda backend: backend.chunk_elements,
 ) -> tuple[Plan, Rows]:
-    """Check a pass's arguments (ValueError naming the argument) and flatten its tensors to rows.
+    """Check a pass's arguments (ValueError naming each) and flatten its tensors to rows.
 
-    ``lead`` is the token shape (``logits.shape[:-1]`` / ``hidden.shape[:-1]``); ``default_elements``
-    gives ``chunk_size=None``'s rows x V_local for the chosen backend.
+    ``lead``: the token shape; ``default_elements(backend)``: ``chunk_size=None``'s rows x V_local.
     """
     n = math.prod(lead)
     if labels is not None:

@@ -1,17 +1,10 @@
-"""The per-row statistics of one chunk of vocab-sharded logits, forward and backward (the reference).
+"""Per-row statistics of one chunk of vocab-sharded logits, forward and backward (the reference).
 
-Pure functions on one chunk ``x: [c, V_valid]`` (this rank's valid columns) with temperature ``t``
-(None, a float or a per-row ``[c]`` tensor). The torch backend (``backend.py``) is made of them and
-the Triton kernels (``mcore_engine_kernels``) compute the same definitions; the column layout, the
-floors and the gradient coefficients live in ``mcore_engine_kernels.layout``. ``finalize`` and
-``grad_coefficients`` are the per-token steps around the chunk loop.
-
-``z - m`` is floored at ``ZM_FLOOR``: a ``-inf`` logit adds 0 to every statistic and gradient, and
-a label or teacher id at a ``-inf`` logit gets the finite log-prob ``~ -1.8e19``. A row whose logits
-are all ``-inf`` is undefined. ``S`` is summed in fp32: for a near-one-hot row the gradients that
-need ``1 - p_max`` carry its rounding (~6e-8 absolute, about 3x plain fp32 autograd).
-Workspace: two fp32 ``[c, V_valid]`` buffers per call (``zm`` and ``e`` / ``p``), which the caller
-may allocate once per pass and pass in.
+Pure functions on a chunk ``x [c, V_valid]`` with temperature ``t`` (None, float or ``[c]``): the
+torch backend is made of them, the Triton kernels compute the same definitions (the column layout
+and floors are in ``mcore_engine_kernels.layout``). ``z - m`` is floored at ``ZM_FLOOR``, so a
+``-inf`` logit adds 0 everywhere and gets the finite log-prob ~ -1.8e19. Workspace: two fp32
+``[c, V_valid]`` buffers per call, which the caller may allocate once per pass.
 """
 
 from __future__ import annotations
@@ -71,11 +64,10 @@ def chunk_stats(zm: torch.Tensor, layout: StatLayout, out: torch.Tensor, *,
                 label: tuple[torch.Tensor, torch.Tensor] | None = None,
                 teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
                 e: torch.Tensor | None = None) -> torch.Tensor:
-    """Fill ``out [c, layout.width]`` with this shard's statistics of one chunk (``layout.py``).
+    """Fill ``out [c, layout.width]`` with this shard's statistics of one chunk.
 
-    ``zm = z - m`` from :func:`shifted` is consumed (overwritten with products); ``label`` = (cols
-    ``[c]``, inside ``[c]``), ``teacher`` = (cols ``[c, k]``, inside ``[c, k]``) from
-    :func:`local_columns`; ``e`` an optional fp32 ``[c, V_valid]`` workspace for ``exp(zm)``.
+    ``zm`` (from :func:`shifted`) is consumed; ``label`` = (cols ``[c]``, inside ``[c]``), ``teacher``
+    = (cols ``[c, k]``, inside ``[c, k]``) from :func:`local_columns`; ``e``: optional fp32 workspace.
     """
     if layout.label:
         out[:, layout.col_label] = label_shifted_logit(zm, *label)
@@ -96,12 +88,10 @@ def chunk_stats(zm: torch.Tensor, layout: StatLayout, out: torch.Tensor, *,
 
 
 def chunk_grad(zm: torch.Tensor, coef: Coefficients, p: torch.Tensor | None = None) -> torch.Tensor:
-    """Gradient w.r.t. ``z`` of one chunk (``Coefficients``' formula), in ``zm``'s or ``p``'s storage.
+    """Gradient w.r.t. ``z`` of one chunk (the ``Coefficients`` formula), in ``zm``'s or ``p``'s storage.
 
-    ``zm`` is consumed; ``p`` is an optional fp32 ``[c, V_valid]`` workspace for the softmax. The
-    tail term ``a_tail`` (up to ~1e20) is applied to every column in one pass, then the teacher
-    columns are set to their value without it, recomputed from their gathered ``zm`` (``[c, k]``
-    work), so no large term is added and cancelled there.
+    ``zm`` is consumed; ``p``: optional fp32 workspace. ``a_tail`` (up to ~1e20) goes to every column,
+    then the teacher columns are set to their value without it (``[c, k]`` work): nothing cancels.
     """
     inv_s, a, b, mu, c2 = coef.inv_s, coef.a, coef.b, coef.mu, coef.c2
     tail = coef.a_tail is not None and zm.shape[-1] > 0
@@ -148,16 +138,14 @@ class Finalized:
 
 def finalize(stats: torch.Tensor, layout: StatLayout, *, teacher_log_probs: torch.Tensor | None,
              clamp: float | None) -> Finalized:
-    """Global statistics ``[N, width]`` -> outputs (API.md formulas) and backward's per-token terms.
+    """Global statistics ``[N, width]`` -> outputs and backward's per-token terms::
 
         logS = log(S); log_probs = (z_y - m) - logS; entropy = logS - A / S; sum_pi2 = B / S**2
-        log_q = (z_i - m) - logS;  P = exp(teacher_log_probs)
+        log_q = (z_i - m) - logS;  P = exp(teacher_log_probs);  active_i = log q_i >= c
         KL = sum_i P_i (max(log P_i, c) - max(log q_i, c))   (a term with P_i = 0 counts 0)
-        active_i = log q_i >= c
         tail: p_t = max(1 - sum P, eps), q_t = max(T / S, eps), KL += p_t log(p_t / q_t)
 
-    ``eps = TAIL_EPS``: the tail term has no gradient once ``T / S <= eps`` and vanishes when the
-    teacher's top-k probabilities sum to >= 1.
+    with ``eps = TAIL_EPS``: no tail gradient once ``T / S <= eps``.
     """
     s = stats[:, layout.col_sum_e]
     log_s = s.log()
@@ -203,8 +191,7 @@ def finalize(stats: torch.Tensor, layout: StatLayout, *, teacher_log_probs: torc
 
 
 def chunk_coefficients(coef: Coefficients, r0: int, r1: int, offset: int, v_valid: int) -> Coefficients:
-    """Rows ``[r0, r1)`` of all-rows coefficients (``cols`` / ``tail_cols`` as GLOBAL ids, from
-    :func:`grad_coefficients`) in this shard's local columns: vals 0 and tail_cols -1 off the shard."""
+    """Rows ``[r0, r1)`` of all rows' coefficients (global ids) in this shard's local columns."""
     cols = vals = tail_cols = None
     if coef.cols is not None:
         cols, inside = local_columns(coef.cols[r0:r1], offset, v_valid)
@@ -227,23 +214,17 @@ def first_occurrence(ids: torch.Tensor) -> torch.Tensor:
 
 def grad_coefficients(fin: Finalized, grads: Mapping[str, torch.Tensor | None], labels: torch.Tensor | None,
                       ids: torch.Tensor | None) -> Coefficients | None:
-    """Upstream gradients + :func:`finalize`'s per-token terms -> the coefficients of all rows, with
-    GLOBAL ids in ``cols`` / ``tail_cols`` (-1: a repeated teacher id); see :func:`chunk_coefficients`.
+    """Upstream gradients + :func:`finalize`'s terms -> all rows' :class:`Coefficients` (global ids).
 
-    ``grads``: upstream gradient (N elements) by output key, None or missing for none; ``labels [N]``
-    and ``ids [N, k]`` global ids. None when nothing needs a gradient. With ``g_*`` the upstream
-    gradients and ``p`` the softmax::
+    ``grads`` by output key (None or missing: no gradient); None when nothing needs one. With ``g_*``
+    the upstream gradients, ``p`` the softmax, ``S`` the teacher ids counted once, ``r = p_t / q_t``::
 
-        d log_prob / dz = onehot(y) - p           -> a -= g_lp;        point (y, g_lp)
-        d H / dz        = -p (z - mu)             -> b = -g_H
-        d s2 / dz       = 2 p (p - s2)            -> c2 = 2 g_s2;      a -= c2 s2
-        d KL / dz       = p W - P 1[active]       -> a += g_kl W;      points (ids, -g_kl P_active)
-        tail, r = p_t / q_t (q_t = T / S = 1 - Q_S, S the teacher ids counted once, Q_S = sum_S q):
-          j not in S: -r Q_S p_j                  -> a_tail = -g_kl r Q_S   (not at the ids: tail_cols)
-          j in S:      r q_t q_j = p_t q_j        -> points += g_kl p_t q   (first occurrences only)
-
-    ``a_tail`` grows like ``1 / q_t`` and never reaches the teacher columns, so nothing cancels as
-    ``q_t -> 0``; both tail parts are 0 where ``q_t`` was floored.
+        d log_prob / dz = onehot(y) - p        -> a -= g_lp;       point (y, g_lp)
+        d H / dz        = -p (z - mu)          -> b = -g_H
+        d s2 / dz       = 2 p (p - s2)         -> c2 = 2 g_s2;     a -= c2 s2
+        d KL / dz       = p W - P 1[active]    -> a += g_kl W;     points (ids, -g_kl P_active)
+        tail, j not in S: -r Q_S p_j           -> a_tail = -g_kl r Q_S  (tail_cols: first occurrences)
+        tail, j in S:      p_t q_j             -> points += g_kl p_t q
     """
     g_lp, g_h, g_s2, g_kl = (grads.get(k) for k in ("log_probs", "entropy", "sum_pi_squared",
                                                      "distillation_losses"))

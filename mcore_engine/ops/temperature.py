@@ -1,10 +1,9 @@
-"""Temperature: the unit check, out-of-place scaling, and the per-row form the chunk loops use.
+"""Temperature: the unit check, out-of-place scaling, and the per-row form of the chunk loops.
 
-``z = logits / temperature``; a host scalar equal to 1 never divides (no copy, no device sync); any
-tensor temperature (even ``tensor(1.0)``) takes the general path. A tensor temperature must
-broadcast to ``logits.shape[:-1]`` without growing it, or have that shape plus a trailing 1 (per
-token, as verl builds ``[N, 1]``): ``[N]``, ``[N, 1]``, ``[B, 1]`` with ``[B, S, V]`` logits
-(per sequence) are valid; ``[N, 2]`` or ``[2, N]`` with ``[N, V]`` logits are not.
+``z = logits / temperature``; a host scalar 1 never divides. A tensor temperature broadcasts to
+``logits.shape[:-1]`` without growing it, or has that shape plus a trailing 1 (per token, as verl's
+``[N, 1]``): ``[N]``, ``[N, 1]``, ``[B, 1]`` with ``[B, S, V]`` logits are valid; ``[N, 2]``,
+``[2, N]`` with ``[N, V]`` logits are not.
 """
 
 from __future__ import annotations
@@ -25,10 +24,7 @@ def is_scalar_unit_temperature(t: object) -> bool:
 
 
 def per_token(t: torch.Tensor, lead_shape: tuple[int, ...]) -> torch.Tensor:
-    """``t`` as a tensor that broadcasts to ``lead_shape`` exactly (a trailing singleton dropped).
-
-    Shape-only (no device sync); ValueError naming ``temperature`` and both shapes otherwise.
-    """
+    """``t`` broadcasting exactly to ``lead_shape`` (trailing 1 dropped); shape-only check."""
     given = shape = tuple(t.shape)
     if len(shape) == len(lead_shape) + 1 and shape[-1] == 1:
         t, shape = t.squeeze(-1), shape[:-1]
@@ -44,7 +40,7 @@ def per_token(t: torch.Tensor, lead_shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _check_temperature(t: object, lead_shape: tuple[int, ...]) -> Temperature:
-    """Validate ``t`` (one device sync for a tensor) and return it in its per-token form."""
+    """Validate ``t`` (one device sync for a tensor) and return its per-token form."""
     if isinstance(t, torch.Tensor):
         if t.dtype == torch.bool or t.dtype.is_complex:
             raise ValueError(f"temperature must be a real-valued tensor, got dtype {t.dtype}")
@@ -60,21 +56,16 @@ def _check_temperature(t: object, lead_shape: tuple[int, ...]) -> Temperature:
 
 
 def scale_logits_by_temperature(logits: torch.Tensor, t: Temperature) -> torch.Tensor:
-    """``logits`` itself when ``t`` is a host-scalar 1, else ``logits / t`` out of place, in ``logits.dtype``.
+    """``logits`` itself for a host-scalar 1, else ``logits / t`` out of place in ``logits.dtype``.
 
-    A tensor ``t`` applies per token (``logits / t[..., None]``, shapes as in the module docstring).
-    Differentiable w.r.t. ``logits``. Memory: one copy of ``logits`` unless unit; a ``t`` of a wider
-    dtype (bf16 logits, fp32 ``t``) is divided chunk by chunk in the promoted dtype and rounded once.
+    A tensor ``t`` applies per token; differentiable w.r.t. ``logits``. Memory: one copy of the logits;
+    a wider ``t`` is divided chunk by chunk in the promoted dtype and rounded once.
     """
     return scale_checked(logits, _check_temperature(t, tuple(logits.shape[:-1])))
 
 
 def scale_checked(logits: torch.Tensor, t: Temperature) -> torch.Tensor:
-    """:func:`scale_logits_by_temperature` for a temperature whose values were checked (no device sync).
-
-    ``(x.float() / t).to(bf16)`` rounds once; ``x / t.to(bf16)`` would round ``t`` first (a bias of
-    up to 2**-9 per token), hence the wide divide, chunked.
-    """
+    """:func:`scale_logits_by_temperature` for an already checked ``t`` (no device sync)."""
     if is_scalar_unit_temperature(t):
         return logits
     if not isinstance(t, torch.Tensor) or t.dim() == 0:
@@ -88,7 +79,7 @@ def scale_checked(logits: torch.Tensor, t: Temperature) -> torch.Tensor:
 
 
 def _div_rows(x: torch.Tensor, t_rows: torch.Tensor) -> torch.Tensor:
-    """``(x / t_rows).to(x.dtype)`` for ``x [..., V]``, ``t_rows [N, 1]`` (wider dtype), chunk by chunk."""
+    """``(x / t_rows).to(x.dtype)`` for ``x [..., V]``, ``t_rows [N, 1]``, chunk by chunk."""
     flat = x.reshape(t_rows.shape[0], x.shape[-1])
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     oflat = out.view(flat.shape)
@@ -114,8 +105,7 @@ class _DivRowsKeepDtype(torch.autograd.Function):
 
 def temperature_rows(t: Temperature, lead_shape: tuple[int, ...],
                      device: torch.device) -> float | torch.Tensor | None:
-    """Check ``t`` and give the chunk loops' form: None for a host-scalar 1 (never divide), a float
-    for any other number, or a detached fp32 ``[N]`` tensor (N = prod(lead_shape))."""
+    """Check ``t``: None for a host-scalar 1, a float, or a detached fp32 ``[N]`` tensor."""
     t = _check_temperature(t, lead_shape)
     if is_scalar_unit_temperature(t):
         return None

@@ -1,10 +1,8 @@
-"""Vocab-parallel top-k of the log-softmax over the GLOBAL vocab (not differentiable).
+"""Vocab-parallel top-k of the log-softmax over the global vocab (not differentiable).
 
-Per chunk of rows: global max (all-reduce MAX) and sum-exp (all-reduce SUM) give the lse; each rank
-takes its local top-min(k, V_valid) of z, pads to k with (-inf, id 0), and ONE all-gather of (values,
-global ids) packed in float64 lets every rank re-take the top-k. A pad never wins: real entries are
->= ``stats.ZM_FLOOR`` > -inf (a ``-inf`` logit included) and the ranks hold >= k real entries in all.
-Workspace: fp32 ``[chunk, V_local]`` x 2.
+Per chunk: MAX and SUM all-reduces give the lse; each rank takes its top-min(k, V_valid), padded to
+k with (-inf, id 0), and one all-gather of (values, global ids) in float64 lets every rank re-take
+the top-k (a pad never wins: real entries are >= ``ZM_FLOOR``). Workspace: fp32 ``[chunk, V_local]``.
 """
 
 from __future__ import annotations
@@ -22,8 +20,8 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, *, temperature: Temperatur
                         vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``z.log_softmax(-1).topk(k)`` over the global vocab, ``z = logits / temperature``.
 
-    logits ``[..., V_local]`` (this rank's shard) -> (log_probs fp32 ``[..., k]`` sorted descending,
-    global ids int64 ``[..., k]``), both detached and identical on every rank of the group.
+    logits ``[..., V_local]`` -> (log_probs fp32 ``[..., k]`` descending, global ids int64 ``[..., k]``),
+    detached, identical on every rank.
     """
     group = _common.resolve_group(group)
     shard = _common.make_shard(logits, group, vocab_size)
