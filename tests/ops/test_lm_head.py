@@ -212,3 +212,30 @@ def test_inference_under_no_grad_matches():
     for key in ref:
         assert not out[key].requires_grad and out[key].shape == (2, 5)
         assert_rel_close(out[key], ref[key], REL_TOL[F32], key)
+
+
+def test_one_max_and_one_packed_sum_per_chunk_one_sum_in_backward():
+    """Patched TP primitives (a fake 2-rank group): each chunk's logits are formed once, so each chunk
+    is reduced on its own; backward all-reduces only the hidden gradient."""
+    from unittest import mock
+
+    n, h_dim, v, k = 10, 6, 23, 3
+    g = torch.Generator().manual_seed(8)
+    hidden = torch.randn(n, h_dim, generator=g, requires_grad=True)
+    weight = torch.randn(v, h_dim, generator=g, requires_grad=True)
+    ids = torch.rand(n, 2 * v, generator=g).argsort(-1)[:, :k]
+    calls, fake_group = [], object()
+    with mock.patch.object(dist, "get_rank", return_value=0), \
+            mock.patch.object(dist, "get_world_size", return_value=2), \
+            mock.patch.object(dist, "all_reduce", side_effect=lambda buf, op, group: calls.append(
+                (op, tuple(buf.shape), group))):
+        out = fused_lm_head_outputs(hidden, weight, labels=torch.randint(0, 2 * v, (n,), generator=g),
+                                    teacher_ids=ids, teacher_log_probs=torch.full((n, k), -2.0), entropy=True,
+                                    kl_tail=True, temperature=0.7, group=fake_group, chunk_size=4)
+        n_fwd = len(calls)
+        (out["entropy"].sum() + out["distillation_losses"].sum()).backward()
+    width = 1 + 1 + 1 + k + 1  # S, A, label, k teacher logits, tail
+    expected = [c for r in (4, 4, 2) for c in ((dist.ReduceOp.MAX, (r,), fake_group),
+                                               (dist.ReduceOp.SUM, (r, width), fake_group))]
+    assert calls[:n_fwd] == expected, calls
+    assert calls[n_fwd:] == [(dist.ReduceOp.SUM, (n, h_dim), fake_group)], calls[n_fwd:]
