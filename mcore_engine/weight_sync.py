@@ -1,0 +1,198 @@
+"""Bucketed weight sync: the Hugging Face tensors packed into flat buckets of at most N bytes.
+
+Sender (collective, on every rank of the model-parallel group, like ``iter_hf_tensors``)::
+
+    for bucket, meta in iter_weight_buckets(engine.model, engine.config, bucket_bytes=512 << 20):
+        send(bucket, meta)          # e.g. broadcast / CUDA IPC from one rank; done before the next step
+
+Receiver (imports only torch: an inference engine imports this module alone)::
+
+    model.load_weights(unflatten_bucket(bucket, meta).items())
+
+A bucket is a contiguous 1-D tensor of one dtype; ``meta`` (``BucketMeta``) names its tensors and
+where they lie: tensor i is ``bucket[offsets[i]:offsets[i] + prod(shapes[i])].view(shapes[i])``.
+Buckets are filled greedily in checkpoint order; a bucket is closed when the next tensor does not
+fit, and a tensor larger than N bytes gets a bucket of its own.
+
+Memory above the model, at any time: one buffer of the largest multi-tensor bucket (at most N
+bytes, allocated once and reused) plus ``iter_hf_tensors``' working set (one gathered parameter and
+its Hugging Face tensors). A bucket of one tensor is that tensor flattened, not copied.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from mcore_engine.config import EngineConfig
+
+__all__ = ["BucketMeta", "fill_buckets", "iter_weight_buckets", "plan_buckets", "unflatten_bucket"]
+
+
+@dataclass(frozen=True, slots=True)
+class BucketMeta:
+    """What one bucket holds (picklable; lists are accepted and stored as tuples)."""
+
+    names: tuple[str, ...]
+    """Hugging Face names, in bucket order, unique."""
+    shapes: tuple[tuple[int, ...], ...]
+    """Shape of each tensor."""
+    offsets: tuple[int, ...]
+    """Element (not byte) offset of each tensor in the bucket; spans increase and do not overlap."""
+    dtype: torch.dtype
+    """The dtype of the bucket and of every tensor in it."""
+    numel: int
+    """Elements in the bucket (at least the end of the last span)."""
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "names", tuple(self.names))
+        set_(self, "shapes", tuple(tuple(int(d) for d in s) for s in self.shapes))
+        set_(self, "offsets", tuple(self.offsets))
+        n = len(self.names)
+        if n == 0 or len(self.shapes) != n or len(self.offsets) != n:
+            raise ValueError(f"meta: names, shapes, offsets must be non-empty and of one length, got "
+                             f"{n}, {len(self.shapes)}, {len(self.offsets)}")
+        if not all(isinstance(x, str) for x in self.names) or len(set(self.names)) != n:
+            raise ValueError(f"meta.names: must be unique strings, got {self.names}")
+        if any(d < 0 for s in self.shapes for d in s):
+            raise ValueError(f"meta.shapes: negative size in {self.shapes}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"meta.dtype: must be a torch.dtype, got {self.dtype!r}")
+        if not isinstance(self.numel, int) or isinstance(self.numel, bool):
+            raise ValueError(f"meta.numel: must be an int, got {self.numel!r}")
+        end = 0
+        for name, shape, off in zip(self.names, self.shapes, self.offsets, strict=True):
+            if not isinstance(off, int) or isinstance(off, bool) or off < end:
+                raise ValueError(f"meta.offsets: {name!r} at {off!r} overlaps the previous tensor (ends at "
+                                 f"{end}) or is not an int")
+            end = off + math.prod(shape)
+        if self.numel < end:
+            raise ValueError(f"meta.numel: {self.numel} < {end}, the end of the last tensor")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the bucket."""
+        return self.numel * self.dtype.itemsize
+
+
+def _check_bucket_bytes(bucket_bytes: object) -> int:
+    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes: must be a positive int, got {bucket_bytes!r}")
+    return bucket_bytes
+
+
+def plan_buckets(shapes: Mapping[str, Sequence[int]], dtype: torch.dtype,
+                 bucket_bytes: int) -> list[BucketMeta]:
+    """Greedy packing of ``shapes`` (name -> shape, in stream order) into tight buckets of at most
+    ``bucket_bytes`` bytes of ``dtype``; a tensor larger than that is alone in its bucket."""
+    _check_bucket_bytes(bucket_bytes)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype: must be a torch.dtype, got {dtype!r}")
+    cap = bucket_bytes // dtype.itemsize
+    plan: list[BucketMeta] = []
+    names: list[str] = []
+    sizes: list[tuple[int, ...]] = []
+    offsets: list[int] = []
+    used = 0
+
+    def close() -> None:
+        nonlocal used
+        if names:
+            plan.append(BucketMeta(tuple(names), tuple(sizes), tuple(offsets), dtype, used))
+        names.clear()
+        sizes.clear()
+        offsets.clear()
+        used = 0
+
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        if names and used + numel > cap:
+            close()
+        names.append(name)
+        sizes.append(tuple(shape))
+        offsets.append(used)
+        used += numel
+    close()
+    return plan
+
+
+def _is_one_tensor(meta: BucketMeta) -> bool:
+    """A bucket that is exactly one tensor (sent as the tensor itself, flattened)."""
+    return len(meta.names) == 1 and meta.offsets[0] == 0 and meta.numel == math.prod(meta.shapes[0])
+
+
+def fill_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                 plan: Sequence[BucketMeta]) -> Iterator[tuple[torch.Tensor, BucketMeta]]:
+    """``(bucket, meta)`` per entry of ``plan``, filled from ``named_tensors`` (which must match the
+    plan tensor for tensor in name, shape and dtype; ``ValueError`` otherwise) and consumed to its end.
+
+    Multi-tensor buckets are views of one reused buffer: a bucket is valid until the next step of
+    the generator (send or copy it first; wait for an asynchronous send). A one-tensor bucket is the
+    tensor flattened, possibly sharing storage with a parameter. Memory: the buffer (the largest
+    multi-tensor bucket) plus what ``named_tensors`` holds.
+    """
+    stream = iter(named_tensors)
+    buffer_numel = max((m.numel for m in plan if not _is_one_tensor(m)), default=0)
+    buffer: torch.Tensor | None = None
+    for meta in plan:
+        bucket = None
+        for name, shape, off in zip(meta.names, meta.shapes, meta.offsets, strict=True):
+            item = next(stream, None)
+            if item is None:
+                raise ValueError(f"named_tensors: ended before {name!r}")
+            got, t = item
+            if got != name or tuple(t.shape) != shape or t.dtype != meta.dtype:
+                raise ValueError(f"named_tensors: got {got!r} {tuple(t.shape)} {t.dtype} where the plan has "
+                                 f"{name!r} {shape} {meta.dtype}")
+            if _is_one_tensor(meta):
+                bucket = t.reshape(-1)
+                continue
+            if buffer is None or buffer.device != t.device or buffer.dtype != t.dtype:
+                buffer = torch.empty(buffer_numel, dtype=t.dtype, device=t.device)
+            bucket = buffer[:meta.numel]
+            bucket[off:off + t.numel()].view(shape).copy_(t)
+        yield bucket, meta
+    extra = next(stream, None)
+    if extra is not None:
+        raise ValueError(f"named_tensors: {extra[0]!r} is not in the plan")
+
+
+def iter_weight_buckets(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, bucket_bytes: int, *,
+                        dtype: torch.dtype | None = None) -> Iterator[tuple[torch.Tensor, BucketMeta]]:
+    """``(bucket, meta)`` for the whole model: ``iter_hf_tensors(model_chunks, cfg, dtype=dtype)``
+    packed by ``plan_buckets`` into buckets of at most ``bucket_bytes`` (``dtype`` None: the training
+    precision). Collective over the tensor- and pipeline-parallel groups, like ``iter_hf_tensors``:
+    every rank consumes the generator to the end, in step, and gets the same buckets. Validity and
+    memory as in ``fill_buckets``.
+    """
+    from mcore_engine.hf.export import iter_hf_tensors, precision_dtype
+    from mcore_engine.hf.mapping import hf_shapes
+
+    _check_bucket_bytes(bucket_bytes)
+    dtype = dtype or precision_dtype(cfg)
+    plan = plan_buckets(hf_shapes(cfg.model), dtype, bucket_bytes)
+    return fill_buckets(iter_hf_tensors(model_chunks, cfg, dtype=dtype), plan)
+
+
+def unflatten_bucket(bucket: torch.Tensor, meta: BucketMeta) -> dict[str, torch.Tensor]:
+    """``{name: tensor}`` in bucket order, every tensor a view of ``bucket`` (no copy): load or copy
+    them before the bucket's memory is reused. ``ValueError`` when ``bucket`` is not a contiguous 1-D
+    tensor of ``meta.dtype`` and ``meta.numel`` elements."""
+    if not isinstance(meta, BucketMeta):
+        raise ValueError(f"meta: must be a BucketMeta, got {type(meta).__name__}")
+    if not isinstance(bucket, torch.Tensor):
+        raise ValueError(f"bucket: must be a torch.Tensor, got {type(bucket).__name__}")
+    if bucket.dim() != 1 or not bucket.is_contiguous():
+        raise ValueError(f"bucket: must be a contiguous 1-D tensor, got shape {tuple(bucket.shape)} stride "
+                         f"{bucket.stride()}")
+    if bucket.dtype != meta.dtype or bucket.numel() != meta.numel:
+        raise ValueError(f"bucket: {bucket.numel()} x {bucket.dtype} does not match the metadata's "
+                         f"{meta.numel} x {meta.dtype}")
+    return {name: bucket[off:off + math.prod(shape)].view(shape)
+            for name, shape, off in zip(meta.names, meta.shapes, meta.offsets, strict=True)}
