@@ -114,7 +114,7 @@ def test_fused_outputs_with_triton_chunk_math_one_rank(entry):
 
 def _check_neg_inf_logits(rank: int, world: int) -> None:
     """-inf logits (masked entries, one at a label, one at a teacher id, a whole column of shard 0):
-    the kernels floor z - m at ``stats.ZM_FLOOR`` as the torch path does, so values and gradients are
+    the kernels floor z - m at ``layout.ZM_FLOOR`` as the torch path does, so values and gradients are
     finite and equal to the torch backend's (a label at -inf has the log-prob ~ -1.8e19 / t)."""
     case = Case(15, (3, 4), 150, F32, temperature="0.7", chunk_size=5, k=4, kl_tail=True)
     inp = case_inputs(case, world)
