@@ -1,20 +1,14 @@
 """The loss function inside Megatron's schedule, with failures agreed by every rank.
 
-Megatron calls the loss only on the last pipeline stage, mid-schedule; an exception there would
-leave the other stages in a p2p receive (and DP peers in the gradient all-reduce) until the
-collective timeout. :class:`LossGuard` records it instead::
+An exception on the last pipeline stage would leave the other ranks waiting in a collective, so
+:class:`LossGuard` records it and the schedule runs on with a zero gradient::
 
     try:    loss, metrics = check_loss_result(loss_function(outputs, data, ctx), needs_grad)
     except Exception as exc:
-            guard.error = exc; loss = 0.0 * output.sum()   # the schedule runs on, every gradient 0
-    ... the schedule ends on every rank ...
-    guard.raise_if_failed()     # one MAX all-reduce of a flag; on failure one all_gather_object
+            guard.error = exc; loss = 0.0 * output.sum()
+    guard.raise_if_failed()     # after the schedule: one MAX all-reduce; on failure one all_gather_object
 
-The failing rank re-raises its own exception; the others raise ``ValueError`` (when it was one)
-or ``RuntimeError`` naming the failing ranks and the first message. Covered: the lm-head
-processor, ``logits_processor_func`` / ``logits_func`` and the loss function, raising alike on
-every TP rank or before any TP collective. Not covered: the model's forward or backward.
-Cost: one int all-reduce and one host read per step.
+The failing rank re-raises; the others raise ``ValueError`` (when it was one) or ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -31,10 +25,7 @@ __all__ = ["LossGuard", "check_loss_result"]
 
 
 def check_loss_result(result: Any, *, needs_grad: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``(loss, metrics)`` from a loss function's return value, checked: ``loss`` a floating
-    one-element tensor (returned 0-d) that requires grad when ``needs_grad``; ``metrics`` a mapping
-    from ``str`` to numbers or one-element tensors (returned detached 0-d tensors on the loss's
-    device). ``ValueError`` naming what is wrong otherwise."""
+    """Checked ``(loss 0-d, metrics {str: detached 0-d})`` from a loss function's result (``ValueError``)."""
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         raise ValueError(f"loss_function must return (loss, metrics), got {type(result).__name__}")
     loss, metrics = result
@@ -65,19 +56,15 @@ def check_loss_result(result: Any, *, needs_grad: bool) -> tuple[torch.Tensor, d
 
 
 class LossGuard:
-    """One step's guard: :meth:`run` each micro-batch's loss computation, then :meth:`raise_if_failed`
-    on every rank (collective over the default process group)."""
+    """One step's guard: :meth:`run` per micro-batch, then :meth:`raise_if_failed` on every rank."""
 
     def __init__(self) -> None:
         self.error: Exception | None = None
 
     def run(self, compute: Callable[[], tuple[Any, Any]], output: torch.Tensor, *, needs_grad: bool
             ) -> tuple[torch.Tensor, dict[str, torch.Tensor], Any]:
-        """``compute()`` returns ``(loss_function's result, extra)``; :meth:`run` returns ``(loss,
-        metrics, extra)`` with the result checked by :func:`check_loss_result`, or, after a failure
-        (this micro-batch's or an earlier one's), the stand-in ``(0 * output.sum(), {}, None)``. The
-        stand-in keeps the schedule's backward well formed: the gradient it sends into the model is
-        exactly zero."""
+        """``compute() -> (result, extra)`` -> checked ``(loss, metrics, extra)``; after any failure this
+        step, ``(0 * output.sum(), {}, None)`` (a zero gradient into the model)."""
         if self.error is None:
             try:
                 result, extra = compute()
@@ -88,8 +75,7 @@ class LossGuard:
         return output.sum().float() * 0.0, {}, None
 
     def raise_if_failed(self, what: str = "the loss function") -> None:
-        """Collective: raise on every rank when any rank's guard recorded an error (see the module
-        docstring); return quietly otherwise."""
+        """Collective over the default group: raise on every rank when any rank recorded an error."""
         error = self.error
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world == 1:

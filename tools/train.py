@@ -1,5 +1,4 @@
-"""Main job: pre-train a small teacher GPT, then distill it into a student by top-k on-policy
-distillation (``mcore_engine.recipes.distill``). Launch with torchrun; every rank runs this file.
+"""Main job (``mcore_engine.recipes.distill``): pre-train a teacher GPT, distill it into a student.
 
     torchrun --standalone --nproc_per_node=2 tools/train.py                       # CPU demo, TP=2
     torchrun --nproc_per_node=8 tools/train.py --config configs/demo_gpu_8x.yaml  # 8 GPUs, TP=2 x DP=4

@@ -1,15 +1,10 @@
-"""The embedded corpus: a seeded sparse Markov chain over the vocabulary (nothing downloaded).
-
-Token ``i`` is followed by one of ``branching`` successors (a seeded random subset of the vocab)
-with Zipf probabilities; every other transition has probability 0::
+"""The embedded corpus: a seeded sparse Markov chain over the vocabulary (nothing downloaded)::
 
     successors[i] = torch.randperm(V, generator=g)[:branching]        # [V, b] int64
     weights = w / w.sum(),  w = arange(1, b + 1) ** -zipf_exponent      # [b], the same for every row
     x_0 ~ uniform(V);  x_{t+1} = successors[x_t, j],  j ~ weights
 
-Every row is a permutation of ``weights``, so the entropy rate (the cross-entropy floor of a perfect
-model) is exactly ``H(weights)``; an untrained model sits near ``log(V)``. Memory: ``V * b`` int64
-(the dense ``[V, V]`` table is built only on request, for small vocabularies).
+Entropy rate (a perfect model's cross-entropy): ``H(weights)``. Memory: ``V * b`` int64.
 """
 
 from __future__ import annotations

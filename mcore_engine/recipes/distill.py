@@ -1,23 +1,16 @@
 """The main job: pre-train a teacher GPT on the corpus, then distill it into a student on-policy.
 
-Per data-parallel rank (TP ranks of one DP group see identical batches; both engines share the
-process groups and therefore the parallel layout)::
+Per data-parallel rank (both engines share the process groups)::
 
-    # phase 1: teacher, next-token cross-entropy (token-mean of -log_probs)
-    x = corpus.sample(B, S)                                      # [B, S]
+    x = corpus.sample(B, S)                                      # phase 1: [B, S]
     teacher.train_batch(lm_batch(x), next_token_loss)
-
-    # phase 2: top-k on-policy distillation (no policy gradient, no task reward)
-    prompts = corpus.sample(B, P)                                # [B, P]
-    seqs = sample_continuations(student, prompts, G)             # [B, P + G], student's own samples
+    prompts = corpus.sample(B, P)                                # phase 2: [B, P]
+    seqs = sample_continuations(student, prompts, G)             # [B, P + G]
     ids, lp = teacher_topk(teacher, seqs, k)                     # [B, P + G, k] each
     student.train_batch(distillation_batch(seqs, ids, lp), distillation_ppo_loss(),
                         logits_processor_func=make_forward_kl_topk(tail=...))
-        # batch flags: distillation_use_topk=True, distillation_only=True -> no log-prob pass,
-        # no policy loss, and the engine's empty_cache() before the optimizer step
 
-Loss positions of phase 2 are those that predict sampled tokens (t = P - 1 ... P + G - 2).
-Metrics are global (summed over micro-batches and data-parallel ranks) before they are logged.
+Metrics are summed over micro-batches and data-parallel ranks before they are logged.
 """
 
 from __future__ import annotations
@@ -43,8 +36,7 @@ _GIB = float(2**30)
 
 
 def next_token_loss(outputs: dict[str, torch.Tensor], data: TensorDict, ctx) -> tuple[torch.Tensor, dict]:
-    """Teacher objective: ``agg_loss(-log_probs, loss_mask, seq_ids, "token-mean", ctx)`` (this
-    micro-batch's contribution to the global token-mean cross-entropy)."""
+    """Teacher objective: ``agg_loss(-log_probs, loss_mask, seq_ids, "token-mean", ctx)``."""
     loss = agg_loss(-outputs["log_probs"], data["loss_mask"], data["seq_ids"], "token-mean", ctx)
     return loss, {"loss": loss.detach()}
 
@@ -63,11 +55,8 @@ def lm_batch(tokens: torch.Tensor, micro_batch_size: int) -> TensorDict:
 
 def distillation_batch(tokens: torch.Tensor, teacher_ids: torch.Tensor, teacher_log_probs: torch.Tensor, *,
                        prompt_len: int, micro_batch_size: int) -> TensorDict:
-    """``tokens [B, S]`` + teacher top-k ``[B, S, k]`` -> distillation-only engine batch.
-
-    ``loss_mask[:, t] = t >= prompt_len - 1`` (positions that predict sampled tokens; the engine
-    masks the last one). Flags: ``distillation_use_topk=True``, ``distillation_only=True``.
-    """
+    """``tokens [B, S]`` + teacher top-k ``[B, S, k]`` -> distillation-only batch (``distillation_use_topk``,
+    ``distillation_only``) with ``loss_mask[:, t] = t >= prompt_len - 1``."""
     loss_mask = torch.zeros_like(tokens, dtype=torch.float32)
     loss_mask[:, prompt_len - 1:] = 1.0
     batch = _padded_batch(tokens, micro_batch_size, loss_mask=loss_mask, teacher_ids=teacher_ids,
@@ -78,9 +67,8 @@ def distillation_batch(tokens: torch.Tensor, teacher_ids: torch.Tensor, teacher_
 
 
 def _global_metrics(out: TensorDict, dp_group: dist.ProcessGroup | None) -> dict[str, float]:
-    """Engine metrics -> floats: per-micro-batch contributions summed, then summed over DP (one
-    all-reduce); scalar entries (grad_norm, lr, update_skipped) pass through. Under pipeline
-    parallelism the last stage's metrics are broadcast to the other stages first."""
+    """Engine metrics -> floats summed over micro-batches and DP (one all-reduce; scalars pass through),
+    broadcast from the last pipeline stage first."""
     from megatron.core import parallel_state
 
     metrics = out.get_non_tensor("metrics")
@@ -192,9 +180,8 @@ def _mean(values: list[float]) -> float:
 
 
 def run_job(cfg: JobConfig) -> JobSummary:
-    """Collective (every rank of the torchrun job): phase 1, teacher checkpoint, phase 2, student
-    checkpoint, ``curves.png``. Outputs in ``cfg.run_dir``; returns the summary on every rank.
-    The first/last numbers are means over the first/last ``min(3, steps)`` steps."""
+    """Collective: phase 1, teacher checkpoint, phase 2, student checkpoint, ``curves.png`` in
+    ``cfg.run_dir``; the summary's first/last values are means over ``min(3, steps)`` steps."""
     from megatron.core import parallel_state
 
     from mcore_engine import MegatronEngine

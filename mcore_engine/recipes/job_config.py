@@ -1,13 +1,6 @@
-"""Configuration of the main job (``tools/train.py``): teacher pre-training, then top-k distillation.
-
-One dataclass per phase (house habit 7); YAML only fills them. The job file has the top-level keys
-``name``, ``output_dir``, ``teacher`` and ``student`` (each an :class:`EngineConfig` mapping),
-``corpus``, ``teacher_training`` and ``distillation``::
+"""Configuration of the main job (``tools/train.py``): one dataclass per phase, filled from YAML::
 
     cfg = JobConfig.from_yaml("configs/demo_tiny_tp2.yaml", overrides=["distillation.steps=10"])
-
-Overrides are ``dotted.key=value`` strings; the value is parsed as YAML (``3``, ``true``, ``null``) and
-numbers such as ``1e-3`` (a string to YAML 1.1) become floats.
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
-"""Progress and metrics of the main job: a tqdm bar, JSON lines, and a PNG of the learning curves.
-
-Only the logging rank (global rank 0) writes. Each record is one JSON object per line in
-``<run_dir>/metrics.jsonl``, e.g.::
-
-    {"phase": "teacher", "step": 3, "loss": 4.91, "tokens_per_s": 8123.0, "mem_gib": 0.61, ...}
-    {"phase": "student", "step": 3, "distillation_loss": 2.3, "topk_overlap": 0.41, ...}
-
-``plot_curves`` reads that file back and draws the teacher's loss, the student's distillation loss
-and its top-k overlap with the teacher (matplotlib, Agg backend, nothing shown on screen).
+"""Progress and metrics of the main job (global rank 0 writes): a tqdm bar, one JSON object per line in
+``<run_dir>/metrics.jsonl``, and a PNG of the learning curves (matplotlib, Agg backend).
 """
 
 from __future__ import annotations
@@ -78,10 +70,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 def plot_curves(metrics_path: str | Path, png_path: str | Path, *,
                 teacher_floor: float | None = None) -> None:
-    """Three panels: teacher loss, student distillation loss, student top-k overlap (vs step).
-
-    ``teacher_floor``: the corpus' entropy rate, drawn as a dashed line in the teacher panel.
-    """
+    """Three panels vs step: teacher loss (``teacher_floor`` dashed), distillation loss, top-k overlap."""
     import matplotlib
 
     matplotlib.use("Agg")

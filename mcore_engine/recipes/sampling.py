@@ -1,20 +1,12 @@
 """A plain sampling loop and teacher top-k scoring over vocab-parallel logits, through the engine.
 
-Both run ``MegatronEngine.infer_batch(batch, logits_func=..., builtin_outputs=False)``: the engine
-calls the function on this rank's temperature-scaled vocab shard ``[..., V_local]`` and computes
-nothing else (no log-prob pass); the batch carries no distillation flags:
+Both call ``infer_batch(batch, logits_func=..., builtin_outputs=False)`` on this rank's shard
+``z [..., V_local]``; rollouts (no KV cache, one forward per token) are Gumbel-max::
 
-- rollouts: no KV cache, one full forward per new token. Gumbel-max per shard + MAX-reduce::
+    g = -log(-log(U)),  U ~ uniform(0, 1) per (token, id), each TP rank for its own shard
+    next = vocab_parallel_topk(z + g, 1)     # argmax over the global vocab = a draw from softmax(z)
 
-      g = -log(-log(U)),  U ~ uniform(0, 1) per (token, vocab id), drawn per TP rank for its shard
-      next = argmax_v (z_v + g_v)  over the GLOBAL vocab   # = one draw from softmax(z)
-  ``vocab_parallel_topk(z + g, 1)`` does the cross-shard argmax (one MAX and one SUM all-reduce of
-  ``[T]`` statistics), so every TP rank gets the same id while each draws noise for its own shard.
-- teacher scoring: ``vocab_parallel_topk(z, k)`` -> the teacher's top-k log-probs and global ids.
-
-Under pipeline parallelism the outputs exist on the last stage only; they are broadcast over the
-pipeline group so every rank continues with the same tokens. Memory per call: one fp32
-``[T, V_local]`` perturbed copy (rollouts only) plus O(T k) outputs.
+Outputs are broadcast from the last pipeline stage. Memory: one fp32 ``[T, V_local]`` copy (rollouts).
 """
 
 from __future__ import annotations
@@ -42,13 +34,8 @@ def _tp_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
 
 
 class GumbelMaxSampler:
-    """``logits_func`` drawing one token per position from ``softmax(student_logits)``.
-
-    Returns ``{"sampled_ids": int64 [...]}`` (shape ``student_logits.shape[:-1]``), identical on all
-    ranks of the tensor-parallel group. Call ``i`` seeds its noise with ``(seed, i, tp_rank)``, so
-    runs are reproducible and shards draw independent noise. ``vocab_size``: the true vocab (padded
-    ids are never sampled). ``group``: the vocab-parallel group (None: Megatron's TP group).
-    """
+    """``logits_func`` -> ``{"sampled_ids": int64 [...]}``, one draw from ``softmax(student_logits)``,
+    the same on every TP rank; call ``i`` seeds with ``(seed, i, tp_rank)``; padded ids never drawn."""
 
     def __init__(self, *, seed: int, vocab_size: int | None, group: dist.ProcessGroup | None = None) -> None:
         self.seed = seed
@@ -87,8 +74,7 @@ def topk_processor(k: int, *, vocab_size: int | None, group: dist.ProcessGroup |
 
 
 def from_last_stage(out, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``out[key]`` (dense ``shape``) on every pipeline stage: the last stage holds it, one broadcast
-    over the pipeline group gives it to the others (no-op without pipeline parallelism)."""
+    """``out[key]`` (dense ``shape``) on every pipeline stage: one broadcast from the last stage."""
     from megatron.core import parallel_state
 
     from mcore_engine.platform import get_device
@@ -116,8 +102,7 @@ def _inference_batch(tokens: torch.Tensor, *, micro_batch_size: int, temperature
 
 def sample_continuations(engine, prompts: torch.Tensor, num_new_tokens: int, *, sampler: GumbelMaxSampler,
                          temperature: float = 1.0, micro_batch_size: int = 8) -> torch.Tensor:
-    """``[B, P]`` int64 prompts -> ``[B, P + num_new_tokens]``: plain autoregressive sampling from
-    ``softmax(logits / temperature)`` of ``engine``'s model, one full forward per new token."""
+    """int64 ``[B, P]`` -> ``[B, P + num_new_tokens]`` sampled from ``softmax(logits / temperature)``."""
     if prompts.dim() != 2 or prompts.shape[1] < 1 or prompts.dtype != torch.int64:
         raise ValueError(f"prompts must be int64 [B, P] with P >= 1, got {prompts.dtype} "
                          f"{tuple(prompts.shape)}")
@@ -133,8 +118,7 @@ def sample_continuations(engine, prompts: torch.Tensor, num_new_tokens: int, *, 
 
 def teacher_topk(engine, tokens: torch.Tensor, k: int, *,
                  micro_batch_size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher top-k per position of ``tokens [B, S]``: (ids int64 ``[B, S, k]``, log-probs fp32
-    ``[B, S, k]``); position t is about token t + 1 (the engine's output convention)."""
+    """``tokens [B, S]`` -> (ids int64, log-probs fp32) ``[B, S, k]``; position t scores token t + 1."""
     batch = _inference_batch(tokens, micro_batch_size=micro_batch_size, temperature=1.0)
     processor = topk_processor(k, vocab_size=engine.config.model.vocab_size)
     out = engine.infer_batch(batch, logits_func=processor, builtin_outputs=False)
