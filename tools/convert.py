@@ -5,8 +5,7 @@
     # engine checkpoint -> HF folder (with the world size the checkpoint was written with)
     torchrun --nproc_per_node=2 tools/convert.py mcore-to-hf --ckpt CKPT --out HF_OUT [--hf-base HF_DIR]
 
-``mcore-to-hf`` reads the ``CKPT/engine_config.yaml`` that ``hf-to-mcore`` writes; ``--hf-base``
-supplies config fields and tokenizer files. TP = PP = 1 runs without torchrun.
+``--hf-base`` supplies config fields and tokenizer files. TP = PP = 1 runs without torchrun.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Loss aggregation over tokens and sequences, normalised by global counts.
 
-Each call returns one micro-batch's contribution to the loss of the whole global batch (all
-micro-batches, all data-parallel ranks), so the contributions sum to the global loss whatever the
-split. With ``m = loss_mask``, ``v`` the values, ``N = ctx.global_num_tokens``,
-``B = ctx.global_num_seqs`` and ``seq`` the sequence of each token::
+One micro-batch's contribution, summing to the global loss over micro-batches and DP ranks. With
+``m = loss_mask``, ``N = ctx.global_num_tokens``, ``B = ctx.global_num_seqs``::
 
     "token-mean":          (v * m).sum() / N
     "seq-mean-token-sum":  (v * m).sum() / B
     "seq-mean-token-mean": sum_j (v * m)[seq == j].sum() / m[seq == j].sum() / B   # 0/0 -> 0
 
-A sequence never spans micro-batches, so its count is local. Masked slots give exact zeros (value
-and gradient) even when not finite. Memory: a sort of the ``[T]`` ids for ``seq-mean-token-mean``,
-O(1) extra otherwise; no host sync.
+Masked slots give exact zeros (value and gradient) even when not finite; no host sync.
 """
 
 from __future__ import annotations
@@ -64,10 +60,7 @@ def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def agg_loss(values: torch.Tensor, loss_mask: torch.Tensor, seq_ids: torch.Tensor | None, mode: str,
              ctx: LossContext) -> torch.Tensor:
-    """This micro-batch's contribution to the global loss (module docstring): ``values``, ``loss_mask``
-    (bool, int or float weights) and integer ``seq_ids`` (only for ``"seq-mean-token-mean"``) share
-    one shape; 0-d result of ``values.dtype``, accumulated in at least float32.
-    """
+    """The module docstring's formula; ``values``, ``loss_mask``, ``seq_ids`` share one shape -> 0-d."""
     _check(values, loss_mask, seq_ids, mode)
     acc = torch.promote_types(values.dtype, torch.float32)
     mask = loss_mask.to(acc)

@@ -1,7 +1,4 @@
-"""Per-step context handed to every loss call ``loss_fn(outputs, data, ctx)``: the global
-normalisers (loss tokens and sequences over all micro-batches and data-parallel ranks, computed
-once per step by one all-reduce and kept on the device) and the step flags.
-"""
+"""The ``ctx`` of ``loss_fn(outputs, data, ctx)``: global normalisers (one all-reduce per step) and flags."""
 
 from __future__ import annotations
 
@@ -18,8 +15,7 @@ class LossContext:
     """0-d, on the compute device: ``loss_mask.sum()`` over the global batch."""
 
     global_num_seqs: torch.Tensor
-    """0-d, on the compute device: sequences in the global batch (the ``seq-mean-*`` divisor; verl
-    counts those with a loss token)."""
+    """0-d, on the compute device: sequences with a loss token in the global batch."""
 
     dp_size: int = 1
     """Data-parallel world size (informational)."""

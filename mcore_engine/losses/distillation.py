@@ -1,19 +1,16 @@
 """Top-k forward-KL distillation as logits processors, and the top-k overlap metric.
 
-A processor is called as ``fn(student_logits, data, data_format) -> dict`` of float32 tensors
-``[...] = student_logits.shape[:-1]``. ``student_logits [..., V_local]`` is this rank's vocab
-shard, already divided by the temperature; ``data["teacher_ids"]`` (global ids, int64) and
-``data["teacher_logprobs"]`` are ``[..., K]`` (a flat ``[T, K]`` for ``[1, T, V]``). With S the
-teacher's ids, p their probabilities as given and q = softmax over the full vocab::
+``fn(student_logits [..., V_local], data, data_format) -> {key: fp32 [...]}`` on this rank's
+temperature-scaled shard, ``data["teacher_ids"]`` / ``data["teacher_logprobs"]`` ``[..., K]``; with S
+the teacher's ids, p their probabilities and q = softmax over the full vocab::
 
     distillation_losses = sum_S p * (log p - log q)                   # forward_kl_topk
                         + p_tail * log(p_tail / q_tail)               # forward_kl_topk_tail
     p_tail = 1 - sum_S p,  q_tail = sum_{i not in S} q_i              # both floored at 1e-20
     student_mass = sum_S q,  teacher_mass = sum_S p,  topk_overlap = |S & top-k(q)| / K  (no grad)
 
-``log_prob_min_clamp = c`` clamps log p and log q below at c (no gradient below c). The math is
-``ops.vocab_parallel_forward_kl_topk`` (chunked, no fp32 ``[..., V_local]`` kept for backward); the
-overlap is one ``vocab_parallel_topk`` pass under ``no_grad``, O(T K) memory.
+``log_prob_min_clamp = c`` clamps log p and log q at c. Memory: O(T K) beyond the logits
+(``ops.vocab_parallel_forward_kl_topk``, chunked).
 """
 
 from __future__ import annotations
@@ -32,10 +29,7 @@ DATA_FORMATS: tuple[str, ...] = ("thd", "bshd")
 
 
 def topk_overlap(teacher_ids: torch.Tensor, student_ids: torch.Tensor) -> torch.Tensor:
-    """``(teacher_ids[..., :, None] == student_ids[..., None, :]).any(-1).float().mean(-1)``.
-
-    ``[..., K]`` and ``[..., K_s]`` int64 -> float32 ``[...]``; a sort and ``searchsorted``, O(T K) memory.
-    """
+    """``(teacher_ids[..., :, None] == student_ids[..., None, :]).any(-1).float().mean(-1)``; O(T K)."""
     if teacher_ids.shape[:-1] != student_ids.shape[:-1]:
         raise ValueError(f"student_ids must have leading dims {tuple(teacher_ids.shape[:-1])}, "
                          f"got {tuple(student_ids.shape)}")
@@ -86,9 +80,7 @@ def forward_kl_topk(student_logits: torch.Tensor, data: Mapping[str, Any], data_
                     log_prob_min_clamp: float | None = None, compute_overlap: bool = True,
                     vocab_size: int | None = None, chunk_size: int | None = None,
                     group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
-    """Top-k forward KL without the tail term (module docstring): ``distillation_losses`` (differentiable),
-    ``student_mass``, ``teacher_mass`` and, with ``compute_overlap``, ``topk_overlap``.
-    """
+    """Top-k forward KL without the tail term (module docstring); ``topk_overlap`` iff ``compute_overlap``."""
     return _topk_distillation(student_logits, data, data_format, kl_tail=False,
                               log_prob_min_clamp=log_prob_min_clamp, compute_overlap=compute_overlap,
                               vocab_size=vocab_size, chunk_size=chunk_size, group=group)
@@ -108,9 +100,7 @@ def make_forward_kl_topk(*, tail: bool = False, log_prob_min_clamp: float | None
                          compute_overlap: bool = True, vocab_size: int | None = None,
                          chunk_size: int | None = None,
                          group: dist.ProcessGroup | None = None) -> LogitsProcessor:
-    """A processor ``fn(student_logits, data, data_format)``: ``forward_kl_topk_tail`` if ``tail`` else
-    ``forward_kl_topk``, the other arguments bound (``vocab_size``: the true vocab of padded shards).
-    """
+    """``forward_kl_topk_tail`` if ``tail`` else ``forward_kl_topk``, the other arguments bound."""
     if log_prob_min_clamp is not None and not (isinstance(log_prob_min_clamp, int | float)
                                                and log_prob_min_clamp < 0):
         raise ValueError(f"log_prob_min_clamp must be None or a negative number, got {log_prob_min_clamp!r}")

@@ -1,17 +1,13 @@
 """``distillation_ppo_loss``: top-k distillation plus the PPO policy loss, per micro-batch.
 
-``loss_fn(outputs, data, ctx) -> (loss, metrics)``: ``outputs`` holds the processor's per-token
-``[T]`` float32 tensors, ``data`` the micro-batch's ``[T]`` fields, ``ctx`` a
-:class:`~mcore_engine.losses.context.LossContext`; ``loss`` is the micro-batch's contribution to the
-global loss. With ``agg = agg_loss(., loss_mask, seq_ids, loss_agg_mode, ctx)``::
+Per micro-batch, on ``[T]`` tensors, with ``agg = agg_loss(., loss_mask, seq_ids, loss_agg_mode, ctx)``::
 
     loss = distillation_loss_coef * agg(outputs["distillation_losses"])     # if present
          + ppo_policy_loss(outputs["log_probs"], data["old_log_probs"], data["advantages"], ...)
          + kl_loss_coef * agg(kl_estimator(outputs["log_probs"], data["ref_log_probs"], kl_loss_type))
 
-Under ``ctx.distillation_only`` only the first term runs (``log_probs`` may be absent).
-``old_log_probs`` defaults to ``log_probs.detach()``. Metrics are detached float32 contributions
-that sum to global values over micro-batches and ranks.
+Under ``ctx.distillation_only`` only the first term runs. ``old_log_probs`` defaults to
+``log_probs.detach()``.
 """
 
 from __future__ import annotations

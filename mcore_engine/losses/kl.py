@@ -4,8 +4,7 @@
     d  = (logr - logp).clamp(-20, 20)
     k3 = (torch.expm1(d) - d).clamp(max=10)            # == exp(d) - 1 - d >= 0, low variance
 
-Elementwise, any shape, the inputs' dtype; tokens beyond a clamp get no gradient. Memory: a few
-temporaries of the inputs' size.
+Elementwise, in the inputs' dtype; tokens beyond a clamp get no gradient.
 """
 
 from __future__ import annotations

@@ -6,9 +6,8 @@
     l3 = -A * clip_ratio_c                                           # dual clip, A < 0 only
     loss = agg_loss(torch.where(A < 0, torch.minimum(clipped, l3), clipped), loss_mask, ...)
 
-Metrics (detached float32 token-mean contributions): ``pg_loss``, ``pg_clipfrac`` (``l2 > l1``),
-``pg_clipfrac_lower`` (``A < 0`` and ``clipped > l3``), ``ppo_kl`` (``old_logp - logp``).
-Memory: a few ``[T]`` temporaries.
+Metrics: ``pg_loss``, ``pg_clipfrac`` (``l2 > l1``), ``pg_clipfrac_lower`` (``A < 0`` and
+``clipped > l3``), ``ppo_kl`` (``old_logp - logp``).
 """
 
 from __future__ import annotations
@@ -35,10 +34,7 @@ def ppo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advant
                     loss_mask: torch.Tensor, seq_ids: torch.Tensor | None, ctx: LossContext, *,
                     clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
                     loss_agg_mode: str = "token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``(loss, metrics)`` of one micro-batch (module docstring); all inputs ``[T]``.
-
-    ``old_log_probs`` and ``advantages`` are constants; the loss is 0-d of ``log_probs.dtype``.
-    """
+    """``(loss, metrics)`` of one micro-batch (module docstring), inputs ``[T]``; old log-probs constant."""
     check_clip_ratios(clip_ratio_low, clip_ratio_high, clip_ratio_c)
     for name, t in (("old_log_probs", old_log_probs), ("advantages", advantages)):
         if t.shape != log_probs.shape:
