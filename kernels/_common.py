@@ -1,7 +1,4 @@
-"""Launcher plumbing shared by the kernels: argument checks, temperature modes, Triton helpers.
-
-A temperature None / host float / fp32 ``[c]`` becomes ``(t_ptr, t_scalar, T_MODE)``, T_MODE 0 / 1 / 2.
-"""
+"""Launcher plumbing shared by the kernels: argument checks, temperature modes, Triton helpers."""
 
 from __future__ import annotations
 
@@ -18,7 +15,7 @@ ZM_FLOOR = tl.constexpr(layout.ZM_FLOOR)
 
 def temperature_args(t: float | torch.Tensor | None, rows: int, device: torch.device
                      ) -> tuple[torch.Tensor | None, float, int]:
-    """``t`` -> (t_ptr, t_scalar, T_MODE) for a kernel launch over ``rows`` rows."""
+    """``t`` None / float / fp32 ``[c]`` -> (t_ptr, t_scalar, T_MODE 0 / 1 / 2) for ``rows`` rows."""
     if t is None:
         return None, 1.0, T_NONE
     if isinstance(t, torch.Tensor):

@@ -5,7 +5,7 @@
     g[row, tail_cols] = (p * (a + b * (zm - mu) + c2 * p))[row, tail_cols]   # no a_tail at the ids
     g[row, cols] += vals;  out = (g / t).to(out.dtype)
 
-Grid ``(c, splits)``; writes ``out`` (a view of the caller's gradient) directly; reads ``x`` once.
+Grid ``(c, splits)``; reads ``x`` once, writes ``out`` in place.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Whether the Triton backend runs on a device; imports Triton only when asked about CUDA.
-
-True only for CUDA with an importable ``triton`` and the interpreter off: CPU tensors take the torch
-path even under ``TRITON_INTERPRET=1`` (the kernel tests call the launchers directly).
-"""
+"""Whether the Triton backend runs on a device: CUDA, ``triton`` importable, interpreter off (imported
+only when asked about CUDA)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Triton forward of the chunk statistics (``layout.py``'s definitions, no workspace).
-
-Around the ops' MAX all-reduce, on ``x [c, V_valid]`` with ``t`` None / float / ``[c]``::
+"""Triton forward of the chunk statistics, on ``x [c, V_valid]`` around the ops' MAX all-reduce::
 
     m_local = x.amax(-1).float() / t                                # row_max -> [c]
     zm = (x.float() / t - m[:, None]).clamp_min(ZM_FLOOR); e = zm.exp()
@@ -8,8 +6,7 @@ Around the ops' MAX all-reduce, on ``x [c, V_valid]`` with ``t`` None / float / 
     out[:, col_label] = zm[row, y]; out[:, col_teacher + i] = zm[row, id_i]   # 0 off-shard
     out[:, col_tail] = e.sum(-1) without the in-shard teacher ids   # chunk_stats -> [c, width]
 
-Grid ``(c, splits)``, ``[block_v]`` fp32 accumulators; split partials summed in torch. Reads ``x``
-once per kernel.
+Grid ``(c, splits)``; split partials summed in torch; reads ``x`` once, no workspace.
 """
 
 from __future__ import annotations
@@ -148,10 +145,8 @@ def chunk_stats(x: torch.Tensor, t: float | torch.Tensor | None, m: torch.Tensor
                 label: tuple[torch.Tensor, torch.Tensor] | None = None,
                 teacher: tuple[torch.Tensor, torch.Tensor] | None = None, splits: int | None = None,
                 config: LaunchConfig | None = None) -> torch.Tensor:
-    """Fill ``out [c, layout.width]`` (a row slice is fine) with the statistics of ``x [c, V_valid]``.
-
-    ``label`` = (cols ``[c]`` int64, inside ``[c]`` bool), ``teacher`` = (cols, inside) ``[c, k]``.
-    """
+    """Fill ``out [c, layout.width]`` with the statistics of ``x [c, V_valid]``; ``label`` = (cols, inside)
+    ``[c]``, ``teacher`` = (cols, inside) ``[c, k]``."""
     check_chunk(x)
     rows, cols = x.shape
     m = row_vector(m, "m", rows)

@@ -1,8 +1,6 @@
-"""Launch configurations of every kernel, in one place (fixed defaults).
+"""Launch configurations of every kernel (fixed defaults; launchers take ``config=`` / ``splits=``).
 
-A program owns one row of a chunk ``[c, V]`` and one contiguous column range (a split), streamed
-in ``BLOCK_V`` tiles; the grid is ``(c, splits)``, with enough splits on CUDA for about
-``PROGRAMS_PER_SM`` programs per SM. Launchers take ``config=`` and ``splits=`` to override.
+Grid ``(c, splits)``: a program streams one row's column split in ``BLOCK_V`` tiles.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""Definitions shared by the ops' torch path and the Triton kernels (torch only, no Triton).
+"""Definitions shared by the ops' torch path and the Triton kernels (imports neither, nor Triton).
 
-The lowest layer: ``mcore_engine.ops`` and this package's kernels both import it, it imports
-neither. With ``z = x / t`` in fp32, ``m`` the global row max of z and ``e = exp(z - m)``, the
-packed per-row statistics of a chunk, SUMmed over the vocab shards in one all-reduce, are::
+With ``z = x / t`` in fp32, ``m`` the global row max and ``e = exp(z - m)``, a chunk's packed per-row
+statistics (one SUM all-reduce over the shards)::
 
     col_sum_e    S = sum_j e_j                       (always, column 0)
     col_sum_ez   A = sum_j e_j (z_j - m)             (entropy)
@@ -69,8 +68,7 @@ class Coefficients:
         p = exp(z - m) * inv_s
         g = p * (a + a_tail * [j not in tail_cols] + b * (z - m - mu) + c2 * p);  g[row, cols] += vals
 
-    ``cols``/``vals`` ``[c, n]``, ``tail_cols [c, k]`` (-1: none) are local columns; the ops also keep
-    all rows' coefficients in one with global ids there.
+    ``cols``/``vals`` ``[c, n]``, ``tail_cols [c, k]`` (-1: none): local columns (global ids in the ops).
     """
 
     inv_s: torch.Tensor

@@ -1,25 +1,15 @@
 """The naive lm-head logits path that upstream engines use: the benchmark's baseline.
 
-This is what verl's Megatron engine (and NeMo-RL / slime in the same spirit) do with the
-vocab-sharded logits ``[N, V_local]`` of one tensor-parallel rank, written out so the benchmark can
-run it side by side with ``mcore_engine.processor.process_lm_head_logits``. It is deliberately NOT
-memory-frugal; that is the point of the comparison. Every global reduction goes over Megatron-Core's
-tensor-parallel group (``parallel_state`` must be initialised, also for TP=1).
+verl's Megatron engine's processing of one TP rank's logits ``[N, V_local]``, in its order, over
+Megatron-Core's TP group (``parallel_state`` initialised, also for TP=1)::
 
     z = logits.float() / temperature                    # whole-tensor fp32 upcast + scaled copy
     sum_pi2  = sum(softmax(z) ** 2)                     # plain autograd: saves exp(z - m) and p
     entropy  = lse(z) - sum(softmax(z) * z)             # custom Function that saves softmax (+ z)
     kl       = sum_S P (log P - log_softmax(z)[S])      # plain autograd: saves exp(z - m)
-    log_prob = -megatron vocab_parallel_cross_entropy(z.clone(), labels)   # overwrites its input,
-                                                        # keeps the softmax for backward
+    log_prob = -megatron vocab_parallel_cross_entropy(z.clone(), labels)   # overwrites its input
 
-Order as in verl's ``_lm_head_logits_processor``: sum-pi² (non-destructive) first, then entropy,
-then the distillation processor, then log-probs on a clone because Megatron's cross entropy
-overwrites its input. The entropy is handed ``z`` itself (no extra clone), the most favourable
-reading of upstream for the baseline.
-
-Memory (E = N x V_local fp32 elements, 4E bytes): z is 1 E; each requested output keeps at least
-one more fp32 E-sized buffer alive until backward (softmax / exp), plus transient E-sized temporaries.
+Memory (E = N x V_local fp32): z is 1 E; each output keeps at least one more E until backward.
 """
 
 from __future__ import annotations
@@ -45,11 +35,7 @@ def _global_max(x: torch.Tensor) -> torch.Tensor:
 
 
 class _SoftmaxSavingEntropy(torch.autograd.Function):
-    """verl-style vocab-parallel entropy: keeps the fp32 softmax (and z) alive for backward.
-
-    ``H = m + log S - sum_j p_j z_j``; ``dH/dz_j = -p_j (z_j - sum_i p_i z_i)``. Backward reuses the
-    saved softmax buffer as the gradient and shifts z in place (restoring it after), as upstream does.
-    """
+    """``H = m + log S - sum_j p_j z_j``, ``dH/dz_j = -p_j (z_j - sum_i p_i z_i)``; saves softmax and z."""
 
     @staticmethod
     def forward(ctx, z: torch.Tensor) -> torch.Tensor:
@@ -73,10 +59,7 @@ class _SoftmaxSavingEntropy(torch.autograd.Function):
 
 
 class _AllReduceSumBoth(torch.autograd.Function):
-    """All-reduce SUM forward and backward: for a global sum-exp whose gradient each rank only knows
-    in part (its own columns' terms), so the partial gradients must be summed too. (Megatron's
-    ``reduce_from_tensor_model_parallel_region`` is the identity backward: right for replicated
-    outputs, wrong here; upstream sum-pi² used it and got TP>1 gradients wrong.)"""
+    """All-reduce SUM forward and backward (each rank holds part of a global sum-exp's gradient)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
@@ -106,11 +89,7 @@ def naive_entropy(z: torch.Tensor) -> torch.Tensor:
 
 def naive_topk_kl(z: torch.Tensor, teacher_ids: torch.Tensor, teacher_log_probs: torch.Tensor
                   ) -> dict[str, torch.Tensor]:
-    """Probability-saving top-k forward KL: full vocab-parallel log_softmax, gather, KL.
-
-    ``teacher_ids`` / ``teacher_log_probs``: ``[N, k]`` global ids and the teacher's log-probs.
-    Returns ``distillation_losses``, ``student_mass``, ``teacher_mass`` (each ``[N]``).
-    """
+    """Top-k forward KL via a full vocab-parallel log_softmax; teacher ``[N, k]`` -> three ``[N]`` outputs."""
     v_local = z.shape[-1]
     start = parallel_state.get_tensor_model_parallel_rank() * v_local
     shifted = z - _global_max(z)

@@ -2,10 +2,8 @@
 
     python tools/gpu_check.py [--tests] [--tokens 32768] [--vocab 152064] [--hidden 4096] [--smoke]
 
-Times each kernel on ``[tokens, vocab]`` bf16 logits (achieved TB/s and its fraction of the copy
-bandwidth) next to the torch path, and the fused lm-head forward + backward (TFLOP/s over its four
-``2 N V H`` matmuls, peak memory). ``--tests`` runs ``pytest tests/kernels`` first; ``--smoke``:
-tiny CPU shapes under ``TRITON_INTERPRET=1``.
+Kernels on ``[tokens, vocab]`` bf16 logits (TB/s, fraction of copy bandwidth, vs torch); fused lm-head
+fwd + bwd (TFLOP/s over four ``2 N V H`` matmuls, peak memory). ``--smoke``: CPU, ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations

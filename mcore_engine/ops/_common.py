@@ -16,9 +16,7 @@ DEFAULT_CHUNK_ELEMENTS = 2**21
 
 @dataclass(frozen=True, slots=True)
 class Shard:
-    """This rank's vocab shard: ``group`` (None: one shard), ``rank`` / ``world`` in it, ``v_local``
-    columns of which ``v_valid`` are real ids (``vocab_size`` padding), the true ``vocab_size``.
-    """
+    """This rank's vocab shard: ``v_local`` columns of which ``v_valid`` are ids ``< vocab_size``."""
 
     group: dist.ProcessGroup | None
     rank: int
@@ -34,9 +32,7 @@ class Shard:
 
 
 def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """``group``; else Megatron-Core's TP group if initialised (looked up in ``sys.modules``, never
-    imported); else None.
-    """
+    """``group``; else Megatron-Core's TP group if initialised (never imported); else None."""
     if group is not None:
         return group
     if not (dist.is_available() and dist.is_initialized()):

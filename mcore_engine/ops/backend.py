@@ -1,14 +1,10 @@
-"""The one dispatch point of the chunk math: Triton kernels on CUDA when Triton imports, torch otherwise.
+"""The one dispatch point of the chunk math (Triton on CUDA when it imports, else torch), on
+``x [c, V_valid]`` with temperature ``t`` and global row max ``m``::
 
-A backend computes, on a chunk ``x [c, V_valid]`` with temperature ``t`` and global row max ``m``::
-
-    workspace(rows, v_valid, device) -> ws or None                 once per pass
+    workspace(rows, v_valid, device) -> ws or None     # torch: two fp32 [rows, V_valid]; Triton: None
     row_max(x, t) -> [c]                                            (x / t).amax(-1) in fp32
     chunk_stats(x, t, m, layout, out, *, label, teacher, ws=None)   packed statistics into out
     chunk_grad(x, t, m, coef, out=None, ws=None)                    stats.chunk_grad(...) / t
-
-``chunk_grad`` writes ``out`` (any float dtype) or returns fp32 (the torch workspace, reused by the
-next call). Memory: the torch workspace is two fp32 ``[rows, V_valid]``; the kernels keep none.
 """
 
 from __future__ import annotations

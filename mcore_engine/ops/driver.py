@@ -1,10 +1,6 @@
-"""The chunk driver of both lm-head paths, fed by a chunk source of ``x [c, V_valid]`` logits:
-
-- ``LogitsSource``: slices of the logits (free to re-read: one MAX + one SUM all-reduce per pass);
-- ``MatmulSource``: ``hidden @ weight[:V_valid].T`` into one buffer (one MAX + one SUM per chunk).
-
-Forward per block: row max -> all-reduce MAX; packed statistics -> all-reduce SUM. Backward per
-chunk, no collectives. Memory: the backend's workspace, once per pass.
+"""The chunk driver of both lm-head paths over a source of ``x [c, V_valid]`` chunks (logits slices,
+or ``hidden @ weight.T``). Forward per block: row max -> MAX all-reduce; statistics -> SUM all-reduce.
+Backward per chunk, no collectives.
 """
 
 from __future__ import annotations
@@ -79,9 +75,7 @@ def forward_stats(plan: Plan, source: Source, rows: Rows, n: int,
 def backward_grads(plan: Plan, source: Source, coef: _stats.Coefficients, row_max: torch.Tensor,
                    t_rows: torch.Tensor | None, out: torch.Tensor | None = None,
                    take: Callable[[int, int, torch.Tensor], None] | None = None) -> None:
-    """Per chunk, the gradient w.r.t. ``x`` into ``out[r0:r1]`` (any float dtype), or an fp32
-    chunk handed to ``take(r0, r1, gx)``.
-    """
+    """Per chunk, the gradient w.r.t. ``x`` into ``out[r0:r1]`` or handed to ``take(r0, r1, gx)`` (fp32)."""
     shard, backend = plan.shard, plan.backend
     n = row_max.shape[0]
     ws = backend.workspace(min(plan.rows, n), shard.v_valid, row_max.device)

@@ -14,16 +14,9 @@ def vocab_parallel_forward_kl_topk(student_logits: torch.Tensor, teacher_topk_id
                                    group: dist.ProcessGroup | None = None, chunk_size: int | None = None,
                                    log_prob_min_clamp: float | None = None, vocab_size: int | None = None,
                                    kl_tail: bool = False) -> dict[str, torch.Tensor]:
-    """Top-k forward KL of the teacher P against the student q = softmax(student_logits / temperature).
-
-        log_q = z.gather(-1, ids) - z.logsumexp(-1, keepdim=True); P = log_p.exp()
-        "distillation_losses" = (P * (log_p.clamp_min(c) - log_q.clamp_min(c))).sum(-1)
-            (+ p_t * log(p_t / q_t), p_t = 1 - P.sum(-1), q_t = q outside the ids, iff kl_tail)
-        "student_mass" = log_q.exp().sum(-1);  "teacher_mass" = P.sum(-1)   (no gradient)
-
-    student_logits ``[..., V_local]``, ids / log-probs ``[..., k]`` -> fp32 ``[...]``. Entries with
-    ``log_q < c`` get no gradient; the tail masses are floored at 1e-20 and a repeated id counts once.
-    """
+    """Top-k forward KL of the teacher against ``softmax(student_logits / temperature)``: the
+    ``distillation_losses`` / ``student_mass`` / ``teacher_mass`` of ``vocab_parallel_logits_outputs``
+    (math there), student_logits ``[..., V_local]``, ids / log-probs ``[..., k]`` -> fp32 ``[...]``."""
     return vocab_parallel_logits_outputs(
         student_logits, teacher_ids=teacher_topk_ids, teacher_log_probs=teacher_topk_log_probs,
         kl_tail=kl_tail, log_prob_min_clamp=log_prob_min_clamp, temperature=temperature, group=group,

@@ -1,7 +1,5 @@
-"""All per-token outputs of vocab-sharded logits from one chunked pass, forward and backward.
-
-Memory: saves the logits (no copy) and O(N (8 + 2k)) fp32 statistics; the chunk workspace is
-allocated once per pass; backward writes one gradient of the logits' shape and dtype.
+"""All per-token outputs of vocab-sharded logits from one chunked pass. Memory: saves the logits (no
+copy) and O(N (8 + 2k)) fp32; backward writes one gradient of the logits' shape and dtype.
 """
 
 from __future__ import annotations
@@ -17,9 +15,8 @@ from mcore_engine.ops.temperature import Temperature
 
 
 class _VocabParallelLogitsFunction(torch.autograd.Function):
-    """Forward: ``driver.forward_stats`` on slices of the logits, then ``stats.finalize``.
-    Backward: per chunk, the recomputed softmax's gradient / t into one gradient (padded columns 0).
-    """
+    """Forward: ``forward_stats`` on logits slices, then ``finalize``. Backward: per chunk, the recomputed
+    softmax's gradient / t (padded columns 0)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor | None, teacher_ids: torch.Tensor | None,
@@ -67,9 +64,7 @@ def vocab_parallel_logits_outputs(
                                  when kl_tail; both floored at TAIL_EPS, a repeated id counted once]
         "student_mass" = log_q.exp().sum(-1); "teacher_mass" = P.sum(-1)         (no gradient)
 
-    Shapes: logits ``[..., V_local]`` (this rank's shard), labels ``[...]``, teacher_* ``[..., k]``
-    -> fp32 ``[...]``. Differentiable w.r.t. ``logits``. ``teacher_arg_names``: how errors name the
-    teacher tensors.
+    logits ``[..., V_local]`` (this rank's shard), labels ``[...]``, teacher_* ``[..., k]`` -> fp32 ``[...]``.
     """
     group = _common.resolve_group(group)
     shard = _common.make_shard(logits, group, vocab_size)

@@ -1,9 +1,6 @@
-"""Fused lm-head: the per-token outputs from hidden states and the lm-head shard, never the logits.
-
-Each chunk's logits ``[chunk, V_local]`` are formed in one reused buffer and reduced (one MAX + one
-SUM all-reduce per chunk); backward recomputes them from the saved ``hidden`` and ``weight``.
-Memory above the inputs: O(N (8 + 2k)) fp32, the chunk buffer and workspace, the two gradients (a
-bf16/fp16 weight accumulates in fp32 ``[V_local, H]``). Never ``[N, V_local]``.
+"""Fused lm-head: per-token outputs from hidden states and the lm-head shard, chunk by chunk
+(one MAX + one SUM all-reduce per chunk), recomputed in backward. Memory above the inputs: O(N (8 + 2k))
+fp32, a chunk buffer, the gradients (fp32 ``[V_local, H]`` for a bf16/fp16 weight); never ``[N, V_local]``.
 """
 
 from __future__ import annotations
@@ -43,10 +40,7 @@ class _LMHeadGrads:
 
 
 class _FusedLMHeadFunction(torch.autograd.Function):
-    """Forward: ``driver.forward_stats`` on ``hidden @ weight.T`` chunks, then ``stats.finalize``.
-    Backward: per chunk, the logit gradient G -> ``G @ W`` and ``G.T @ hidden``; one all-reduce SUM of
-    the hidden gradient (hidden is replicated over the group, as in a column-parallel layer).
-    """
+    """Backward per chunk: logit gradient G -> ``G @ W``, ``G.T @ hidden``; one SUM of the hidden gradient."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None,
@@ -84,9 +78,7 @@ def fused_lm_head_outputs(
 ) -> dict[str, torch.Tensor]:
     """``vocab_parallel_logits_outputs(hidden @ weight.T, ...)`` without holding ``[N, V_local]``.
 
-    ``hidden [..., H]`` (the same on every rank), ``weight [V_local, H]`` this rank's shard; the logits
-    are computed in ``weight.dtype``. Differentiable w.r.t. both (hidden's gradient all-reduced over
-    ``group``). Other arguments, shapes and math as ``vocab_parallel_logits_outputs``.
+    ``hidden [..., H]`` replicated, ``weight [V_local, H]`` this rank's shard (logits in its dtype).
     """
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
         raise ValueError(f"hidden must be a floating tensor [..., H], got "

@@ -12,10 +12,7 @@ from mcore_engine.ops.temperature import Temperature
 def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: Temperature = 1.0,
                              group: dist.ProcessGroup | None = None, chunk_size: int | None = None,
                              vocab_size: int | None = None) -> torch.Tensor:
-    """``z.gather(-1, labels[..., None])[..., 0] - z.logsumexp(-1)`` with ``z = logits / temperature``.
-
-    logits ``[..., V_local]`` (this rank's shard), labels ``[...]`` global ids -> fp32 ``[...]``.
-    Differentiable; saves only the logits and O(N) fp32 statistics.
-    """
+    """``z.gather(-1, labels[..., None])[..., 0] - z.logsumexp(-1)``, ``z = logits / temperature``: logits
+    ``[..., V_local]``, labels ``[...]`` global ids -> fp32 ``[...]``; saves the logits and O(N) fp32."""
     return vocab_parallel_logits_outputs(logits, labels=labels, temperature=temperature, group=group,
                                          chunk_size=chunk_size, vocab_size=vocab_size)["log_probs"]

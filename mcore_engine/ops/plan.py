@@ -43,9 +43,7 @@ class Plan:
         return [(a, min(a + self.rows, r1)) for a in range(r0, r1, self.rows)]
 
     def blocks(self, n: int, rereadable: bool) -> list[tuple[int, int]]:
-        """Rows sharing one MAX and one SUM all-reduce: all rows under TP when chunks are cheap to
-        re-read (logits slices), else one chunk each.
-        """
+        """Rows sharing one MAX and one SUM all-reduce: all rows for logits slices under TP, else a chunk."""
         return [(0, n)] if rereadable and self.shard.world > 1 else self.chunks(0, n)
 
     def chunk_t(self, t_rows: torch.Tensor | None, r0: int, r1: int) -> float | torch.Tensor | None:
@@ -92,10 +90,7 @@ def make_plan(
     chunk_size: int | None, teacher_arg_names: tuple[str, str] = TEACHER_ARG_NAMES,
     default_elements: Callable[[ChunkBackend], int] = lambda backend: backend.chunk_elements,
 ) -> tuple[Plan, Rows]:
-    """Check a pass's arguments (ValueError naming each) and flatten its tensors to rows.
-
-    ``lead``: the token shape; ``default_elements(backend)``: ``chunk_size=None``'s rows x V_local.
-    """
+    """Check a pass's arguments (ValueError naming each) and flatten its tensors to rows of ``lead``."""
     n = math.prod(lead)
     if labels is not None:
         _common.check_ids(labels, "labels", lead, shard.vocab_size)

@@ -1,10 +1,6 @@
-"""Per-row statistics of one chunk of vocab-sharded logits, forward and backward (the reference).
-
-Pure functions on a chunk ``x [c, V_valid]`` with temperature ``t`` (None, float or ``[c]``): the
-torch backend is made of them, the Triton kernels compute the same definitions (the column layout
-and floors are in ``mcore_engine_kernels.layout``). ``z - m`` is floored at ``ZM_FLOOR``, so a
-``-inf`` logit adds 0 everywhere and gets the finite log-prob ~ -1.8e19. Workspace: two fp32
-``[c, V_valid]`` buffers per call, which the caller may allocate once per pass.
+"""Per-row statistics of a chunk ``x [c, V_valid]``, forward and backward: the torch reference of
+``mcore_engine_kernels.layout``'s definitions. ``z - m`` is floored at ``ZM_FLOOR`` (a ``-inf`` logit
+adds 0 and gets log-prob ~ -1.8e19). Workspace: two fp32 ``[c, V_valid]`` buffers.
 """
 
 from __future__ import annotations
@@ -64,11 +60,7 @@ def chunk_stats(zm: torch.Tensor, layout: StatLayout, out: torch.Tensor, *,
                 label: tuple[torch.Tensor, torch.Tensor] | None = None,
                 teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
                 e: torch.Tensor | None = None) -> torch.Tensor:
-    """Fill ``out [c, layout.width]`` with this shard's statistics of one chunk.
-
-    ``zm`` (from :func:`shifted`) is consumed; ``label`` = (cols ``[c]``, inside ``[c]``), ``teacher``
-    = (cols ``[c, k]``, inside ``[c, k]``) from :func:`local_columns`; ``e``: optional fp32 workspace.
-    """
+    """Fill ``out [c, layout.width]`` from ``zm`` (consumed); label, teacher from :func:`local_columns`."""
     if layout.label:
         out[:, layout.col_label] = label_shifted_logit(zm, *label)
     if layout.k:
@@ -88,11 +80,8 @@ def chunk_stats(zm: torch.Tensor, layout: StatLayout, out: torch.Tensor, *,
 
 
 def chunk_grad(zm: torch.Tensor, coef: Coefficients, p: torch.Tensor | None = None) -> torch.Tensor:
-    """Gradient w.r.t. ``z`` of one chunk (the ``Coefficients`` formula), in ``zm``'s or ``p``'s storage.
-
-    ``zm`` is consumed; ``p``: optional fp32 workspace. ``a_tail`` (up to ~1e20) goes to every column,
-    then the teacher columns are set to their value without it (``[c, k]`` work): nothing cancels.
-    """
+    """The ``Coefficients`` gradient w.r.t. ``z`` in ``zm``'s (consumed) or ``p``'s storage. ``a_tail``
+    (up to ~1e20) is not cancelled: the teacher columns are overwritten with their value without it."""
     inv_s, a, b, mu, c2 = coef.inv_s, coef.a, coef.b, coef.mu, coef.c2
     tail = coef.a_tail is not None and zm.shape[-1] > 0
     a_full = a + coef.a_tail if coef.a_tail is not None else a
@@ -214,10 +203,9 @@ def first_occurrence(ids: torch.Tensor) -> torch.Tensor:
 
 def grad_coefficients(fin: Finalized, grads: Mapping[str, torch.Tensor | None], labels: torch.Tensor | None,
                       ids: torch.Tensor | None) -> Coefficients | None:
-    """Upstream gradients + :func:`finalize`'s terms -> all rows' :class:`Coefficients` (global ids).
+    """Upstream ``grads`` by key + :func:`finalize`'s terms -> :class:`Coefficients` (global ids) or None.
 
-    ``grads`` by output key (None or missing: no gradient); None when nothing needs one. With ``g_*``
-    the upstream gradients, ``p`` the softmax, ``S`` the teacher ids counted once, ``r = p_t / q_t``::
+    With ``p`` the softmax, ``S`` the teacher ids counted once, ``r = p_t / q_t``::
 
         d log_prob / dz = onehot(y) - p        -> a -= g_lp;       point (y, g_lp)
         d H / dz        = -p (z - mu)          -> b = -g_H

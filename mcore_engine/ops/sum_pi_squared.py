@@ -12,10 +12,7 @@ from mcore_engine.ops.temperature import Temperature
 def vocab_parallel_sum_pi_squared(logits: torch.Tensor, *, temperature: Temperature = 1.0,
                                   group: dist.ProcessGroup | None = None, chunk_size: int | None = None,
                                   vocab_size: int | None = None) -> torch.Tensor:
-    """``(z.softmax(-1) ** 2).sum(-1)`` with ``z = logits / temperature`` (over the global vocab).
-
-    logits ``[..., V_local]`` (this rank's shard) -> fp32 ``[...]``. Differentiable with the exact
-    cross-rank gradient ``2 p (p - sum p^2)``; saves only the logits and O(N) fp32 statistics.
-    """
+    """``(z.softmax(-1) ** 2).sum(-1)``, ``z = logits / temperature``: logits ``[..., V_local]`` -> fp32
+    ``[...]``; gradient ``2 p (p - sum p^2)``; saves the logits and O(N) fp32."""
     return vocab_parallel_logits_outputs(logits, sum_pi_squared=True, temperature=temperature, group=group,
                                          chunk_size=chunk_size, vocab_size=vocab_size)["sum_pi_squared"]

@@ -1,9 +1,5 @@
-"""Temperature: the unit check, out-of-place scaling, and the per-row form of the chunk loops.
-
-``z = logits / temperature``; a host scalar 1 never divides. A tensor temperature broadcasts to
-``logits.shape[:-1]`` without growing it, or has that shape plus a trailing 1 (per token, as verl's
-``[N, 1]``): ``[N]``, ``[N, 1]``, ``[B, 1]`` with ``[B, S, V]`` logits are valid; ``[N, 2]``,
-``[2, N]`` with ``[N, V]`` logits are not.
+"""Temperature ``z = logits / t`` (a host scalar 1 never divides). A tensor ``t`` broadcasts to
+``logits.shape[:-1]`` without growing it, optionally with a trailing 1 (``[N]``, ``[N, 1]``, ``[B, 1]``).
 """
 
 from __future__ import annotations
@@ -56,11 +52,8 @@ def _check_temperature(t: object, lead_shape: tuple[int, ...]) -> Temperature:
 
 
 def scale_logits_by_temperature(logits: torch.Tensor, t: Temperature) -> torch.Tensor:
-    """``logits`` itself for a host-scalar 1, else ``logits / t`` out of place in ``logits.dtype``.
-
-    A tensor ``t`` applies per token; differentiable w.r.t. ``logits``. Memory: one copy of the logits;
-    a wider ``t`` is divided chunk by chunk in the promoted dtype and rounded once.
-    """
+    """``logits`` itself for a host-scalar 1, else ``logits / t`` out of place in ``logits.dtype``
+    (one copy; a wider ``t`` divides chunk by chunk, rounded once)."""
     return scale_checked(logits, _check_temperature(t, tuple(logits.shape[:-1])))
 
 

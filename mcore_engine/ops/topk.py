@@ -18,11 +18,8 @@ from mcore_engine.ops.temperature import Temperature, temperature_rows
 def vocab_parallel_topk(logits: torch.Tensor, k: int, *, temperature: Temperature = 1.0,
                         group: dist.ProcessGroup | None = None, chunk_size: int | None = None,
                         vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``z.log_softmax(-1).topk(k)`` over the global vocab, ``z = logits / temperature``.
-
-    logits ``[..., V_local]`` -> (log_probs fp32 ``[..., k]`` descending, global ids int64 ``[..., k]``),
-    detached, identical on every rank.
-    """
+    """``z.log_softmax(-1).topk(k)`` over the global vocab -> (fp32, global ids int64) ``[..., k]``,
+    detached, the same on every rank."""
     group = _common.resolve_group(group)
     shard = _common.make_shard(logits, group, vocab_size)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= shard.vocab_size:
