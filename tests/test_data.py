@@ -114,12 +114,13 @@ def test_parse_step_flags_accepts_numpy_scalars():
     values = {"calculate_entropy": np.True_, "distillation_use_topk": np.bool_(True),
               "distillation_only": np.False_, "use_dynamic_bsz": np.bool_(True),
               "max_token_len_per_gpu": np.int64(17), "micro_batch_size_per_gpu": np.int32(3),
-              "temperature": np.float32(0.5)}
+              "temperature": np.float32(0.5), "distillation_log_prob_min_clamp": np.float32(-10.0)}
     for key, value in values.items():
         td.set_non_tensor(key, value)
     flags = parse_step_flags(td)
     assert flags == StepFlags(calculate_entropy=True, distillation_use_topk=True, use_dynamic_bsz=True,
-                              max_token_len_per_gpu=17, micro_batch_size_per_gpu=3, temperature=0.5)
+                              max_token_len_per_gpu=17, micro_batch_size_per_gpu=3, temperature=0.5,
+                              distillation_log_prob_min_clamp=-10.0)
     assert type(flags.calculate_entropy) is bool and type(flags.micro_batch_size_per_gpu) is int
     assert type(flags.temperature) is float
     td.set_non_tensor("temperature", np.int64(1))
@@ -137,7 +138,8 @@ def test_parse_step_flags_accepts_numpy_scalars():
     ("use_dynamic_bsz", 0.0), ("micro_batch_size_per_gpu", 0), ("micro_batch_size_per_gpu", -2),
     ("micro_batch_size_per_gpu", 2.0), ("micro_batch_size_per_gpu", True), ("max_token_len_per_gpu", -5),
     ("temperature", 0.0), ("temperature", -1.0), ("temperature", math.nan), ("temperature", math.inf),
-    ("temperature", "hot"), ("temperature", True),
+    ("temperature", "hot"), ("temperature", True), ("distillation_log_prob_min_clamp", math.nan),
+    ("distillation_log_prob_min_clamp", "low"), ("distillation_log_prob_min_clamp", True),
 ])
 def test_parse_step_flags_rejects_bad_values(key, value):
     td, _ = make_batch(temperature=None)
@@ -541,3 +543,89 @@ def test_flatten_per_token_for_loss(data_format):
     with pytest.raises(ValueError, match="sample_ids"):
         flatten_per_token(td, x, sample_ids=torch.arange(2))
     assert_unchanged(td, snap)
+
+
+# ------------------------------------------------------------------ verl's dense response mask
+PROMPTS, RESPONSES = [3, 1, 5, 2], [2, 4, 1, 3]
+
+
+def verl_batch(*, lengths_from="attention_mask", as_loss_mask=False, prompts=PROMPTS,
+               responses=RESPONSES) -> tuple[TensorDict, list[torch.Tensor]]:
+    """verl's no-padding layout: jagged input_ids of ``p_i + r_i`` tokens, dense ``response_mask
+    [B, R]`` (right-padded, an interior zero), dense per-sample fields, the response lengths from the
+    left-right padded ``attention_mask [B, P + R]`` (or none); plus the reference
+    output-aligned loss mask per sequence (a loop: response token c is predicted at p_i - 1 + c)."""
+    g = torch.Generator().manual_seed(3)
+    b, width_p, width_r = len(prompts), max(prompts), max(responses)
+    lengths = [p + r for p, r in zip(prompts, responses, strict=True)]
+    mask = torch.zeros(b, width_r, dtype=torch.int64)
+    attention = torch.zeros(b, width_p + width_r, dtype=torch.int64)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        mask[i, :r] = 1
+        attention[i, width_p - p: width_p + r] = 1
+    mask[1, 2] = 0
+    refs = []
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        ref = torch.zeros(p + r)
+        for c in range(r):
+            ref[p - 1 + c] = float(mask[i, c])
+        refs.append(ref)
+    fields = {"input_ids": _jag([torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]),
+              "response_mask": mask, "old_log_probs": torch.randn(b, width_r, generator=g),
+              "prompts": torch.randint(0, VOCAB, (b, width_p), generator=g)}
+    if lengths_from == "attention_mask":
+        fields["attention_mask"] = attention
+    if as_loss_mask:
+        fields["loss_mask"] = mask  # verl: data["loss_mask"] = data["response_mask"]
+    td = TensorDict(fields, batch_size=[b])
+    td.set_non_tensor("batch_num_tokens", 9)
+    return td, refs
+
+
+@pytest.mark.parametrize("as_loss_mask", [False, True])
+def test_dense_response_mask_gives_the_next_token_loss_mask(as_loss_mask):
+    from mcore_engine.data.layout import loss_mask_values
+
+    td, refs = verl_batch(as_loss_mask=as_loss_mask)
+    validate_batch(td, vocab_size=VOCAB, max_sequence_length=64, require_teacher=False)
+    assert torch.equal(loss_mask_values(td), torch.cat(refs))
+    per_token = TensorDict({"input_ids": td["input_ids"], "loss_mask": _jag(refs)}, batch_size=td.batch_size)
+    for fmt in ("thd", "bshd"):
+        got = pack_micro_batch(td, data_format=fmt, temperature=1.0, pad_multiple=2)
+        want = pack_micro_batch(per_token, data_format=fmt, temperature=1.0, pad_multiple=2)
+        assert torch.equal(got.loss_mask, want.loss_mask), fmt
+    # dense per-sample fields and non-tensor entries ride along in the micro-batches untouched
+    mbs, order = split_micro_batches(td, StepFlags(micro_batch_size_per_gpu=3), default_micro_batch_size=1)
+    assert order == [0, 1, 2, 3]
+    assert torch.equal(torch.cat([mb["old_log_probs"] for mb in mbs]), td["old_log_probs"])
+    assert torch.equal(mbs[1]["prompts"], td["prompts"][3:])
+    assert mbs[1].get_non_tensor("batch_num_tokens") == 9
+
+
+def test_dense_response_mask_errors_name_the_keys():
+    def refused(td, match):
+        with pytest.raises(ValueError, match=match):
+            validate_batch(td, vocab_size=VOCAB, max_sequence_length=64, require_teacher=False)
+
+    td, _ = verl_batch(as_loss_mask=True)
+    td["response_mask"] = torch.ones(len(PROMPTS), max(RESPONSES) + 1)
+    refused(td, r"loss_mask \(4, 4\) and response_mask \(4, 5\)")
+    refused(verl_batch(lengths_from=None)[0], "response_mask .*attention_mask")
+    td, _ = verl_batch()
+    td["attention_mask"][0, -1] = 1  # one more response token than input_ids holds
+    refused(td, "attention_mask")
+    td, _ = verl_batch(prompts=[2, 0, 1], responses=[2, 3, 1])
+    refused(td, "response_mask: sequence 1 has 3 response tokens of 3")  # no prompt token left
+    td, _ = verl_batch()
+    td["response_mask"] = td["response_mask"].float()
+    td["response_mask"][1, 3] = math.nan  # a real response token
+    refused(td, "response_mask must not contain NaN")
+    td["response_mask"][1, 3], td["response_mask"][2, 3] = 1.0, math.nan  # padding column: ignored
+    validate_batch(td, vocab_size=VOCAB, max_sequence_length=64, require_teacher=False)
+    td, _ = verl_batch()
+    td["response_mask"] = torch.ones(len(PROMPTS), 2, 2)
+    refused(td, "response_mask must be a jagged nested tensor like input_ids .* or a dense response mask")
+    padded, _ = make_batch(padded=True)
+    del padded["loss_mask"]
+    padded["response_mask"] = torch.ones(len(LENGTHS), 2)
+    refused(padded, "response_mask .* only beside jagged input_ids")

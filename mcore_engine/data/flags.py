@@ -17,7 +17,7 @@ from tensordict import TensorDictBase, is_non_tensor
 __all__ = ["StepFlags", "parse_step_flags"]
 
 _BOOL_FLAGS = ("calculate_entropy", "calculate_sum_pi_squared", "distillation_use_topk",
-               "distillation_only", "use_dynamic_bsz")
+               "distillation_only", "use_dynamic_bsz", "outputs_on_loss_mask_only")
 _INT_FLAGS = ("micro_batch_size_per_gpu", "max_token_len_per_gpu")
 
 
@@ -41,6 +41,12 @@ class StepFlags:
     """Split into micro-batches by a token budget instead of a sequence count."""
     max_token_len_per_gpu: int | None = None
     """Token budget of one micro-batch under ``use_dynamic_bsz`` (required then)."""
+    outputs_on_loss_mask_only: bool = False
+    """Run the output layer and every per-token output only on the rows whose (packed) ``loss_mask``
+    is nonzero; the outputs are 0 on the other rows (``MegatronEngine._lm_head_outputs``)."""
+    distillation_log_prob_min_clamp: float | None = None
+    """The built-in top-k KL's lower clamp ``c`` on the teacher and student log-probs (entries with a
+    student log-prob below ``c`` get no gradient); verl's ``distillation_loss.log_prob_min_clamp``."""
 
     def __post_init__(self) -> None:
         if self.distillation_only and not self.distillation_use_topk:
@@ -89,8 +95,8 @@ def parse_step_flags(batch: TensorDictBase) -> StepFlags:
     ``temperature``: a non-tensor number, a per-sample tensor (``StepFlags.temperature is None``) or
     absent (1.0). ``ValueError`` naming the key for: a flag stored as a tensor, a wrong type
     (``"yes"``, ``1`` for a bool, ``2.0`` for a size), a size <= 0, a non-finite or non-positive
-    temperature, ``distillation_only`` without ``distillation_use_topk``, ``use_dynamic_bsz``
-    without ``max_token_len_per_gpu``.
+    temperature, a non-finite ``distillation_log_prob_min_clamp``, ``distillation_only`` without
+    ``distillation_use_topk``, ``use_dynamic_bsz`` without ``max_token_len_per_gpu``.
     """
     if not isinstance(batch, TensorDictBase):
         raise ValueError(f"batch must be a tensordict.TensorDict, got {type(batch).__name__}")
@@ -104,6 +110,16 @@ def parse_step_flags(batch: TensorDictBase) -> StepFlags:
         if value is None:
             continue
         kwargs[key] = _as_bool(key, value) if key in _BOOL_FLAGS else _as_positive_int(key, value)
+    key = "distillation_log_prob_min_clamp"
+    if key in batch.keys():
+        if not is_non_tensor(batch.get(key)):
+            raise ValueError(f"{key} must be a non-tensor entry (batch.set_non_tensor), got a tensor")
+        value = _non_tensor_value(batch, key)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"{key} must be a finite number or None, got "
+                                 f"{type(value).__name__} {value!r}")
+            kwargs[key] = float(value)
     if "temperature" in batch.keys():
         if is_non_tensor(batch.get("temperature")):
             value = _non_tensor_value(batch, "temperature")

@@ -16,7 +16,9 @@ Per-token fields (position t predicts token t+1)::
     labels[t]    = input_ids[t + 1]                    (0 at each sequence's last token and padding)
     loss_mask[t] = user_loss_mask[t] * (t is not the last token of its sequence)   # float32
 
-so the user's ``loss_mask``, ``old_log_probs``, ``advantages`` ... align with the outputs.
+so the user's ``loss_mask``, ``old_log_probs``, ``advantages`` ... align with the outputs (a dense
+``[b, R]`` response mask is placed first: ``layout.loss_mask_values``). Dense per-sample fields are
+not packed; they stay in the micro-batch's ``data``.
 Memory: O(T) per field (``[T, K]`` for teacher tensors), bshd masks O(b S^2) bools.
 """
 
@@ -32,6 +34,7 @@ from mcore_engine.data.layout import (
     INPUT_KEYS,
     TEACHER_KEYS,
     is_jagged,
+    loss_mask_values,
     padded_source_index,
     per_token_keys,
     sequence_lengths,
@@ -150,8 +153,9 @@ def pack_micro_batch(mb: TensorDictBase, *, data_format: str, temperature: float
     is_last = (pos_in_seq == lengths[seq_of_token] - 1).to(device)
     label_values = torch.where(is_last, 0, id_values.roll(-1))
     mask_values = (~is_last).to(torch.float32)
-    if "loss_mask" in mb.keys():
-        mask_values = mask_values * token_values(mb, "loss_mask").to(device=device, dtype=torch.float32)
+    user_mask = loss_mask_values(mb)  # per-token loss_mask, or derived from a dense [b, R] response mask
+    if user_mask is not None:
+        mask_values = mask_values * user_mask.to(device)
     slot_positions = torch.arange(num_slots) - starts[slot_sequence]
     position_ids = slot_positions.reshape(shape).to(device)
     if "position_ids" in mb.keys():

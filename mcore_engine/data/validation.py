@@ -12,6 +12,8 @@ from mcore_engine.data.layout import (
     is_jagged,
     jagged_lengths,
     per_token_keys,
+    response_lengths,
+    response_mask_key,
     sequence_lengths,
     token_values,
 )
@@ -58,6 +60,38 @@ def _check_no_nan_or_pos_inf(key: str, values: torch.Tensor, *, allow_neg_inf: b
                          f"e.g. {values[bad][0].item()}")
 
 
+def _check_response_mask(batch: TensorDictBase, key: str, lengths: torch.Tensor) -> None:
+    """A dense response mask ``batch[key]`` ``[B, R]`` (layout.loss_mask_values) and its lengths."""
+    mask = batch[key]
+    size = batch.batch_size[0]
+    if mask.dim() != 2 or mask.shape[0] != size:
+        raise ValueError(f"{key} must be a jagged nested tensor like input_ids [B, j] or a dense response "
+                         f"mask [B={size}, R], got shape {tuple(mask.shape)}")
+    if key == "loss_mask" and "response_mask" in batch.keys():
+        other = batch["response_mask"]
+        if isinstance(other, torch.Tensor) and (other.is_nested or other.shape != mask.shape):
+            raise ValueError(f"loss_mask {tuple(mask.shape)} and response_mask "
+                             f"{'nested' if other.is_nested else tuple(other.shape)} are both dense response "
+                             "masks and must have one shape [B, R] (loss_mask is the one used)")
+    if mask.is_complex():
+        raise ValueError(f"{key} must be bool, integer or floating, got {mask.dtype}")
+    width = mask.shape[1]
+    resp = response_lengths(batch, width)
+    real = batch["attention_mask"].sum(1).to(device="cpu", dtype=torch.int64)
+    if not torch.equal(real, lengths):
+        raise ValueError(f"attention_mask counts {real.tolist()} real tokens per row, input_ids has "
+                         f"lengths {lengths.tolist()} (needed to place {key} [B, R])")
+    bad = torch.nonzero(lengths - resp < 1).flatten().tolist()
+    if bad:
+        i = bad[0]
+        raise ValueError(f"{key}: sequence {i} has {int(resp[i])} response tokens of {int(lengths[i])}; "
+                         "a response must leave at least one prompt token")
+    if mask.is_floating_point():
+        cols = torch.arange(width)
+        real_cols = (cols[None, :] < resp[:, None]).to(mask.device)
+        _check_no_nan_or_pos_inf(key, mask[real_cols], allow_neg_inf=False)
+
+
 def validate_batch(batch: TensorDictBase, *, vocab_size: int, max_sequence_length: int,
                    require_teacher: bool) -> None:
     """Raise ``ValueError`` naming the key when ``batch`` is not a valid engine batch.
@@ -65,7 +99,11 @@ def validate_batch(batch: TensorDictBase, *, vocab_size: int, max_sequence_lengt
     - ``input_ids``: int64/int32, jagged ``[B, j]`` or padded ``[B, S]`` with a bool or 0/1
       ``attention_mask [B, S]``; ``1 <= length <= max_sequence_length``; ids in ``[0, vocab_size)``.
     - ``position_ids`` (int), ``loss_mask`` (finite) and every other per-token key shaped like
-      ``input_ids``.
+      ``input_ids``; beside jagged ``input_ids`` the loss mask may instead be a dense response mask
+      ``[B, R]`` (``loss_mask`` or ``response_mask``, one shape when both are dense; a jagged
+      ``loss_mask`` wins) with the response lengths from verl's ``attention_mask [B, P + R]``
+      (``layout.loss_mask_values``); other dense ``[B, ...]`` fields and non-tensor entries are
+      not checked.
     - ``teacher_ids`` (ids in the vocab) and ``teacher_logprobs`` (floating, no NaN or +inf; -inf is
       a zero teacher probability) shaped ``[B, j, K]`` with one ``K``; required when
       ``require_teacher``.
@@ -103,12 +141,18 @@ def validate_batch(batch: TensorDictBase, *, vocab_size: int, max_sequence_lengt
                          f"max_sequence_length={max_sequence_length}")
     _check_ids("input_ids", token_values(batch, "input_ids"), vocab_size)
 
+    response_key = response_mask_key(batch)
     for key in ("position_ids", "loss_mask"):
-        if key in batch.keys():
+        if key in batch.keys() and key != response_key:
             _check_same_tokens(key, batch[key], batch, lengths, trailing=0)
     if "position_ids" in batch.keys() and batch["position_ids"].dtype not in (torch.int64, torch.int32):
         raise ValueError(f"position_ids must be int64 (or int32), got {batch['position_ids'].dtype}")
-    if "loss_mask" in batch.keys():
+    if not is_jagged(ids) and "response_mask" in batch.keys() and "loss_mask" not in batch.keys():
+        raise ValueError("response_mask [B, R] sets the loss mask only beside jagged input_ids; padded "
+                         "input_ids [B, S] need loss_mask [B, S]")
+    if response_key is not None:
+        _check_response_mask(batch, response_key, lengths)
+    elif "loss_mask" in batch.keys():
         if batch["loss_mask"].is_complex():
             raise ValueError(f"loss_mask must be bool, integer or floating, got {batch['loss_mask'].dtype}")
         if batch["loss_mask"].is_floating_point():
