@@ -33,7 +33,6 @@ def check_chunk(x: torch.Tensor, name: str = "x") -> None:
 
 
 def check_rows(v: torch.Tensor, name: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> None:
-    """``v`` must have ``shape`` (and ``dtype`` unless None)."""
     if tuple(v.shape) != shape or (dtype is not None and v.dtype != dtype):
         raise ValueError(f"{name} must be {dtype or 'a tensor'} of shape {shape}, got {v.dtype} "
                          f"{tuple(v.shape)}")

@@ -38,7 +38,6 @@ PROGRAMS_PER_SM = 4
 
 
 def get_config(kernel: str) -> LaunchConfig:
-    """The default launch config of ``kernel`` (one of ``DEFAULT_CONFIGS``)."""
     if kernel not in DEFAULT_CONFIGS:
         raise ValueError(f"kernel must be one of {sorted(DEFAULT_CONFIGS)}, got {kernel!r}")
     return DEFAULT_CONFIGS[kernel]

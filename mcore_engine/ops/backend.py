@@ -71,7 +71,6 @@ TORCH_BACKEND = ChunkBackend("torch", _stats.row_max, _torch_chunk_stats, _torch
 
 @functools.cache
 def triton_backend() -> ChunkBackend:
-    """The Triton kernels as a backend (imports Triton)."""
     from mcore_engine_kernels import backward, forward
 
     def chunk_stats(x, t, m, layout, out, *, label=None, teacher=None, ws=None, **launch):

@@ -39,7 +39,6 @@ class Plan:
         return tuple(k for k in OUTPUT_KEYS if wanted[k])
 
     def chunks(self, r0: int, r1: int) -> list[tuple[int, int]]:
-        """Row ranges of the chunks covering ``[r0, r1)``."""
         return [(a, min(a + self.rows, r1)) for a in range(r0, r1, self.rows)]
 
     def blocks(self, n: int, rereadable: bool) -> list[tuple[int, int]]:
@@ -47,7 +46,6 @@ class Plan:
         return [(0, n)] if rereadable and self.shard.world > 1 else self.chunks(0, n)
 
     def chunk_t(self, t_rows: torch.Tensor | None, r0: int, r1: int) -> float | torch.Tensor | None:
-        """The temperature of rows ``[r0, r1)``."""
         return t_rows[r0:r1] if t_rows is not None else self.t_scalar
 
 

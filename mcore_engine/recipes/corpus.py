@@ -17,8 +17,6 @@ __all__ = ["MarkovCorpus"]
 
 
 class MarkovCorpus:
-    """Sequences from a fixed sparse Markov chain; see the module docstring."""
-
     def __init__(self, vocab_size: int, *, branching: int, zipf_exponent: float, seed: int) -> None:
         if not isinstance(vocab_size, int) or vocab_size < 2:
             raise ValueError(f"vocab_size must be an int >= 2, got {vocab_size!r}")

@@ -133,7 +133,6 @@ class JobConfig:
 
     @property
     def run_dir(self) -> Path:
-        """``<output_dir>/<name>``."""
         return Path(self.output_dir) / self.name
 
     @classmethod

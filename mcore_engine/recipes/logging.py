@@ -25,7 +25,6 @@ class RunLogger:
             self._file = open(self.metrics_path, "w")
 
     def start_phase(self, description: str, total: int) -> None:
-        """Open a new progress bar (closing the previous one)."""
         if not self.enabled:
             return
         from tqdm import tqdm
@@ -46,7 +45,6 @@ class RunLogger:
             self._bar.update(1)
 
     def write(self, line: str) -> None:
-        """Print a line without breaking the bar."""
         if not self.enabled:
             return
         from tqdm import tqdm
@@ -63,7 +61,6 @@ class RunLogger:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl`` file, in order."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
