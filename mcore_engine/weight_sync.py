@@ -17,6 +17,7 @@ fit, and a tensor larger than N bytes gets a bucket of its own.
 Memory above the model, at any time: one buffer of the largest multi-tensor bucket (at most N
 bytes, allocated once and reused) plus ``iter_hf_tensors``' working set (one gathered parameter and
 its Hugging Face tensors). A bucket of one tensor is that tensor flattened, not copied.
+``tools/bench_weight_sync.py`` measures it: peak = the per-tensor export's peak + the buffer.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ randomly initialised model, export it once as a warm-up, then measure. Peak extr
 ``VmHWM - VmRSS`` over one export above the built model (``/proc/self/clear_refs`` reset), with
 ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0`` so that RSS follows the live buffers
 (tensor allocations are not visible to tracemalloc); on CUDA it is ``max_memory_allocated`` above the
-model. Time: median wall time of ``--repeats`` exports. "buffer" is the bucket buffer the sender
+model. Time: median wall time (and process CPU time, robust on a shared machine) of ``--repeats``
+exports. "buffer" is the bucket buffer the sender
 allocates (the largest multi-tensor bucket), "largest" the largest HF tensor; the table shows the max
 over ranks. "msgs" counts the items an inference engine receives.
 """
@@ -118,18 +119,20 @@ def worker(spec: dict) -> dict:
         base = _status_mib("VmRSS")
         msgs = _export(chunks, cfg, mode, bucket_bytes)
         peak = _status_mib("VmHWM") - base
-    times = []
+    times, cpu_times = [], []
     for _ in range(spec["repeats"]):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         _export(chunks, cfg, mode, bucket_bytes)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
     shapes = hf_shapes(cfg.model)
     plan = plan_buckets(shapes, torch.float32, bucket_bytes or 1)
     buffer = max((m.nbytes for m in plan if len(m.names) > 1), default=0) if mode == "bucketed" else 0
     largest = max(m.nbytes for m in plan_buckets(shapes, torch.float32, 1))
-    return {"peak_mib": peak, "time_s": statistics.median(times), "msgs": msgs, "buffer_mib": buffer / MIB,
+    return {"peak_mib": peak, "time_s": statistics.median(times), "cpu_s": statistics.median(cpu_times),
+            "msgs": msgs, "buffer_mib": buffer / MIB,
             "largest_mib": largest / MIB, "total_mib": sum(m.nbytes for m in plan) / MIB}
 
 
@@ -200,8 +203,8 @@ def main() -> None:
     model = _model_dict(args)
     print("\n".join(header(args)))
     rows = [("per-tensor", 0)] + [(m, int(b * MIB)) for b in args.bucket_mib for m in ("bucketed", "cat")]
-    print(f"{'TP':>2} {'mode':<16} {'msgs':>5} {'time s':>8} {'x per-t':>7} {'peak MiB':>9} {'buffer':>7} "
-          f"{'largest':>7} {'model':>7}")
+    print(f"{'TP':>2} {'mode':<16} {'msgs':>5} {'time s':>8} {'x per-t':>7} {'cpu s':>7} {'peak MiB':>9} "
+          f"{'buffer':>7} {'largest':>7} {'model':>7}")
     for tp in args.tp:
         base_time = None
         for mode, bucket_bytes in rows:
@@ -210,8 +213,8 @@ def main() -> None:
             base_time = base_time or r["time_s"]
             label = mode if mode == "per-tensor" else f"{mode} {bucket_bytes / MIB:.3g}M"
             print(f"{tp:>2} {label:<16} {r['msgs']:>5} {r['time_s']:>8.4f} {r['time_s'] / base_time:>7.2f} "
-                  f"{r['peak_mib']:>9.1f} {r['buffer_mib']:>7.1f} {r['largest_mib']:>7.1f} "
-                  f"{r['total_mib']:>7.1f}", flush=True)
+                  f"{r['cpu_s']:>7.4f} {r['peak_mib']:>9.1f} {r['buffer_mib']:>7.1f} "
+                  f"{r['largest_mib']:>7.1f} {r['total_mib']:>7.1f}", flush=True)
 
 
 if __name__ == "__main__":
