@@ -23,6 +23,7 @@ setup(
         "tqdm>=4.60",
         "matplotlib>=3.7",
         "numpy",
+        "psutil",  # megatron.core.dist_checkpointing (checkpoints)
     ],
     extras_require={
         "dev": ["pytest>=8", "ruff>=0.6"],

@@ -1,30 +1,40 @@
-"""Per-rank checkpoints written atomically: ``save_shard`` / ``load_shard`` of any picklable state.
+"""Engine checkpoints on Megatron-Core ``dist_checkpointing`` (``torch_dist``), reshardable.
 
 Folder ``path/``::
 
-    rank_00000.pt ... rank_{W-1}.pt   one shard per global rank (torch.save of a plain dict)
-    meta.json                         written last: format, parallel layout, shard list, config record
+    __<rank>_<i>.distcp, .metadata    sharded tensors (torch.distributed.checkpoint), global keys
+    common.pt, metadata.json          rank 0's plain entries; dist_checkpointing's backend record
+    mcore_engine.json                 written last: format, step, layout, precision, config record
 
-Atomicity: shards and meta go to ``path.tmp/``; after a barrier rank 0 renames an older ``path`` to
-``path.old``, ``path.tmp`` to ``path``, and deletes ``path.old``. A folder holding anything but
-checkpoint files is never deleted (the save is refused first). A crash between the two renames
-leaves the previous checkpoint at ``path.old``: a load then reads it with a ``RuntimeWarning``. A
-folder without ``meta.json``, with a missing or unreadable shard, from another parallel layout or
-for another model (``config``, :data:`IGNORED_CONFIG` aside; the differing fields are named) is
-refused with ``ValueError`` on every rank (one MAX all-reduce agrees on it). Shared filesystem
-assumed. Memory: one rank's state on the host at a time.
+Content: every model chunk's ``sharded_state_dict()`` (global keys, layers stacked along a layer
+axis, so any TP / PP / VPP cut loads it), the optimizer's sharded state (fp32 main weights and Adam
+moments in model space: ``fully_reshardable`` for the distributed optimizer, per-parameter tensors
+otherwise), the scheduler and step counters (common) and each rank's RNG states (restored only when
+the layout is unchanged; another layout keeps the engine's own streams). An optimizer that never
+stepped saves no state; loading such a checkpoint clears the engine's Adam state.
+
+Atomicity: the save writes into ``path.tmp/``; after the writers' barrier rank 0 writes
+``mcore_engine.json``, renames an older ``path`` to ``path.old``, ``path.tmp`` to ``path`` and
+deletes ``path.old``. A crash at any point leaves the previous checkpoint loadable (from
+``path.old`` with a ``RuntimeWarning`` when it fell between the renames). A folder holding anything
+but checkpoint files is never deleted. Before anything changes, a load checks on every rank (one
+MAX all-reduce agrees) that the marker exists, the config matches (:data:`IGNORED_CONFIG` aside),
+every storage file is present and long enough, and every tensor the engine needs is in the
+checkpoint with its global shape and dtype; else ``ValueError``. Shared filesystem assumed. Memory:
+the distributed optimizer's ``fully_reshardable`` form gathers a DP group's optimizer state on
+every rank of it during save and load (once the model's fp32 state); the rest streams.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
 import shutil
 import warnings
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -34,42 +44,25 @@ import torch.distributed as dist
 from mcore_engine.config import EngineConfig
 from mcore_engine.platform import get_device
 
-__all__ = ["FORMAT", "IGNORED_CONFIG", "CheckpointLayout", "checkpoint_layout", "config_mismatch",
-           "config_record", "load_shard", "rng_state", "save_shard", "set_rng_state"]
+__all__ = ["FORMAT", "IGNORED_CONFIG", "checkpoint_layout", "config_mismatch", "config_record",
+           "load_engine_checkpoint", "rng_state", "save_engine_checkpoint", "set_rng_state"]
 
-FORMAT = "mcore-engine-per-rank-v1"
-_META = "meta.json"
+FORMAT = "mcore-engine-dist-v1"
+MARKER = "mcore_engine.json"
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+"""Megatron's optimizer ``sharded_state_dict`` metadata: model-space optimizer state (reshardable in
+TP, PP and DP; ``fully_sharded_model_space`` needs the flattened tensors 0.16 no longer supports)."""
 
 IGNORED_CONFIG: dict[str, frozenset[str]] = {
     "model": frozenset({"hf_path", "fused_lm_head", "init_method_std", "max_sequence_length"}),
-    "parallel": frozenset({"sequence_parallel", "batch_p2p_comm"}),
+    "parallel": frozenset({"tensor_model_parallel_size", "pipeline_model_parallel_size",
+                           "virtual_pipeline_model_parallel_size", "sequence_parallel", "batch_p2p_comm"}),
 }
 """Config fields a load may change: where the initial weights came from, how the lm head computes,
-the longest accepted sequence and communication options; every other ``model`` / ``parallel``
-field must match the checkpoint's."""
+the longest accepted sequence and the whole parallel layout; every other ``model`` field must match."""
 
-
-@dataclass(frozen=True)
-class CheckpointLayout:
-    """The parallel layout a checkpoint was written under; a load must run under the same one."""
-
-    world_size: int
-    tensor_model_parallel_size: int
-    pipeline_model_parallel_size: int
-    virtual_pipeline_model_parallel_size: int | None
-    data_parallel_size: int
-    precision: str
-    use_distributed_optimizer: bool
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-def _shard_name(rank: int) -> str:
-    return f"rank_{rank:05d}.pt"
-
-
-_OUR_FILE = re.compile(r"(rank_\d{5}\.pt(\.part)?|meta\.json)")
+_OUR_FILE = re.compile(r"(__\d+_\d+\.distcp|\.metadata|common\.pt|metadata\.json|mcore_engine\.json"
+                       r"|engine_config\.yaml)")
 
 
 def _replaceable(folder: str) -> bool:
@@ -80,27 +73,21 @@ def _replaceable(folder: str) -> bool:
         _OUR_FILE.fullmatch(name) for name in os.listdir(folder))
 
 
+# ------------------------------------------------------------------ RNG, config, layout
 def rng_state() -> dict[str, Any]:
-    """This rank's RNG states: torch CPU, CUDA (when present), Python, NumPy, Megatron's tracker.
-    Loading them (:func:`set_rng_state`) resets the process-global generators, as a bit-identical
-    resume needs."""
-    # here, not at the top: megatron.core costs ~5 s to import and save_shard / load_shard never need it
+    """This rank's RNG states: torch CPU, CUDA (when present), Python, NumPy, Megatron's tracker."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
-    }
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+             "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what ``rng_state`` returned."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker  # see rng_state
+    """Restore what :func:`rng_state` returned (the process-global generators)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
@@ -108,6 +95,31 @@ def set_rng_state(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def config_record(config: EngineConfig) -> dict[str, Any]:
+    """``{"model": ModelConfig as dict, "parallel": ParallelConfig as dict}`` for the marker."""
+    return {"model": asdict(config.model), "parallel": asdict(config.parallel)}
+
+
+def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{"section.field": (checkpoint's, current)}`` for differing fields, :data:`IGNORED_CONFIG` aside."""
+    diff = {}
+    for section in sorted(saved.keys() | current.keys()):
+        ours, theirs = current.get(section) or {}, saved.get(section) or {}
+        for name in sorted(ours.keys() | theirs.keys()):
+            if name not in IGNORED_CONFIG.get(section, ()) and ours.get(name) != theirs.get(name):
+                diff[f"{section}.{name}"] = (theirs.get(name), ours.get(name))
+    return diff
+
+
+def checkpoint_layout(config: EngineConfig, world_size: int) -> dict[str, Any]:
+    """The parallel layout of an engine with ``config`` on ``world_size`` ranks (RNG states are
+    per rank of one layout)."""
+    par = config.parallel
+    return {"world_size": world_size, "tp": par.tensor_model_parallel_size,
+            "pp": par.pipeline_model_parallel_size, "vpp": par.virtual_pipeline_model_parallel_size,
+            "distributed_optimizer": config.optimizer.use_distributed_optimizer}
 
 
 def _agree(error: str | None, what: str) -> None:
@@ -122,59 +134,71 @@ def _agree(error: str | None, what: str) -> None:
         raise ValueError(error if error is not None else f"{what}: refused because another rank failed")
 
 
-def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """``{"section.field": (checkpoint's, current)}`` for the fields of ``config_record``
-    dicts that differ, :data:`IGNORED_CONFIG` left out."""
-    diff = {}
-    for section in sorted(saved.keys() | current.keys()):
-        ours, theirs = current.get(section) or {}, saved.get(section) or {}
-        for name in sorted(ours.keys() | theirs.keys()):
-            if name not in IGNORED_CONFIG.get(section, ()) and ours.get(name) != theirs.get(name):
-                diff[f"{section}.{name}"] = (theirs.get(name), ours.get(name))
-    return diff
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
-def save_shard(path: str, shard: dict[str, Any], layout: CheckpointLayout, *, step: int,
-               config: dict[str, Any] | None = None) -> None:
-    """Collective: write this rank's ``shard`` into checkpoint folder ``path`` atomically;
-    ``config`` (JSON-serialisable, e.g. :func:`config_record`) goes into ``meta.json``."""
+# ------------------------------------------------------------------ sharded state dicts
+def _model_sharded(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    """``{"model": ...}`` (one chunk) or ``{"model0": ..., "model1": ...}`` (virtual stages)."""
+    if len(chunks) == 1:
+        return {"model": chunks[0].module.sharded_state_dict()}
+    return {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def _rng_object(layout: dict[str, Any], state: Any):
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    tag = "_".join(f"{k}{v}" for k, v in layout.items())
+    return ShardedObject(f"rng_state.{tag}", state, (layout["world_size"],), (_rank(),), replica_id=0)
+
+
+def _has_state(optimizer) -> bool:
+    from mcore_engine.optim import sub_optimizers
+
+    return any(sub.optimizer is not None and len(sub.optimizer.state) > 0
+               for sub in sub_optimizers(optimizer))
+
+
+def save_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, common: dict[str, Any], *,
+                           layout: dict[str, Any], precision: str, config: dict[str, Any], step: int) -> None:
+    """Collective: write the model chunks, optimizer, ``common`` (plain, identical on every rank)
+    and this rank's RNG states into ``path`` atomically (module docstring)."""
+    from megatron.core import dist_checkpointing
+
     path = os.path.abspath(path)
-    tmp = path + ".tmp"
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    error = None
+    tmp, old = path + ".tmp", path + ".old"
+    rank, error = _rank(), None
     if rank == 0:
         try:
-            for folder in (path, tmp, path + ".old"):
+            for folder in (path, tmp, old):
                 if not _replaceable(folder):
-                    raise OSError(f"{folder!r} exists and is not an mcore-engine checkpoint; refusing to "
-                                  "replace it")
+                    raise OSError(f"{folder!r} exists and is not an mcore-engine checkpoint; "
+                                  "refusing to replace it")
             if os.path.exists(tmp):
                 shutil.rmtree(tmp)
             os.makedirs(tmp)
         except OSError as exc:
             error = f"save_checkpoint: cannot create {tmp!r}: {exc}"
     _agree(error, "save_checkpoint")
-    error = None
-    try:
-        part = os.path.join(tmp, _shard_name(rank) + ".part")
-        torch.save({"format": FORMAT, "rank": rank, "layout": layout.to_dict(), **shard}, part)
-        os.replace(part, os.path.join(tmp, _shard_name(rank)))
-    except OSError as exc:
-        error = f"save_checkpoint: rank {rank} could not write its shard: {exc}"
-    _agree(error, "save_checkpoint")
+
+    stepped = _has_state(optimizer)
+    state = _model_sharded(chunks)
+    if stepped:
+        state["optimizer"] = optimizer.sharded_state_dict(state, False, metadata=OPTIMIZER_METADATA)
+    state["rng"] = _rng_object(layout, rng_state())
+    state["engine"] = common
+    dist_checkpointing.save(state, tmp, async_sharded_save=False)  # ends with a barrier
+
     error = None
     if rank == 0:
         try:
-            meta = {"format": FORMAT, "layout": layout.to_dict(), "step": step,
-                    "shards": [_shard_name(r) for r in range(layout.world_size)], "config": config}
-            missing = [s for s in meta["shards"] if not os.path.isfile(os.path.join(tmp, s))]
-            if missing:
-                raise OSError(f"shards missing after the barrier: {missing}")
-            with open(os.path.join(tmp, _META), "w") as f:
-                json.dump(meta, f, indent=1)
+            marker = {"format": FORMAT, "step": step, "layout": layout, "precision": precision,
+                      "optimizer_state": stepped, "config": config}
+            with open(os.path.join(tmp, MARKER), "w") as f:
+                json.dump(marker, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
-            old = path + ".old"
             if os.path.exists(path):
                 if os.path.exists(old):
                     shutil.rmtree(old)
@@ -188,90 +212,157 @@ def save_shard(path: str, shard: dict[str, Any], layout: CheckpointLayout, *, st
 
 
 def _resolve(path: str) -> str:
-    """``path``, or ``path.old`` (with a ``RuntimeWarning``) when a save crashed between its two
-    renames: no ``path``, a complete previous checkpoint at ``path.old``."""
+    """``path``, or ``path.old`` (with a ``RuntimeWarning``) when a save crashed between its renames."""
     old = path + ".old"
-    if os.path.lexists(path) or not os.path.isfile(os.path.join(old, _META)):
+    if os.path.lexists(path) or not os.path.isfile(os.path.join(old, MARKER)):
         return path
-    tmp = path + ".tmp"
     warnings.warn(f"load_checkpoint: {path!r} is missing but {old!r} holds the previous checkpoint: a save "
-                  f"was interrupted between its renames (its complete new state may be in {tmp!r}); "
+                  f"was interrupted between its renames (its complete new state may be in {path}.tmp); "
                   f"loading {old!r}. The next save_checkpoint({path!r}) cleans up.", RuntimeWarning,
                   stacklevel=3)
     return old
 
 
-def _read_shard(path: str, layout: CheckpointLayout, rank: int, config: dict[str, Any] | None = None
-                ) -> dict[str, Any]:
-    meta_path = os.path.join(path, _META)
+def _read_marker(path: str, config: dict[str, Any], precision: str) -> dict[str, Any]:
+    marker_path = os.path.join(path, MARKER)
     if not os.path.isdir(path):
         raise ValueError(f"load_checkpoint: {path!r} is not a checkpoint folder")
-    if not os.path.isfile(meta_path):
-        raise ValueError(f"load_checkpoint: {path!r} has no {_META}: torn or incomplete checkpoint")
+    if not os.path.isfile(marker_path):
+        raise ValueError(f"load_checkpoint: {path!r} has no {MARKER}: torn or incomplete checkpoint")
     try:
-        with open(meta_path) as f:
-            meta = json.load(f)
+        with open(marker_path) as f:
+            marker = json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"load_checkpoint: unreadable {meta_path!r}: {exc}") from exc
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"load_checkpoint: {path!r} has format {meta.get('format')!r}, expected {FORMAT!r}")
-    if meta.get("layout") != layout.to_dict():
-        diff = {k: (meta.get("layout", {}).get(k), v) for k, v in layout.to_dict().items()
-                if meta.get("layout", {}).get(k) != v}
-        raise ValueError(f"load_checkpoint: {path!r} was written under another parallel layout; "
+        raise ValueError(f"load_checkpoint: unreadable {marker_path!r}: {exc}") from exc
+    if marker.get("format") != FORMAT:
+        raise ValueError(f"load_checkpoint: {path!r} has format {marker.get('format')!r}, "
+                         f"expected {FORMAT!r}")
+    diff = config_mismatch(marker.get("config") or {}, config)
+    if marker.get("precision") != precision:
+        diff["precision"] = (marker.get("precision"), precision)
+    if diff:
+        raise ValueError(f"load_checkpoint: {path!r} was written for another model; "
                          f"(checkpoint, current) differ in {diff}")
-    if config is not None and meta.get("config") is not None:
-        diff = config_mismatch(meta["config"], config)
-        if diff:
-            raise ValueError(f"load_checkpoint: {path!r} was written for another model / parallel config; "
-                             f"(checkpoint, current) differ in {diff}")
-    missing = [s for s in meta.get("shards", []) if not os.path.isfile(os.path.join(path, s))]
-    if missing or len(meta.get("shards", [])) != layout.world_size:
-        raise ValueError(f"load_checkpoint: {path!r} is torn: missing shards {missing} "
-                         f"(expected {layout.world_size})")
-    shard_path = os.path.join(path, _shard_name(rank))
+    return marker
+
+
+def _check_files(path: str) -> dict[str, Any]:
+    """The checkpoint's tensor metadata ``{key: ShardedTensor}``; ``ValueError`` when a storage file
+    it lists is missing or shorter than the bytes recorded for it."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import FileSystemReader
+
     try:
-        shard = torch.load(shard_path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # a truncated file raises anything from pickle / zipfile
-        raise ValueError(f"load_checkpoint: unreadable shard {shard_path!r}: {exc}") from exc
-    if shard.get("format") != FORMAT or shard.get("rank") != rank or shard.get("layout") != layout.to_dict():
-        raise ValueError(f"load_checkpoint: shard {shard_path!r} does not belong to rank {rank} "
-                         "of this layout")
-    return shard
+        storage = FileSystemReader(path).read_metadata().storage_data
+        tensors = dist_checkpointing.load_tensors_metadata(path)
+        open(os.path.join(path, "common.pt"), "rb").close()
+    except Exception as exc:  # missing / truncated metadata raise anything from pickle or the reader
+        raise ValueError(f"load_checkpoint: {path!r} is torn: unreadable metadata ({exc})") from exc
+    ends: dict[str, int] = {}
+    for info in storage.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        file = os.path.join(path, name)
+        size = os.path.getsize(file) if os.path.isfile(file) else -1
+        if size < end:
+            what = "missing" if size < 0 else f"{size} bytes, {end} expected"
+            raise ValueError(f"load_checkpoint: {path!r} is torn: storage file {name} {what}")
+    return tensors
 
 
-def load_shard(path: str, layout: CheckpointLayout,
-               check: Callable[[dict[str, Any]], None] | None = None, *,
-               config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Collective: read and check this rank's shard of checkpoint ``path`` (``path.old`` after a save
-    that crashed between its renames, with a warning) against ``layout``, ``config`` (when both it
-    and the checkpoint have one; :func:`config_mismatch`) and ``check(shard)``, which raises
-    ``ValueError`` on a mismatch; ``ValueError`` on every rank when any rank finds the checkpoint
-    torn, foreign or mismatched."""
+def _check_tensors(path: str, wanted: dict[str, Any], saved: dict[str, Any], stepped: bool) -> None:
+    """Every sharded tensor of ``wanted`` (the engine's model state) is in ``saved`` with the same
+    global shape and dtype, and so are its Adam moments when the checkpoint holds optimizer state."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    apply_factories(wanted)
+    problems = []
+    for sh in nested_values(wanted):
+        if not isinstance(sh, ShardedTensor):
+            continue
+        moments = ("exp_avg", "exp_avg_sq") if stepped else ()
+        keys = [sh.key, *(f"optimizer.state.{s}.{sh.key}" for s in moments)]
+        for key in keys:
+            have = saved.get(key)
+            if have is None:
+                problems.append(f"{key} missing")
+            elif tuple(have.global_shape) != tuple(sh.global_shape):
+                problems.append(f"{key} shape {tuple(have.global_shape)} vs {tuple(sh.global_shape)}")
+            elif key == sh.key and have.dtype != sh.dtype:
+                problems.append(f"{key} dtype {have.dtype} vs {sh.dtype}")
+    if problems:
+        raise ValueError(f"load_checkpoint: {path!r} does not fit this model ({len(problems)} tensors; "
+                         f"first: {problems[:4]})")
+
+
+@contextlib.contextmanager
+def _adam_step_kept(optimizer):
+    """Two fixes for Megatron 0.16's ``DistributedOptimizer`` with torch Adam (no Apex / TE): its
+    ``fully_reshardable`` load copies every Adam state entry from the checkpoint, whose ``step``
+    lives in the param groups (``KeyError: 'step'``): ``step`` is taken from the state itself; and it
+    gives every parameter the same ``step`` tensor, which Adam's in-place ``step += 1`` would then
+    bump once per parameter: each gets its own copy afterwards."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from mcore_engine.optim import sub_optimizers
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def setter(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group, order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"]}
+        return original(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = setter
+    try:
+        yield
+    finally:
+        DistributedOptimizer._set_main_param_and_optimizer_states = original
+    for sub in sub_optimizers(optimizer):
+        for state in (sub.optimizer.state.values() if sub.optimizer is not None else ()):
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
+def load_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, *, layout: dict[str, Any],
+                           precision: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Collective: check ``path`` (module docstring; ``ValueError`` on every rank, nothing changed),
+    then load the model chunks and optimizer in place, restore the RNG states when ``layout`` is the
+    checkpoint's, and return the ``common`` dict the save was given."""
+    from megatron.core import dist_checkpointing
+
+    from mcore_engine.optim import init_optimizer_state, reset_optimizer_state
+
     path = _resolve(os.path.abspath(path))
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    shard, error = None, None
+    marker, error = None, None
     try:
-        shard = _read_shard(path, layout, rank, config)
-        if check is not None:
-            check(shard)
+        marker = _read_marker(path, config, precision)
+        saved = _check_files(path)
+        _check_tensors(path, _model_sharded(chunks), saved, marker["optimizer_state"])
     except ValueError as exc:
         error = str(exc)
     _agree(error, f"load_checkpoint({path!r})")
-    return shard
 
-
-def checkpoint_layout(config: EngineConfig, world_size: int) -> CheckpointLayout:
-    """The parallel layout of an engine with ``config`` on ``world_size`` ranks."""
-    par = config.parallel
-    return CheckpointLayout(
-        world_size=world_size, tensor_model_parallel_size=par.tensor_model_parallel_size,
-        pipeline_model_parallel_size=par.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
-        data_parallel_size=world_size // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size),
-        precision=config.precision, use_distributed_optimizer=config.optimizer.use_distributed_optimizer)
-
-
-def config_record(config: EngineConfig) -> dict[str, Any]:
-    """``{"model": ModelConfig as dict, "parallel": ParallelConfig as dict}`` for ``meta.json``."""
-    return {"model": asdict(config.model), "parallel": asdict(config.parallel)}
+    state = _model_sharded(chunks)
+    if marker["optimizer_state"]:
+        init_optimizer_state(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(state, True, metadata=OPTIMIZER_METADATA)
+    same_layout = marker["layout"] == layout
+    if same_layout:
+        state["rng"] = _rng_object(layout, None)
+    loaded = dist_checkpointing.load(state, path)
+    names = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    for chunk, name in zip(chunks, names, strict=True):
+        chunk.module.load_state_dict(loaded[name], strict=True)
+    if marker["optimizer_state"]:
+        with _adam_step_kept(optimizer):
+            optimizer.load_state_dict(loaded["optimizer"])
+    else:
+        reset_optimizer_state(optimizer)
+    if same_layout:
+        set_rng_state(loaded["rng"])
+    return loaded["engine"]

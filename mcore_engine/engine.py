@@ -41,15 +41,16 @@ from tensordict import TensorDict, TensorDictBase
 from mcore_engine.checkpoint import (
     checkpoint_layout,
     config_record,
-    load_shard,
+    load_engine_checkpoint,
     rng_state,
-    save_shard,
+    save_engine_checkpoint,
     set_rng_state,
 )
 from mcore_engine.config import EngineConfig
 from mcore_engine.hf import export_hf, iter_hf_tensors, load_hf_weights
 from mcore_engine.loss_guard import LossGuard
 from mcore_engine.model import build_model_chunks, lm_head_weight, output_hidden_states
+from mcore_engine.offload import HostOffloader
 from mcore_engine.ops import scale_logits_by_temperature
 from mcore_engine.optim import (
     build_optimizer,
@@ -126,6 +127,7 @@ class MegatronEngine:
         self.global_step = 0
         self.num_skipped_steps = 0
         self._last_distillation_use_topk = False
+        self._offloader: HostOffloader | None = None
         self._interleaved = (config.parallel.virtual_pipeline_model_parallel_size or 1) > 1
 
     # ------------------------------------------------------------------ set-up
@@ -167,10 +169,38 @@ class MegatronEngine:
                     output_hidden_states(chunk)
         self.optimizer = build_optimizer(cfg, self.model)
         self.lr_scheduler = build_scheduler(cfg, self.optimizer)
+        self._offloader = HostOffloader(self.model, self.optimizer)
 
     def _require_initialized(self) -> None:
         if self.optimizer is None:
             raise RuntimeError("MegatronEngine.initialize() must be called first")
+
+    def _require_onloaded(self, what: str, *parts: str) -> None:
+        offloader = getattr(self, "_offloader", None)  # None before initialize()
+        if offloader is not None:
+            offloader.require(what, parts)
+
+    # ------------------------------------------------------------------ offload / onload
+    @property
+    def offloaded(self) -> frozenset[str]:
+        """The parts (``"params"``, ``"grads"``, ``"optimizer"``) held in host memory now."""
+        offloader = getattr(self, "_offloader", None)
+        return offloader.offloaded if offloader is not None else frozenset()
+
+    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
+        """Move the chosen parts to host memory (pinned on CUDA) and release their device storage
+        (``mcore_engine.offload``): the parameters, the DDP grad buffers, the optimizer state (fp32
+        main weights, Adam moments). Local to this rank. Until :meth:`onload`, calls that need an
+        offloaded part raise ``RuntimeError``."""
+        self._require_initialized()
+        self._offloader.offload(name for name, on in
+                                (("params", params), ("grads", grads), ("optimizer", optimizer)) if on)
+
+    def onload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
+        """Bring the chosen offloaded parts back to the device, bit-identical."""
+        self._require_initialized()
+        self._offloader.onload(name for name, on in
+                               (("params", params), ("grads", grads), ("optimizer", optimizer)) if on)
 
     # ------------------------------------------------------------------ logits -> per-token outputs
     def _lm_head_logits_processor(self, logits: torch.Tensor, label: torch.Tensor | None, temperature, *,
@@ -307,11 +337,13 @@ class MegatronEngine:
         """
         if loss_function is None and not forward_only:
             raise ValueError("forward_backward_batch: loss_function=None needs forward_only=True")
+        self._require_onloaded("forward_backward_batch", "params", *(() if forward_only else ("grads",)))
         step = self._prepare(batch, logits_processor_func)
         return self._run(step, loss_function, forward_only, logits_processor_func)
 
     def zero_grad(self) -> None:
         """Zero the DDP grad buffers and the optimizer's main grads."""
+        self._require_onloaded("zero_grad", "grads")
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -321,6 +353,7 @@ class MegatronEngine:
         """Validate -> zero_grad -> forward_backward_batch -> optimizer_step. A bad batch raises
         ``ValueError`` before any gradient or parameter changes. The metrics gain ``grad_norm``,
         ``update_skipped`` (1.0 when non-finite gradients skipped the update) and ``lr``."""
+        self._require_onloaded("train_batch", "params", "grads", "optimizer")
         step = self._prepare(batch, logits_processor_func)
         for chunk in self.model:
             chunk.train()
@@ -354,6 +387,7 @@ class MegatronEngine:
         computes only ``logits_func``'s outputs (then required)."""
         if not builtin_outputs and logits_func is None:
             raise ValueError("infer_batch: builtin_outputs=False needs a logits_func (nothing to compute)")
+        self._require_onloaded("infer_batch", "params")
         step = self._prepare(batch, logits_processor_func, logits_func)
         modes = [(module, module.training) for chunk in self.model for module in chunk.modules()]
         for chunk in self.model:
@@ -371,6 +405,7 @@ class MegatronEngine:
         pre-clip global grad norm. Non-finite gradients skip the update (parameters and optimizer
         state unchanged) and count in ``num_skipped_steps``."""
         self._require_initialized()
+        self._require_onloaded("optimizer_step", "params", "grads", "optimizer")
         if self._last_distillation_use_topk:
             get_device().empty_cache()
         result = step_optimizer(self.optimizer, self.config.optimizer.clip_grad)
@@ -395,20 +430,24 @@ class MegatronEngine:
         group consumes the generator to the end, in step. ``dtype`` None: the training precision.
         Tensors may share storage with live parameters. Memory: one gathered parameter at a time."""
         self._require_initialized()
+        self._require_onloaded("per_tensor_generator", "params")
         return iter_hf_tensors(self.model, self.config, dtype=dtype)
 
     def export_hf(self, out_dir: str | os.PathLike, **kwargs: Any) -> None:
         """Collective: write the model as a Hugging Face folder (safetensors + ``config.json``, the
         tokenizer files of ``model.hf_path`` when set); ``kwargs``: ``dtype``, ``max_shard_bytes``."""
         self._require_initialized()
+        self._require_onloaded("export_hf", "params")
         export_hf(self.model, self.config, out_dir, **kwargs)
 
     # ------------------------------------------------------------------ state and checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state: model chunks, optimizer (inner state + stepped main parameters),
-        scheduler, step counters and the process-global RNG states. Memory: one copy of the
-        optimizer's main parameters; the rest references live tensors."""
+        """This rank's state in memory, for this parallel layout only (checkpoints on disk that
+        reshard: :meth:`save_checkpoint`): model chunks, optimizer (inner state + stepped main
+        parameters), scheduler, step counters and the process-global RNG states. Memory: one copy
+        of the optimizer's main parameters; the rest references live tensors."""
         self._require_initialized()
+        self._require_onloaded("state_dict", "params", "optimizer")
         return {
             "model": [chunk.module.state_dict() for chunk in self.model],
             "optimizer": optimizer_state_dict(self.optimizer),
@@ -422,26 +461,27 @@ class MegatronEngine:
         """``ValueError`` unless ``state`` (from :meth:`state_dict`) fits this engine exactly: the
         model chunks' parameter names and shapes, the optimizer's stepped parameter shapes."""
         if len(state["model"]) != len(self.model):
-            raise ValueError(f"load_checkpoint: checkpoint holds {len(state['model'])} model chunks, "
+            raise ValueError(f"load_state_dict: checkpoint holds {len(state['model'])} model chunks, "
                              f"engine has {len(self.model)}")
         for i, (chunk, chunk_state) in enumerate(zip(self.model, state["model"], strict=True)):
             ours, theirs = _shapes(chunk.module.state_dict()), _shapes(chunk_state)
             if ours != theirs:
                 diff = sorted(set(ours.items()) ^ set(theirs.items()))[:4]
-                raise ValueError(f"load_checkpoint: model chunk {i} differs from the checkpoint's "
+                raise ValueError(f"load_state_dict: model chunk {i} differs from the checkpoint's "
                                  f"(parameter names / shapes, first differences: {diff})")
         shapes = optimizer_param_shapes(self.optimizer)
         if len(shapes) != len(state["optimizer"]):
-            raise ValueError(f"load_checkpoint: checkpoint holds {len(state['optimizer'])} optimizers, "
+            raise ValueError(f"load_state_dict: checkpoint holds {len(state['optimizer'])} optimizers, "
                              f"engine has {len(shapes)}")
         for ours, saved in zip(shapes, state["optimizer"], strict=True):
             if ours != [tuple(p.shape) for p in saved["main_params"]]:
-                raise ValueError("load_checkpoint: optimizer parameter shapes differ from the checkpoint's")
+                raise ValueError("load_state_dict: optimizer parameter shapes differ from the checkpoint's")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (checked by :meth:`check_state_dict` first),
         including the process-global RNG states."""
         self._require_initialized()
+        self._require_onloaded("load_state_dict", "params", "optimizer")
         self.check_state_dict(state)
         for chunk, chunk_state in zip(self.model, state["model"], strict=True):
             chunk.module.load_state_dict(chunk_state, strict=True)
@@ -462,17 +502,28 @@ class MegatronEngine:
         return checkpoint_layout(self.config, dist.get_world_size() if dist.is_initialized() else 1)
 
     def save_checkpoint(self, path: str | None = None) -> None:
-        """Collective: write :meth:`state_dict` of every rank to folder ``path`` (default
-        ``config.checkpoint_dir``; the same shared path on every rank) atomically
-        (``mcore_engine.checkpoint``)."""
+        """Collective: write the engine state (model, optimizer, scheduler, step counters, RNG) to
+        folder ``path`` (default ``config.checkpoint_dir``; the same shared path on every rank)
+        atomically, in Megatron-Core's reshardable ``torch_dist`` format (``mcore_engine.checkpoint``)."""
         self._require_initialized()
-        save_shard(self._checkpoint_path(path), self.state_dict(), self._checkpoint_layout(),
-                   step=self.global_step, config=config_record(self.config))
+        self._require_onloaded("save_checkpoint", "params", "optimizer")
+        common = {"scheduler": self.lr_scheduler.state_dict(), "global_step": self.global_step,
+                  "num_skipped_steps": self.num_skipped_steps}
+        save_engine_checkpoint(self._checkpoint_path(path), self.model, self.optimizer, common,
+                               layout=self._checkpoint_layout(), precision=self.config.precision,
+                               config=config_record(self.config), step=self.global_step)
 
     def load_checkpoint(self, path: str | None = None) -> None:
-        """Collective: restore what ``save_checkpoint`` wrote; a torn, foreign or differently laid
-        out checkpoint raises ``ValueError`` on every rank and leaves the engine untouched."""
+        """Collective: restore what ``save_checkpoint`` wrote, at this engine's parallel layout
+        (TP / PP / DP may differ from the saving engine's; the RNG states are restored only when the
+        layout is the same). A torn checkpoint or one of another model raises ``ValueError`` on
+        every rank and leaves the engine untouched."""
         self._require_initialized()
-        state = load_shard(self._checkpoint_path(path), self._checkpoint_layout(),
-                           check=self.check_state_dict, config=config_record(self.config))
-        self.load_state_dict(state)
+        self._require_onloaded("load_checkpoint", "params", "optimizer")
+        common = load_engine_checkpoint(self._checkpoint_path(path), self.model, self.optimizer,
+                                        layout=self._checkpoint_layout(), precision=self.config.precision,
+                                        config=config_record(self.config))
+        self.lr_scheduler.num_steps = 0  # load_state_dict adds the saved step count
+        self.lr_scheduler.load_state_dict(common["scheduler"])
+        self.global_step = common["global_step"]
+        self.num_skipped_steps = common["num_skipped_steps"]

@@ -31,7 +31,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from mcore_engine.config import EngineConfig
 
 __all__ = ["StepResult", "build_optimizer", "build_scheduler", "load_optimizer_state_dict",
-           "optimizer_param_shapes", "optimizer_state_dict", "step_optimizer", "sub_optimizers"]
+           "init_optimizer_state", "optimizer_param_shapes", "optimizer_state_dict", "reset_optimizer_state",
+           "step_optimizer", "sub_optimizers"]
 
 
 def build_optimizer(cfg: EngineConfig, model_chunks: list[torch.nn.Module]) -> MegatronOptimizer:
@@ -119,6 +120,29 @@ def load_optimizer_state_dict(optimizer: MegatronOptimizer, states: list[dict[st
         sub.optimizer.load_state_dict(state["inner"])
         if "grad_scaler" in state:
             sub.grad_scaler.load_state_dict(state["grad_scaler"])
+
+
+def init_optimizer_state(optimizer: MegatronOptimizer) -> None:
+    """Give every stepped parameter without Adam state the state torch's Adam creates on its first
+    step (``step`` 0, zero moments), so Megatron's sharded state dict for loading can be built on a
+    never-stepped optimizer (the load then overwrites it)."""
+    for sub in sub_optimizers(optimizer):
+        inner = sub.optimizer
+        if inner is None:
+            continue
+        for p in _stepped_params(sub):
+            if len(inner.state[p]) == 0:
+                inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                  "exp_avg_sq": torch.zeros_like(p)}
+
+
+def reset_optimizer_state(optimizer: MegatronOptimizer) -> None:
+    """Back to a never-stepped optimizer on the current model weights: Adam state cleared, main
+    parameters copied from the model parameters."""
+    for sub in sub_optimizers(optimizer):
+        if sub.optimizer is not None:
+            sub.optimizer.state.clear()
+    optimizer.reload_model_params()
 
 
 @dataclass(frozen=True)
