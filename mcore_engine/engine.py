@@ -9,6 +9,8 @@ One step, as ``train_batch`` runs it::
                       # logits [b, s, V/tp]; with fused_lm_head the hidden states [b, s, H]
                       outputs = process_lm_head_logits(...) or process_lm_head_hidden(...)
                       loss_i, metrics_i = loss_function(outputs_flat, data_flat, ctx)
+                      # loss_convention="micro_batch": loss_function(model_output=jagged [b, j],
+                      #     data=the micro-batch's rows as given, ctx=ctx); metrics kept per micro-batch
     finalize: DP all-reduce (SUM, no averaging), embedding / layer-norm grad all-reduces
     gather_results()                      # outputs, loss, metrics: last stage -> every rank
     optimizer_step()                      # empty_cache iff top-k distillation ran; clip; step or skip
@@ -63,13 +65,17 @@ from mcore_engine.optim import (
 from mcore_engine.platform import apply_cpu_device_layer, get_device, init_distributed
 from mcore_engine.processor import process_lm_head_hidden, process_lm_head_logits
 from mcore_engine.step import (
+    LOSS_CONVENTIONS,
     MicroBatch,
     PreparedStep,
     attention_mask,
     collect_outputs,
+    gather_micro_batch_metrics,
     gather_results,
     loss_data,
     micro_batch_iterator,
+    micro_batch_loss_result,
+    micro_batch_outputs,
     prepare_step,
 )
 
@@ -109,6 +115,7 @@ class _Pass:
     builtin_outputs: bool
     guard: LossGuard
     needs_grad: bool
+    loss_convention: str = "flat"
 
 
 class MegatronEngine:
@@ -207,14 +214,16 @@ class MegatronEngine:
                                   calculate_sum_pi_squared: bool, calculate_entropy: bool,
                                   distillation_use_topk: bool, distillation_only: bool,
                                   logits_processor_func: Callable | None = None, batch: Any = None,
-                                  data_format: str = "thd") -> dict[str, torch.Tensor]:
+                                  data_format: str = "thd", log_prob_min_clamp: float | None = None
+                                  ) -> dict[str, torch.Tensor]:
         """``process_lm_head_logits`` on this rank's logits ``[..., V/tp]`` with the true vocab size
         (padded ids get no mass) and ``config.logits_chunk_size``."""
         return process_lm_head_logits(
             logits, label, temperature, calculate_sum_pi_squared=calculate_sum_pi_squared,
             calculate_entropy=calculate_entropy, distillation_use_topk=distillation_use_topk,
             distillation_only=distillation_only, logits_processor_func=logits_processor_func,
-            batch=batch, data_format=data_format, vocab_size=self.config.model.vocab_size,
+            batch=batch, data_format=data_format, log_prob_min_clamp=log_prob_min_clamp,
+            vocab_size=self.config.model.vocab_size,
             chunk_size=self.config.logits_chunk_size)
 
     def _lm_head_outputs(self, model: torch.nn.Module, output: torch.Tensor, label: torch.Tensor | None,
@@ -230,8 +239,10 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ one pass of the schedule
     def _prepare(self, batch: TensorDictBase, logits_processor_func: Callable | None,
-                 logits_func: Callable | None = None) -> PreparedStep:
+                 logits_func: Callable | None = None, loss_convention: str = "flat") -> PreparedStep:
         self._require_initialized()
+        if loss_convention not in LOSS_CONVENTIONS:
+            raise ValueError(f"loss_convention must be one of {LOSS_CONVENTIONS}, got {loss_convention!r}")
         for name, func in (("logits_processor_func", logits_processor_func), ("logits_func", logits_func)):
             if self.config.model.fused_lm_head and func is not None:
                 raise ValueError(f"{name} needs the logits, which model.fused_lm_head=True never builds; "
@@ -248,7 +259,8 @@ class MegatronEngine:
             common_shape=self._interleaved)
 
     def _outputs_and_loss(self, run: _Pass, mb: MicroBatch, model: torch.nn.Module, output: torch.Tensor):
-        """``(loss_function's result, detached outputs)`` of one micro-batch (run by the guard)."""
+        """``(loss_function's result, (detached outputs, micro_batch metrics or None))`` of one
+        micro-batch (run by the guard)."""
         inp, flags, fmt = mb.inputs, run.step.flags, self.config.data_format
         teacher = {"teacher_ids": inp.teacher_ids, "teacher_logprobs": inp.teacher_logprobs}
         outputs = {}
@@ -257,22 +269,30 @@ class MegatronEngine:
                 model, output, inp.labels, inp.temperature, calculate_entropy=flags.calculate_entropy,
                 calculate_sum_pi_squared=flags.calculate_sum_pi_squared,
                 distillation_use_topk=flags.distillation_use_topk, distillation_only=flags.distillation_only,
-                logits_processor_func=run.logits_processor_func, batch=teacher, data_format=fmt)
+                logits_processor_func=run.logits_processor_func, batch=teacher, data_format=fmt,
+                log_prob_min_clamp=flags.distillation_log_prob_min_clamp)
         if run.logits_func is not None:
             outputs = _merge_logits_func(outputs, run.logits_func(
                 student_logits=scale_logits_by_temperature(output, inp.temperature), data=teacher,
                 data_format=fmt))
         kept = {k: v.detach() for k, v in outputs.items()}
+        by_micro_batch = run.loss_convention == "micro_batch"
         if run.loss_function is None:
-            return (output.new_zeros((), dtype=torch.float32), {}), kept
+            return (output.new_zeros((), dtype=torch.float32), {}), (kept, {} if by_micro_batch else None)
+        if by_micro_batch:
+            result, metrics = micro_batch_loss_result(run.loss_function(
+                model_output=micro_batch_outputs(outputs, mb), data=mb.data, ctx=run.step.ctx))
+            return result, (kept, metrics)
         flat = {k: v.reshape(-1) for k, v in outputs.items()}
-        return run.loss_function(flat, loss_data(mb), run.step.ctx), kept
+        return run.loss_function(flat, loss_data(mb), run.step.ctx), (kept, None)
 
     def _loss_func(self, run: _Pass, mb: MicroBatch, model: torch.nn.Module, output: torch.Tensor):
         """Megatron's loss callback: ``(loss, num_tokens, record for gather_results)``."""
-        loss, metrics, kept = run.guard.run(partial(self._outputs_and_loss, run, mb, model, output), output,
-                                            needs_grad=run.needs_grad)
-        record = {"index": mb.index, "loss": loss.detach(), "metrics": metrics, "outputs": kept}
+        loss, metrics, extra = run.guard.run(partial(self._outputs_and_loss, run, mb, model, output), output,
+                                             needs_grad=run.needs_grad)
+        kept, raw = extra if extra is not None else (None, None)
+        record = {"index": mb.index, "loss": loss.detach(), "metrics": metrics, "outputs": kept,
+                  "raw_metrics": raw}
         return loss, mb.inputs.loss_mask.sum().to(torch.int), record
 
     def _forward_step(self, run: _Pass, data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
@@ -285,13 +305,13 @@ class MegatronEngine:
 
     def _run(self, step: PreparedStep, loss_function: LossFunction | None, forward_only: bool,
              logits_processor_func: Callable | None, logits_func: Callable | None = None,
-             builtin_outputs: bool = True) -> TensorDict:
+             builtin_outputs: bool = True, loss_convention: str = "flat") -> TensorDict:
         """Run the schedule over ``step``'s micro-batches; the outputs, loss and metrics on every rank."""
         if not forward_only:  # optimizer_step's empty_cache hook follows the last pass with gradients
             self._last_distillation_use_topk = step.flags.distillation_use_topk
         run = _Pass(step=step, loss_function=loss_function, logits_processor_func=logits_processor_func,
                     logits_func=logits_func, builtin_outputs=builtin_outputs, guard=LossGuard(),
-                    needs_grad=not forward_only and torch.is_grad_enabled())
+                    needs_grad=not forward_only and torch.is_grad_enabled(), loss_convention=loss_convention)
         iterators = [micro_batch_iterator(step) for _ in self.model]
         store = get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, run),
@@ -316,12 +336,18 @@ class MegatronEngine:
             out.set(key, value)
         out.set_non_tensor("loss", loss)
         out.set_non_tensor("metrics", metrics)
+        if loss_convention == "micro_batch":
+            out.set_non_tensor("micro_batch_metrics", gather_micro_batch_metrics(
+                store, num_micro_batches=len(step.micro_batches),
+                pp_group=parallel_state.get_pipeline_model_parallel_group(),
+                pp_last_rank=parallel_state.get_pipeline_model_parallel_last_rank()))
         return out
 
     # ------------------------------------------------------------------ public steps
     def forward_backward_batch(self, batch: TensorDictBase, loss_function: LossFunction | None,
                                forward_only: bool = False, *,
-                               logits_processor_func: Callable | None = None) -> TensorDict:
+                               logits_processor_func: Callable | None = None,
+                               loss_convention: str = "flat") -> TensorDict:
         """Forward (and backward unless ``forward_only``) over all micro-batches of ``batch``.
 
         Gradients accumulate into the DDP grad buffers (``train_batch`` zeroes them first). Returns
@@ -334,12 +360,26 @@ class MegatronEngine:
         ``(floating 0-d loss requiring grad, {name: number or one-element tensor})``, fails the step
         on every rank once the schedule has ended (``mcore_engine.loss_guard``); the grad buffers
         are then zeroed, parameters and optimizer state unchanged.
+
+        ``loss_convention`` says how ``loss_function`` is called, once per micro-batch:
+
+        - ``"flat"``: ``loss_function(outputs, data, ctx)`` with ``outputs[k]`` and the per-token
+          fields of ``data`` flat ``[T]`` in packed slot order (``step.loss_data``);
+        - ``"micro_batch"`` (verl's convention): ``loss_function(model_output=..., data=..., ctx=...)``
+          with ``model_output[k]`` in the layout of the micro-batch's ``input_ids`` (jagged ``[b, j]``
+          in micro-batch order) and ``data`` the micro-batch's slice of ``batch`` as given (dense
+          per-sample fields and non-tensor entries included). The loss is a contribution as in
+          ``"flat"``; ``metrics`` may hold anything (verl's ``Metric`` objects, lists): it is never
+          summed but returned per micro-batch as the non-tensor ``micro_batch_metrics`` (a list in
+          micro-batch order, this DP rank's, tensors detached); ``metrics`` then holds no loss
+          metrics.
         """
         if loss_function is None and not forward_only:
             raise ValueError("forward_backward_batch: loss_function=None needs forward_only=True")
         self._require_onloaded("forward_backward_batch", "params", *(() if forward_only else ("grads",)))
-        step = self._prepare(batch, logits_processor_func)
-        return self._run(step, loss_function, forward_only, logits_processor_func)
+        step = self._prepare(batch, logits_processor_func, loss_convention=loss_convention)
+        return self._run(step, loss_function, forward_only, logits_processor_func,
+                         loss_convention=loss_convention)
 
     def zero_grad(self) -> None:
         """Zero the DDP grad buffers and the optimizer's main grads."""
@@ -349,16 +389,18 @@ class MegatronEngine:
         self.optimizer.zero_grad()
 
     def train_batch(self, batch: TensorDictBase, loss_function: LossFunction, *,
-                    logits_processor_func: Callable | None = None) -> TensorDict:
+                    logits_processor_func: Callable | None = None,
+                    loss_convention: str = "flat") -> TensorDict:
         """Validate -> zero_grad -> forward_backward_batch -> optimizer_step. A bad batch raises
         ``ValueError`` before any gradient or parameter changes. The metrics gain ``grad_norm``,
-        ``update_skipped`` (1.0 when non-finite gradients skipped the update) and ``lr``."""
+        ``update_skipped`` (1.0 when non-finite gradients skipped the update) and ``lr``.
+        ``loss_convention``: see :meth:`forward_backward_batch`."""
         self._require_onloaded("train_batch", "params", "grads", "optimizer")
-        step = self._prepare(batch, logits_processor_func)
+        step = self._prepare(batch, logits_processor_func, loss_convention=loss_convention)
         for chunk in self.model:
             chunk.train()
         self.zero_grad()
-        out = self._run(step, loss_function, False, logits_processor_func)
+        out = self._run(step, loss_function, False, logits_processor_func, loss_convention=loss_convention)
         skipped_before = self.num_skipped_steps
         grad_norm = self.optimizer_step()
         metrics = dict(out.get_non_tensor("metrics"))
@@ -371,7 +413,7 @@ class MegatronEngine:
     @torch.no_grad()
     def infer_batch(self, batch: TensorDictBase, loss_function: LossFunction | None = None, *,
                     logits_processor_func: Callable | None = None, logits_func: Callable | None = None,
-                    builtin_outputs: bool = True) -> TensorDict:
+                    builtin_outputs: bool = True, loss_convention: str = "flat") -> TensorDict:
         """Forward only, under ``no_grad`` and eval mode (each module's mode restored afterwards):
         per-token outputs in the layout of ``input_ids``. Leaves gradients and the ``empty_cache``
         hook alone.
@@ -384,16 +426,18 @@ class MegatronEngine:
 
         and its per-token tensors (``student_logits.shape[:-1]`` plus trailing dims) are merged into
         the outputs; a key clash with a built-in output is a ``ValueError``. ``builtin_outputs=False``
-        computes only ``logits_func``'s outputs (then required)."""
+        computes only ``logits_func``'s outputs (then required). ``loss_convention``: see
+        :meth:`forward_backward_batch`."""
         if not builtin_outputs and logits_func is None:
             raise ValueError("infer_batch: builtin_outputs=False needs a logits_func (nothing to compute)")
         self._require_onloaded("infer_batch", "params")
-        step = self._prepare(batch, logits_processor_func, logits_func)
+        step = self._prepare(batch, logits_processor_func, logits_func, loss_convention)
         modes = [(module, module.training) for chunk in self.model for module in chunk.modules()]
         for chunk in self.model:
             chunk.eval()
         try:
-            return self._run(step, loss_function, True, logits_processor_func, logits_func, builtin_outputs)
+            return self._run(step, loss_function, True, logits_processor_func, logits_func, builtin_outputs,
+                             loss_convention)
         finally:
             for module, training in modes:
                 module.training = training

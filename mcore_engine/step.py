@@ -25,7 +25,7 @@ rebuilt per micro-batch by :func:`attention_mask` (one alive at a time; thd need
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +39,11 @@ from mcore_engine.data.packing import ModelInputs, flatten_per_token, pack_micro
 from mcore_engine.data.validation import validate_batch
 from mcore_engine.losses.context import LossContext
 
-__all__ = ["MicroBatch", "PreparedStep", "attention_mask", "collect_outputs", "gather_results",
-           "micro_batch_iterator", "pad_inputs", "prepare_step"]
+__all__ = ["LOSS_CONVENTIONS", "MicroBatch", "PreparedStep", "attention_mask", "collect_outputs",
+           "gather_micro_batch_metrics", "gather_results", "micro_batch_iterator", "micro_batch_loss_result",
+           "micro_batch_outputs", "pad_inputs", "prepare_step"]
+
+LOSS_CONVENTIONS = ("flat", "micro_batch")
 
 
 @dataclass(frozen=True)
@@ -231,6 +234,41 @@ def micro_batch_iterator(step: PreparedStep) -> Iterator[MicroBatch]:
 def loss_data(mb: MicroBatch) -> TensorDict:
     """The loss function's ``data``: the micro-batch's per-token fields flat ``[T]`` in packed order."""
     return flatten_per_token(mb.data, mb.inputs, sample_ids=mb.sample_ids)
+
+
+def micro_batch_outputs(outputs: dict[str, torch.Tensor], mb: MicroBatch) -> dict[str, torch.Tensor]:
+    """The ``"micro_batch"`` loss's ``model_output``: each per-token output in the layout of the
+    micro-batch's ``input_ids`` (jagged ``[b, j, ...]`` or padded ``[b, S, ...]``, micro-batch order).
+    Differentiable; one ``[N, ...]`` copy per output."""
+    return {key: unpack_per_token(value, mb.inputs) for key, value in outputs.items()}
+
+
+def micro_batch_loss_result(result: Any) -> tuple[tuple[Any, dict], dict[str, Any]]:
+    """Split a ``"micro_batch"`` loss's ``(loss, metrics)`` into ``((loss, {}), metrics)``: the loss
+    goes through ``check_loss_result``, the metrics are kept as given (tensor values detached), never
+    summed. ``ValueError`` unless ``result`` is a pair and ``metrics`` a mapping with str keys."""
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise ValueError(f"loss_function must return (loss, metrics), got {type(result).__name__}")
+    loss, metrics = result
+    if not isinstance(metrics, Mapping) or not all(isinstance(k, str) for k in metrics):
+        raise ValueError(f"loss_function's metrics must be a dict with str keys, got {metrics!r:.80}")
+    kept = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
+    return (loss, {}), kept
+
+
+def gather_micro_batch_metrics(store: list[dict[str, Any]], *, num_micro_batches: int, pp_group: Any,
+                               pp_last_rank: int) -> list[dict[str, Any]]:
+    """The ``"micro_batch"`` loss's metrics, one dict per micro-batch in micro-batch order (this DP
+    rank's), from the last stage's ``store`` (records with ``raw_metrics``); with PP > 1 the last
+    stage sends them to the other stages (one object broadcast)."""
+    metrics = [r["raw_metrics"] for r in sorted(store, key=lambda r: r["index"])]
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        box = [metrics]
+        dist.broadcast_object_list(box, src=pp_last_rank, group=pp_group)
+        metrics = box[0]
+    if len(metrics) != num_micro_batches:
+        raise RuntimeError(f"{len(metrics)} micro-batch metric records for {num_micro_batches} micro-batches")
+    return metrics
 
 
 def collect_outputs(step: PreparedStep, per_mb: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

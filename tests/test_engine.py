@@ -509,6 +509,91 @@ def _check_lr_schedule_warms_up_from_zero(s: _Setup) -> None:
     assert all(abs(a - b) < 1e-12 for a, b in zip(lrs, expected, strict=True)), lrs
 
 
+def _mb_policy_loss(model_output, data, ctx, *, seen: list):
+    """policy_loss on the "micro_batch" convention: jagged outputs, the user's own rows (its
+    loss_mask, which does not yet mask each sequence's last output), metrics no engine can sum."""
+    log_probs = model_output["log_probs"]
+    mask = data["loss_mask"].values().float().clone()
+    mask[log_probs.offsets()[1:] - 1] = 0.0
+    per_token = -data["advantages"].values() * log_probs.values() + 0.05 * model_output["entropy"].values()
+    seen.append((data["row_id"].clone(), data.get_non_tensor("temperature"), float(ctx.global_num_tokens)))
+    return (per_token * mask).sum() / ctx.global_num_tokens, {"tokens": [float(mask.sum())], "tag": object}
+
+
+def _verl_like(batch, seed: int):
+    """``batch``'s ids with verl's dense response mask ``[B, R]`` and left-right padded
+    ``attention_mask`` instead of a loss_mask; plus the output-aligned mask it means (a loop)."""
+    from tensordict import TensorDict
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = batch["input_ids"].offsets().diff().tolist()
+    resp = [n // 2 for n in lengths]
+    width_p, width_r = max(n - r for n, r in zip(lengths, resp, strict=True)), max(resp)
+    mask = torch.zeros(len(lengths), width_r)
+    attention = torch.zeros(len(lengths), width_p + width_r, dtype=torch.bool)
+    rows = []
+    for i, (n, r) in enumerate(zip(lengths, resp, strict=True)):
+        mask[i, :r] = (torch.rand(r, generator=g) > 0.3).float()
+        attention[i, width_p - (n - r): width_p + r] = True
+        row = torch.zeros(n)
+        row[n - r - 1: n - 1] = mask[i, :r]
+        rows.append(row)
+    out = TensorDict({"input_ids": batch["input_ids"], "response_mask": mask, "attention_mask": attention},
+                     batch_size=batch.batch_size)
+    out.set_non_tensor("temperature", batch.get_non_tensor("temperature"))
+    return out, torch.nested.nested_tensor(rows, layout=torch.jagged)
+
+
+@_check
+def _check_micro_batch_loss_convention(s: _Setup) -> None:
+    """loss_convention="micro_batch" gives the reference step for the same loss written on jagged
+    outputs and the user's rows (a dense field and the flags reach it in micro-batch order); its
+    metrics come back per micro-batch, unsummed; a dense response mask gives the loss mask (the
+    global token count); the clamp flag reaches the built-in top-k KL; errors name the problem."""
+    from mcore_engine.losses import make_forward_kl_topk
+
+    batch, seen = s.batch.clone(), []
+    batch.set("row_id", torch.arange(7.0))  # a dense per-sample field
+    engine = s.restored()
+    out = engine.train_batch(batch, partial(_mb_policy_loss, seen=seen), loss_convention="micro_batch")
+    s.same_step("micro_batch convention", out, engine)
+    assert torch.equal(torch.cat([row_ids for row_ids, _, _ in seen]), torch.arange(7.0))
+    assert {t for _, t, _ in seen} == {0.7} and len(seen) == 4
+    per_mb = out.get_non_tensor("micro_batch_metrics")
+    assert len(per_mb) == 4 and all(m["tag"] is object for m in per_mb)
+    tokens = float(sum(row[:-1].sum() for row in s.batch["loss_mask"].unbind()))  # last outputs: none
+    assert sum(m["tokens"][0] for m in per_mb) == tokens == seen[0][2]
+    assert set(out.get_non_tensor("metrics")) == {"grad_norm", "update_skipped", "lr"}
+
+    verl_like, mask = _verl_like(s.batch, seed=4)
+    seen.clear()
+    record = lambda model_output, data, ctx: seen.append(  # noqa: E731
+        (float(ctx.global_num_tokens), tuple(data["response_mask"].shape))) or (ctx.global_num_tokens * 0, {})
+    got = engine.infer_batch(verl_like, record, loss_convention="micro_batch")
+    assert seen[0][0] == float(mask.values().sum()) and seen[0][1] == (2, verl_like["response_mask"].shape[1])
+    assert_rel_close(flat_values(got["log_probs"]), flat_values(engine.infer_batch(s.batch)["log_probs"]),
+                     TOL, "outputs beside a response mask")
+
+    teach = make_batch(10, 5, teacher_k=4, distillation_use_topk=True)
+    plain = flat_values(engine.infer_batch(teach)["distillation_losses"])
+    custom = flat_values(engine.infer_batch(teach, logits_processor_func=make_forward_kl_topk(
+        vocab_size=250, log_prob_min_clamp=-2.0))["distillation_losses"])
+    teach.set_non_tensor("distillation_log_prob_min_clamp", -2.0)
+    clamped = flat_values(engine.infer_batch(teach)["distillation_losses"])
+    assert_rel_close(clamped, custom, TOL, "clamp flag vs a clamped custom processor")
+    assert not torch.allclose(clamped, plain), "the clamp did not bind"
+
+    before = _state(engine)
+    message = _expect_value_error(partial(engine.train_batch, batch, _mb_policy_loss,
+                                          loss_convention="dense"), "bad convention")
+    assert "loss_convention" in message, message
+    bad = lambda model_output, data, ctx: (model_output["log_probs"].values().sum(), [1.0])  # noqa: E731
+    message = _expect_value_error(partial(engine.train_batch, batch, bad, loss_convention="micro_batch"),
+                                  "metrics not a dict")
+    assert "metrics must be a dict" in message, message
+    _assert_same_state(before, _state(engine), "refused micro_batch losses", grads=False)
+
+
 def _single_rank(rank: int, world_size: int, tmp: str) -> None:
     """Run every check, recording ``"ok"`` or its traceback by name in ``tmp/results.json``."""
     results: dict[str, str] = {}

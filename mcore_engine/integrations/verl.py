@@ -11,17 +11,19 @@ engine cannot honour; the fields in :data:`NOT_APPLICABLE` have no meaning for t
 
 Batches arrive as verl builds them (``left_right_2_no_padding``): jagged ``input_ids`` /
 ``position_ids`` ``[B, j]``, dense ``response_mask`` / ``loss_mask`` ``[B, R]``, dense per-sample
-fields (``prompts``, ``responses``, ``old_log_probs``, ``advantages`` ...), non-tensor flags.
-:class:`VerlLossBridge` is the one place that converts between verl's loss convention and the
-core's (see its docstring). verl's normalisation is kept: ``batch_num_tokens`` (``loss_mask`` summed
-over the data-parallel group) and ``dp_size`` are set on the batch before the step, and since the
-core sums gradients over micro-batches and DP ranks without averaging, each micro-batch's verl loss
-``L_i`` enters the core as ``L_i / dp_size`` (verl's Megatron engine gets the same gradient from
+fields (``prompts``, ``responses``, ``old_log_probs``, ``advantages`` ...), non-tensor flags; they go
+to the core as they are, on its ``loss_convention="micro_batch"`` (the core derives the next-token
+loss mask from the dense response mask and hands verl's loss its own micro-batch rows and jagged
+outputs). :class:`VerlLossBridge` keeps verl's normalisation: ``batch_num_tokens`` (``loss_mask``
+summed over the data-parallel group) and ``dp_size`` are set on the batch before the step, and since
+the core sums gradients over micro-batches and DP ranks without averaging, each micro-batch's verl
+loss ``L_i`` enters the core as ``L_i / dp_size`` (verl's Megatron engine gets the same gradient from
 ``L_i * num_micro_batch`` under Megatron's ``1 / num_micro_batch`` and DP averaging).
 
-Top-k distillation runs the core's chunked top-k forward KL (``mcore_engine.ops``) instead of calling
-verl's loss as a logits processor; ``log_prob_min_clamp`` is taken from the loss function's
-``distillation_config`` when it is a ``functools.partial`` of verl's ``distillation_ppo_loss``.
+Top-k distillation runs the core's built-in chunked top-k forward KL (``mcore_engine.ops``) instead of
+calling verl's loss as a logits processor; ``log_prob_min_clamp`` of a ``functools.partial`` of
+verl's ``distillation_ppo_loss`` (its ``distillation_config.distillation_loss``) becomes the batch
+flag ``distillation_log_prob_min_clamp``.
 """
 
 from __future__ import annotations
@@ -240,154 +242,49 @@ def _optimizer_from_verl(o: Any, e: Any) -> CoreOptimizerConfig:
 
 
 # ---------------------------------------------------------------------------------- loss conversion
-def _as_bool(data: TensorDict, key: str, default: bool = False) -> bool:
-    value = tu.get_non_tensor_data(data, key, default)
-    return bool(value.item() if hasattr(value, "item") else value)
-
-
-def _lengths(t: torch.Tensor) -> torch.Tensor:
-    return t.offsets().diff()
-
-
-def _prompt_response_lengths(data: TensorDict) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Per-sample prompt and response lengths as ``no_padding_2_padding`` reads them."""
-    if "prompts" not in data.keys() or "responses" not in data.keys():
-        return None
-    prompts, responses = data["prompts"], data["responses"]
-    if prompts.is_nested:
-        return _lengths(prompts), _lengths(responses)
-    mask = data["attention_mask"]
-    width = prompts.shape[1]
-    return mask[:, :width].sum(1), mask[:, width:].sum(1)
-
-
-def next_token_loss_mask(data: TensorDict) -> torch.Tensor:
-    """The core's jagged ``loss_mask [B, j]`` for verl's batch: entry t masks the output at position
-    t, which is about token t + 1. Dense ``[B, R]`` response masks (RL batches) land on positions
-    ``L - R - 1 ... L - 2``; a jagged full-length mask (SFT batches) is shifted left by one."""
-    ids = data["input_ids"]
-    offsets = ids.offsets()
-    total = int(offsets[-1])
-    mask = data["loss_mask"] if "loss_mask" in data.keys() else data["response_mask"]
-    flat = torch.zeros(total, dtype=torch.float32, device=ids.values().device)
-    if mask.is_nested and torch.equal(_lengths(mask).cpu(), _lengths(ids).cpu()):
-        values = mask.values().to(flat)
-        flat[:-1] = values[1:]
-        flat[(offsets[1:] - 1).to(flat.device)] = 0.0
-    else:
-        lens = _prompt_response_lengths(data)
-        dense = mask.to_padded_tensor(0) if mask.is_nested else mask
-        if lens is None:
-            raise ValueError("loss_mask: a [B, R] response mask needs 'prompts' and 'responses' in the batch")
-        _, resp = lens
-        resp = resp.to(flat.device)
-        width = dense.shape[1]
-        cols = torch.arange(width, device=flat.device)
-        valid = cols[None, :] < resp[:, None]
-        pos = (offsets[1:].to(flat.device) - resp - 1)[:, None] + cols[None, :]
-        flat[pos[valid]] = dense.to(flat)[valid]
-    return torch.nested.nested_tensor_from_jagged(flat, offsets)
+def _flag(data: TensorDict, key: str, default: Any = False) -> Any:
+    return tu.get_non_tensor_data(data, key, default)
 
 
 class VerlLossBridge:
-    """Runs a verl loss function inside the core's step: the one verl <-> core conversion.
+    """A verl loss function on the core's ``loss_convention="micro_batch"``: verl's normalisation and
+    result format, nothing else.
 
-    Core side: the core calls ``bridge(outputs, data, ctx)`` once per micro-batch with flat ``[T]``
-    outputs and per-token data in packed slot order. The bridge rebuilds what verl's loss functions
-    take, ``loss_function(model_output=..., data=micro_batch, dp_group=...)``:
-
-    - ``model_output``: each output as a jagged ``[b, j]`` tensor (the micro-batch's sequences in
-      micro-batch order), built from the packed slots through the per-token ``verl_row`` field
-      (local sample index + 1, 0 on padding slots) that :meth:`core_batch` adds;
-    - ``micro_batch``: those rows of verl's batch (``tu.index_select_tensor_dict``: dense ``[B, R]``
-      fields, jagged fields and the non-tensor entries, ``batch_num_tokens`` / ``dp_size`` included).
-
-    It returns ``L_i / dp_size`` to the core (module docstring) and records verl's results: the loss
-    list (``L_i.item()`` per micro-batch, schedule order) and the metrics (``append_to_dict``).
-    With ``loss_function=None`` (inference) it records loss 1.0 per micro-batch, as verl's Megatron
-    engine does. Memory: one jagged view per output and one index-selected micro-batch at a time.
+    The core calls ``bridge(model_output=..., data=micro_batch, ctx=...)`` once per micro-batch with
+    the outputs as jagged ``[b, j]`` tensors and verl's own rows of the batch (dense ``[b, R]`` fields,
+    jagged fields, the non-tensor entries, ``batch_num_tokens`` / ``dp_size`` included). The bridge
+    calls ``loss_function(model_output=..., data=micro_batch, dp_group=...)``, records ``L_i.item()``
+    and returns ``L_i / dp_size`` to the core (module docstring) with verl's metrics, which the core
+    hands back per micro-batch (``micro_batch_metrics``) for :meth:`results`.
     """
 
-    def __init__(self, data: TensorDict, loss_function: Callable | None, *, dp_size: int,
-                 dp_group: Any) -> None:
-        self.data = data
+    def __init__(self, loss_function: Callable, *, dp_size: int, dp_group: Any) -> None:
         self.loss_function = loss_function
         self.dp_size = dp_size
         self.dp_group = dp_group
         self.losses: list[float] = []
-        self.metrics: dict[str, list] = {}
 
-    def core_batch(self, *, vocab_size: int | None = None) -> TensorDict:
-        """The core's batch for verl's ``data``: jagged inputs, next-token ``loss_mask``, teacher
-        tensors, ``temperature``, ``verl_row`` and the flags as Python bools / ints."""
-        data = self.data
-        ids = data["input_ids"]
-        if not ids.is_nested:
-            raise ValueError("input_ids: verl batches must be jagged (left_right_2_no_padding)")
-        lengths = _lengths(ids)
-        b = data.batch_size[0]
-        rows = torch.repeat_interleave(torch.arange(1, b + 1, device=lengths.device), lengths)
-        fields: dict[str, torch.Tensor] = {
-            "input_ids": ids,
-            "loss_mask": next_token_loss_mask(data),
-            "verl_row": torch.nested.nested_tensor_from_jagged(rows.to(ids.values().device), ids.offsets()),
-        }
-        if "position_ids" in data.keys():
-            pos = data["position_ids"]
-            if pos.dim() != 2:
-                raise ValueError(f"position_ids: 3-d (multimodal RoPE) position ids are not supported, "
-                                 f"got {pos.dim()} dims")
-            fields["position_ids"] = pos
-        for key in ("teacher_ids", "teacher_logprobs"):
-            if key in data.keys():
-                fields[key] = data[key]
-        core = TensorDict(fields, batch_size=[b])
-        if "temperature" in data.keys():
-            t = data.get("temperature")
-            if isinstance(t, torch.Tensor):  # per-sample [B] (non-tensor entries are not tensors)
-                core.set("temperature", t.reshape(b).to(torch.float32))
-            else:
-                value = tu.get_non_tensor_data(data, "temperature", 1.0)
-                core.set_non_tensor("temperature", value.item() if hasattr(value, "item") else value)
-        for key in ("calculate_entropy", "calculate_sum_pi_squared", "distillation_use_topk",
-                    "distillation_only", "use_dynamic_bsz"):
-            core.set_non_tensor(key, _as_bool(data, key))
-        for key in ("micro_batch_size_per_gpu", "max_token_len_per_gpu"):
-            value = tu.get_non_tensor_data(data, key, None)
-            if value is not None:
-                core.set_non_tensor(key, int(value))
-        return core
-
-    def __call__(self, outputs: dict[str, torch.Tensor], data: TensorDict, ctx: Any
-                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        rows = data["verl_row"]
-        slots = torch.nonzero(rows > 0).squeeze(-1)
-        sample = rows[slots] - 1
-        starts = torch.ones_like(sample, dtype=torch.bool)
-        starts[1:] = sample[1:] != sample[:-1]
-        samples = sample[starts]
-        first = torch.nonzero(starts).squeeze(-1)
-        offsets = torch.cat([first, first.new_tensor([sample.numel()])])
-        anchor = next(iter(outputs.values()), None)
-        if self.loss_function is None:
-            self.losses.append(1.0)
-            zero = anchor.sum() * 0.0 if anchor is not None else torch.zeros(())
-            return zero, {}
-        model_output = {key: torch.nested.nested_tensor_from_jagged(value[slots], offsets)
-                        for key, value in outputs.items()}
-        micro_batch = tu.index_select_tensor_dict(self.data, samples.cpu())
-        loss, metrics = self.loss_function(model_output=model_output, data=micro_batch,
-                                           dp_group=self.dp_group)
+    def __call__(self, model_output: dict[str, torch.Tensor], data: TensorDict, ctx: Any
+                 ) -> tuple[torch.Tensor, dict[str, Any]]:
+        loss, metrics = self.loss_function(model_output=model_output, data=data, dp_group=self.dp_group)
         if not isinstance(loss, torch.Tensor):
-            loss = torch.as_tensor(float(loss), dtype=torch.float32, device=slots.device)
+            loss = torch.as_tensor(float(loss), dtype=torch.float32)
         self.losses.append(loss.detach().item())
-        append_to_dict(self.metrics, metrics)
-        return loss / self.dp_size, {}
+        return loss / self.dp_size, metrics
 
-    def results(self, out: TensorDict) -> dict[str, Any]:
-        """verl's ``{"model_output": {key: jagged [B, j]}, "loss": [...], "metrics": {key: [...]}}``."""
-        model_output = {key: out.get(key) for key in out.keys() if key not in ("loss", "metrics")}
-        return {"model_output": model_output, "loss": list(self.losses), "metrics": dict(self.metrics)}
+
+def verl_results(out: TensorDict, losses: list[float] | None) -> dict[str, Any]:
+    """verl's ``{"model_output": {key: jagged [B, j]}, "loss": [...], "metrics": {key: [...]}}`` from
+    the core's result; ``losses`` None (no loss function): 1.0 per micro-batch, as verl's Megatron
+    engine reports."""
+    per_micro_batch = out.get_non_tensor("micro_batch_metrics")
+    metrics: dict[str, list] = {}
+    for entry in per_micro_batch:
+        append_to_dict(metrics, entry)
+    model_output = {key: out.get(key) for key in out.keys()
+                    if key not in ("loss", "metrics", "micro_batch_metrics")}
+    loss = list(losses) if losses is not None else [1.0] * len(per_micro_batch)
+    return {"model_output": model_output, "loss": loss, "metrics": metrics}
 
 
 def _topk_clamp(loss_function: Callable | None) -> float | None:
@@ -515,15 +412,16 @@ class McoreEngineVerl(BaseEngine):
     # --- the step
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable | None,
                                forward_only: bool = False) -> dict[str, Any]:
-        """verl's semantics on the core's step (module docstring): sets ``batch_num_tokens``,
-        ``dp_size`` and ``sp_size`` on ``data``, runs every micro-batch through the core with
-        :class:`VerlLossBridge`, returns verl's result dict on the last pipeline stage."""
+        """verl's semantics on the core's ``loss_convention="micro_batch"`` (module docstring): sets
+        ``batch_num_tokens``, ``dp_size`` and ``sp_size`` (and ``distillation_log_prob_min_clamp``
+        from a verl distillation loss) on ``data``, hands ``data`` itself to the core, returns
+        verl's result dict on the last pipeline stage."""
         from megatron.core import parallel_state
 
-        pad_mode = tu.get_non_tensor_data(data, "pad_mode", None)
+        pad_mode = _flag(data, "pad_mode", None)
         if pad_mode is not None and str(getattr(pad_mode, "value", pad_mode)).lower() != "no_padding":
             raise ValueError(f"pad_mode={pad_mode!r}: only verl's no-padding batches are supported")
-        fused = tu.get_non_tensor_data(data, "use_fused_kernels", self.config.model.fused_lm_head)
+        fused = _flag(data, "use_fused_kernels", self.config.model.fused_lm_head)
         if bool(fused) != bool(self.config.model.fused_lm_head):
             raise ValueError(f"use_fused_kernels={fused!r} on the batch must match "
                              "engine_config.use_fused_kernels")
@@ -534,29 +432,19 @@ class McoreEngineVerl(BaseEngine):
         if dp_size > 1:
             dist.all_reduce(num_tokens, group=group)
         tu.assign_non_tensor(data, batch_num_tokens=int(num_tokens.item()), dp_size=dp_size, sp_size=1)
-        bridge = VerlLossBridge(data, loss_function, dp_size=dp_size, dp_group=group)
-        core = bridge.core_batch()
-        processor = None
         clamp = _topk_clamp(loss_function)
-        if _as_bool(data, "distillation_use_topk") and clamp is not None:
-            processor = self._topk_processor(clamp)
-        out = self.engine.forward_backward_batch(core, bridge, forward_only, logits_processor_func=processor)
+        if clamp is not None:
+            tu.assign_non_tensor(data, distillation_log_prob_min_clamp=clamp)
+        temperature = data.get("temperature") if "temperature" in data.keys() else None
+        if isinstance(temperature, torch.Tensor) and temperature.shape != data.batch_size:
+            data = data.copy()  # shallow: a per-sample [B, 1] temperature as the core's [B]
+            data.set("temperature", temperature.reshape(data.batch_size).to(torch.float32))
+        bridge = None if loss_function is None else VerlLossBridge(loss_function, dp_size=dp_size,
+                                                                    dp_group=group)
+        out = self.engine.forward_backward_batch(data, bridge, forward_only, loss_convention="micro_batch")
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             return {}
-        return bridge.results(out)
-
-    def _topk_processor(self, clamp: float) -> Callable:
-        from mcore_engine.ops import vocab_parallel_forward_kl_topk
-
-        cfg = self.config
-
-        def topk_kl(student_logits, data, data_format):
-            out = vocab_parallel_forward_kl_topk(
-                student_logits, data["teacher_ids"], data["teacher_logprobs"], log_prob_min_clamp=clamp,
-                vocab_size=cfg.model.vocab_size, chunk_size=cfg.logits_chunk_size)
-            return {k: out[k] for k in ("distillation_losses", "student_mass", "teacher_mass")}
-
-        return topk_kl
+        return verl_results(out, None if bridge is None else bridge.losses)
 
     # --- weights and checkpoints
     def get_per_tensor_param(self, **kwargs) -> tuple[Generator[tuple[str, torch.Tensor], None, None], None]:

@@ -2,7 +2,8 @@
 
 One multi-rank launch runs three scenarios through a real ``TrainingWorker`` (its ``device_name``
 set to "cpu" and ``flops_counter`` to None, as verl's own CPU tests do): verl's PPO loss, its top-k
-distillation loss with ``distillation_only`` true and false. Each is compared with the native
+distillation loss with ``distillation_only`` true and false (its ``log_prob_min_clamp`` reaching the
+core as the ``distillation_log_prob_min_clamp`` flag). Each is compared with the native
 mcore-engine API (``MegatronEngine`` + ``mcore_engine.losses.distillation_ppo_loss``) on the same
 Hugging Face weights, fp32, relative error 1e-5: inference outputs, loss and metrics of two training
 steps and all weights afterwards. Spies check the seed behaviours through verl's interface. The
@@ -196,16 +197,18 @@ def spy(adapter, events: Events) -> None:
             out = processor(logits, label, temperature, **kw)
         flags = {k: kw[k] for k in ("distillation_only", "distillation_use_topk")}
         events.processor_calls.append(dict(temperature=temperature, divisions=mode.count, keys=sorted(out),
-                                           **flags))
+                                           clamp=kw.get("log_prob_min_clamp"), **flags))
         return out
     core._lm_head_logits_processor = wrapped
 
 
 # ------------------------------------------------------------------------------------------ ranks
+# clamp: verl's DistillationLossConfig.log_prob_min_clamp (default -10), reaching the core as the batch
+# flag distillation_log_prob_min_clamp; -5.5 is about log(1 / VOCAB), where the student's log-probs lie
 SCENARIOS = {
     "ppo": dict(distill=False, distillation_only=False),
-    "distill_only": dict(distill=True, distillation_only=True),
-    "distill_ppo": dict(distill=True, distillation_only=False),
+    "distill_only": dict(distill=True, distillation_only=True, clamp=-10.0),
+    "distill_ppo": dict(distill=True, distillation_only=False, clamp=-5.5),
 }
 
 
@@ -237,7 +240,8 @@ def scenario(name: str, hf_dir: str, report: dict) -> None:
     if spec["distill"]:
         dcfg = DistillationConfig(enabled=False, distillation_loss=DistillationLossConfig(
             loss_mode="forward_kl_topk", topk=K, use_policy_gradient=False,
-            use_task_rewards=not spec["distillation_only"], distillation_loss_coef=coef))
+            use_task_rewards=not spec["distillation_only"], distillation_loss_coef=coef,
+            log_prob_min_clamp=spec["clamp"]))
         worker.set_loss_fn(partial(verl_distillation_ppo_loss, config=actor, distillation_config=dcfg))
         native_loss = distillation_ppo_loss(distillation_loss_coef=1.0 if spec["distillation_only"] else coef)
     else:
@@ -275,8 +279,10 @@ def scenario(name: str, hf_dir: str, report: dict) -> None:
             assert call["temperature"] == 1 and not isinstance(call["temperature"], torch.Tensor)
             assert call["divisions"] == 0, "a host-scalar temperature 1 must never divide the logits"
             assert call["distillation_only"] is spec["distillation_only"]
+            assert call["clamp"] == spec.get("clamp"), "verl's log_prob_min_clamp must reach the top-k KL"
             assert ("log_probs" in call["keys"]) is not spec["distillation_only"]
-        want = native.train_batch(native_batch(data, p_len, r_len, flags), native_loss)
+        clamp = dict(distillation_log_prob_min_clamp=spec["clamp"]) if spec["distill"] else {}
+        want = native.train_batch(native_batch(data, p_len, r_len, {**flags, **clamp}), native_loss)
         if got is None:  # not the collecting rank
             continue
         metrics = tu.get(got, "metrics")
