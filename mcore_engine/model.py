@@ -21,7 +21,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor
 
 from mcore_engine.config import EngineConfig
-from mcore_engine.platform import apply_cpu_device_layer
+from mcore_engine.platform import apply_cpu_device_layer, apply_moe_compat
 
 __all__ = ["PackedDotProductAttention", "build_model_chunks", "build_transformer_config", "has_te",
            "lm_head_weight", "output_hidden_states", "padded_vocab_size"]
@@ -113,8 +113,12 @@ def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
         batch_p2p_comm=p.batch_p2p_comm,
         # free each stage's sent activations right after the send (Megatron's training default)
         deallocate_pipeline_outputs=p.pipeline_model_parallel_size > 1,
-        variable_seq_lengths=True,  # pipeline p2p sends shapes: micro-batches differ in length
-        moe_token_dispatcher_type="alltoall",  # unused (no MoE); the default rejects variable lengths
+        # pipeline p2p sends shapes: micro-batches differ in length (the allgather dispatcher, allowed
+        # only without PP / EP, rejects the flag)
+        variable_seq_lengths=m.moe is None or m.moe.token_dispatcher != "allgather",
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_size,
+        **_moe_config_kwargs(cfg),
         bf16=cfg.precision == "bf16",
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -126,6 +130,65 @@ def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
     )
+
+
+def _moe_config_kwargs(cfg: EngineConfig) -> dict:
+    """``TransformerConfig`` MoE arguments for ``cfg.model.moe``. Routing
+    replay is always built (``RouterReplay`` per router; idle until ``mcore_engine.moe`` arms it)."""
+    moe = cfg.model.moe
+    if moe is None:  # unused; the default dispatcher rejects variable lengths
+        return {"moe_token_dispatcher_type": "alltoall"}
+    apply_moe_compat()
+    if moe.grouped_gemm and not (has_te() or _has_grouped_gemm()):
+        raise ValueError("MoEConfig.grouped_gemm needs Transformer Engine or the grouped_gemm package; "
+                         "neither imports here (use grouped_gemm: false for SequentialMLP experts)")
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.router_topk,
+        moe_ffn_hidden_size=moe.ffn_hidden_size or cfg.model.ffn_size,
+        moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size,
+        moe_shared_expert_gate=moe.shared_expert_gate,
+        moe_layer_freq=moe.layer_pattern(cfg.model.num_layers),
+        moe_router_score_function=moe.router_score_function,
+        moe_router_pre_softmax=moe.router_pre_softmax,
+        moe_router_topk_scaling_factor=moe.router_topk_scaling_factor,
+        moe_router_dtype=moe.router_dtype,
+        moe_router_load_balancing_type=moe.aux_loss_type,
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_z_loss_coeff=moe.z_loss_coeff,
+        moe_expert_capacity_factor=moe.capacity_factor,
+        moe_token_drop_policy=moe.token_drop_policy,
+        moe_pad_expert_input_to_capacity=moe.pad_expert_input_to_capacity,
+        moe_token_dispatcher_type=moe.token_dispatcher,
+        moe_grouped_gemm=moe.grouped_gemm,
+        moe_enable_routing_replay=True,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+    )
+
+
+def _has_grouped_gemm() -> bool:
+    try:
+        import grouped_gemm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _decoder_spec(cfg: EngineConfig, config: TransformerConfig, vp_stage: int | None):
+    """The layer spec (dense) or this stage's block spec (MoE: Megatron's
+    ``get_gpt_decoder_block_spec``, dense and ``MoELayer`` layers by ``moe.layer_freq``)."""
+    if cfg.model.moe is None:
+        return _layer_spec(cfg)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    te = has_te()
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=te,
+                                       normalization=cfg.model.normalization, vp_stage=vp_stage)
+    if not te:
+        for spec in {id(s): s for s in block.layer_specs}.values():
+            spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    return block
 
 
 def _layer_spec(cfg: EngineConfig) -> ModuleSpec:
@@ -155,7 +218,6 @@ def build_model_chunks(cfg: EngineConfig) -> list[GPTModel]:
                          f"pipeline_model_parallel_size={cfg.parallel.pipeline_model_parallel_size}")
     apply_cpu_device_layer()
     config = build_transformer_config(cfg)
-    spec = _layer_spec(cfg)
     vocab = padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size
     chunks = []
@@ -163,7 +225,7 @@ def build_model_chunks(cfg: EngineConfig) -> list[GPTModel]:
         vp_stage = stage if vpp is not None else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=_decoder_spec(cfg, config, vp_stage),
             vocab_size=vocab,
             max_sequence_length=cfg.model.max_sequence_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

@@ -14,6 +14,8 @@ absent) makes those calls run on the CPU:
 4. A ``TorchFunctionMode`` maps ``device='cuda'`` / ``device=<int>`` / ``.to('cuda')`` to the CPU,
    drops ``pin_memory``, makes ``.cuda()`` / ``.pin_memory()`` identities and reports
    ``Tensor.type()`` with the ``torch.cuda.`` prefix Megatron asserts on. Cost ~1-2 us per torch call.
+5. MoE: ``te_general_gemm`` bound to ``None`` and ``all_to_all_single`` split sizes as lists
+   (:func:`apply_moe_compat`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from torch.overrides import TorchFunctionMode
 
 from mcore_engine.config import ParallelConfig
 
-__all__ = ["Device", "apply_cpu_device_layer", "cpu_device_layer_active", "destroy_distributed",
+__all__ = ["Device", "apply_cpu_device_layer", "apply_moe_compat", "cpu_device_layer_active",
+           "destroy_distributed",
            "get_device", "init_distributed", "quiet_cpu_warnings", "seed_everything"]
 
 _CPU_LAYER_MODE: _CudaToCpuMode | None = None
@@ -167,6 +170,46 @@ def _noop(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _split_sizes(sizes: Any) -> Any:
+    """Split sizes as the gloo binding wants them: a list of ints (Megatron passes tensors / arrays)."""
+    if sizes is None or isinstance(sizes, list):
+        return sizes
+    if isinstance(sizes, torch.Tensor):
+        return [int(v) for v in sizes.tolist()]
+    return [int(v) for v in sizes]
+
+
+def _all_to_all_single_with_list_splits(output, input, output_split_sizes=None, input_split_sizes=None,
+                                        group=None, async_op=False):
+    return _ALL_TO_ALL_SINGLE(output, input, output_split_sizes=_split_sizes(output_split_sizes),
+                              input_split_sizes=_split_sizes(input_split_sizes), group=group,
+                              async_op=async_op)
+
+
+_ALL_TO_ALL_SINGLE = dist.all_to_all_single
+_MOE_COMPAT = False
+
+
+def apply_moe_compat() -> None:
+    """What Megatron-Core 0.16's MoE layers need without Transformer Engine / on gloo. Idempotent.
+
+    1. ``moe_utils.te_general_gemm`` is only bound when Transformer Engine imports, yet the router's
+       gating GEMM reads it: bind it to ``None`` (its torch path).
+    2. CPU only: the alltoall token dispatcher hands ``all_to_all_single`` its split sizes as tensors
+       / NumPy arrays; the gloo binding takes lists of ints (converted here, one host copy of E ints).
+    """
+    global _MOE_COMPAT
+    if _MOE_COMPAT:
+        return
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    if not torch.cuda.is_available():
+        dist.all_to_all_single = _all_to_all_single_with_list_splits
+    _MOE_COMPAT = True
+
+
 def cpu_device_layer_active() -> bool:
     """True once :func:`apply_cpu_device_layer` has patched this process."""
     return _CPU_LAYER_MODE is not None
@@ -207,6 +250,8 @@ def apply_cpu_device_layer() -> None:
     mode = _CudaToCpuMode()
     mode.__enter__()
     _CPU_LAYER_MODE = mode
+    # --- 5. MoE layers without Transformer Engine, on gloo ---
+    apply_moe_compat()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -340,11 +385,14 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> None:
     from megatron.core import parallel_state
 
     wanted = _layout_text(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-                          parallel.virtual_pipeline_model_parallel_size)
+                          parallel.virtual_pipeline_model_parallel_size, parallel.expert_model_parallel_size,
+                          parallel.expert_tensor_size)
     if parallel_state.model_parallel_is_initialized():
         current = _layout_text(parallel_state.get_tensor_model_parallel_world_size(),
                                parallel_state.get_pipeline_model_parallel_world_size(),
-                               parallel_state.get_virtual_pipeline_model_parallel_world_size())
+                               parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+                               parallel_state.get_expert_model_parallel_world_size(),
+                               parallel_state.get_expert_tensor_parallel_world_size())
         if current != wanted:
             raise ValueError(f"init_distributed: parallel_state is already initialised with {current}, but "
                              f"parallel asks for {wanted}; call mcore_engine.platform.destroy_distributed() "
@@ -354,14 +402,19 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> None:
             tensor_model_parallel_size=parallel.tensor_model_parallel_size,
             pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+            expert_model_parallel_size=parallel.expert_model_parallel_size,
+            expert_tensor_parallel_size=parallel.expert_tensor_size,
             create_gloo_process_groups=True,
         )
     seed_everything(seed)
 
 
-def _layout_text(tp: int, pp: int, vpp: int | None) -> str:
-    return (f"tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}, "
+def _layout_text(tp: int, pp: int, vpp: int | None, ep: int = 1, etp: int | None = None) -> str:
+    text = (f"tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}, "
             f"virtual_pipeline_model_parallel_size={vpp}")
+    if ep != 1 or (etp or tp) != tp:
+        text += f", expert_model_parallel_size={ep}, expert_tensor_parallel_size={etp}"
+    return text
 
 
 def destroy_distributed() -> None:
