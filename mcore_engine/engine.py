@@ -52,6 +52,7 @@ from mcore_engine.config import EngineConfig
 from mcore_engine.hf import export_hf, iter_hf_tensors, load_hf_weights
 from mcore_engine.loss_guard import LossGuard
 from mcore_engine.model import build_model_chunks, lm_head_weight, output_hidden_states
+from mcore_engine.moe import MoERuntime
 from mcore_engine.offload import HostOffloader
 from mcore_engine.ops import scale_logits_by_temperature
 from mcore_engine.optim import (
@@ -135,6 +136,7 @@ class MegatronEngine:
         self.num_skipped_steps = 0
         self._last_distillation_use_topk = False
         self._offloader: HostOffloader | None = None
+        self._moe: MoERuntime | None = None
         self._interleaved = (config.parallel.virtual_pipeline_model_parallel_size or 1) > 1
 
     # ------------------------------------------------------------------ set-up
@@ -151,6 +153,7 @@ class MegatronEngine:
         chunks = build_model_chunks(cfg)
         if cfg.model.hf_path is not None:  # before the DDP wrap and the optimizer's main-weight copies
             load_hf_weights(chunks, cfg.model.hf_path, cfg)
+        self._moe = MoERuntime(chunks, cfg) if cfg.model.moe is not None else None
         pipelined = cfg.parallel.pipeline_model_parallel_size > 1
         for chunk in chunks:
             tcfg = chunk.config
@@ -313,6 +316,8 @@ class MegatronEngine:
                     logits_func=logits_func, builtin_outputs=builtin_outputs, guard=LossGuard(),
                     needs_grad=not forward_only and torch.is_grad_enabled(), loss_convention=loss_convention)
         iterators = [micro_batch_iterator(step) for _ in self.model]
+        if self._moe is not None:  # aux-loss scale, router replay / recording (mcore_engine.moe)
+            self._moe.begin(step, training=not forward_only)
         store = get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, run),
             data_iterator=iterators if len(iterators) > 1 else iterators[0],
@@ -336,6 +341,8 @@ class MegatronEngine:
             out.set(key, value)
         out.set_non_tensor("loss", loss)
         out.set_non_tensor("metrics", metrics)
+        if self._moe is not None:  # routed_experts per token, router metrics
+            self._moe.finish_into(out, step)
         if loss_convention == "micro_batch":
             out.set_non_tensor("micro_batch_metrics", gather_micro_batch_metrics(
                 store, num_micro_batches=len(step.micro_batches),
