@@ -207,6 +207,11 @@ class ModelConfig:
     """Compute the lm-head outputs from hidden states without materialising logits (when supported)."""
     moe: MoEConfig | None = None
     """Mixture-of-experts layers (a mapping in YAML); ``None`` means a dense model."""
+    head: str = "lm"
+    """Output layer of the last stage: ``"lm"`` (vocab-parallel lm-head: log-probs, entropy, ...) or
+    ``"value"`` (a scalar head ``Linear(H, 1)`` with bias, replicated over tensor-parallel ranks:
+    per-token ``values`` and per-sequence ``scores``; a critic or reward model). The value trunk
+    never ties its embeddings (``tie_word_embeddings`` only describes the source checkpoint)."""
 
     def __post_init__(self) -> None:
         _positive_int(self, "num_layers", "hidden_size", "num_attention_heads", "vocab_size",

@@ -51,7 +51,13 @@ from mcore_engine.checkpoint import (
 from mcore_engine.config import EngineConfig
 from mcore_engine.hf import export_hf, iter_hf_tensors, load_hf_weights
 from mcore_engine.loss_guard import LossGuard
-from mcore_engine.model import build_model_chunks, lm_head_weight, output_hidden_states
+from mcore_engine.model import (
+    apply_output_layer,
+    build_model_chunks,
+    is_last_stage_chunk,
+    lm_head_weight,
+    output_hidden_states,
+)
 from mcore_engine.moe import MoERuntime
 from mcore_engine.offload import HostOffloader
 from mcore_engine.ops import scale_logits_by_temperature
@@ -64,7 +70,7 @@ from mcore_engine.optim import (
     step_optimizer,
 )
 from mcore_engine.platform import apply_cpu_device_layer, get_device, init_distributed
-from mcore_engine.processor import process_lm_head_hidden, process_lm_head_logits
+from mcore_engine.processor import RowSelection, process_lm_head_hidden, process_lm_head_logits
 from mcore_engine.step import (
     LOSS_CONVENTIONS,
     MicroBatch,
@@ -79,6 +85,7 @@ from mcore_engine.step import (
     micro_batch_outputs,
     prepare_step,
 )
+from mcore_engine.value_head import sequence_scores
 
 __all__ = ["MegatronEngine"]
 
@@ -230,15 +237,37 @@ class MegatronEngine:
             chunk_size=self.config.logits_chunk_size)
 
     def _lm_head_outputs(self, model: torch.nn.Module, output: torch.Tensor, label: torch.Tensor | None,
-                         temperature, **kwargs) -> dict[str, torch.Tensor]:
-        """The processor's outputs from the last stage's output: logits ``[b, s, V/tp]``, or with
-        ``model.fused_lm_head`` the hidden states ``[b, s, H]`` and the lm-head weight shard (same
-        keys; the logits never exist)."""
-        if not self.config.model.fused_lm_head:
-            return self._lm_head_logits_processor(output, label, temperature, **kwargs)
-        return process_lm_head_hidden(output, lm_head_weight(model), label, temperature,
-                                      vocab_size=self.config.model.vocab_size,
-                                      chunk_size=self.config.logits_chunk_size, **kwargs)
+                         temperature, *, select: torch.Tensor | None = None,
+                         **kwargs) -> dict[str, torch.Tensor]:
+        """Per-token outputs ``[b, s]`` from the last stage's output: logits ``[b, s, V/tp]``; with
+        ``model.fused_lm_head`` hidden states ``[b, s, H]`` and the lm-head weight shard (same keys,
+        the logits never exist); with ``model.head: value`` values ``[b, s, 1]`` -> ``{"values"}``.
+
+        ``select`` (the packed ``loss_mask`` under ``outputs_on_loss_mask_only``): ``output`` is then
+        the hidden states; the ``n`` rows with ``select != 0`` (and their labels, per-token
+        temperatures, teacher tensors) are gathered into ``[1, n, ...]``, run through the output
+        layer and the processor (or the fused path) and scattered back into zeros: no logit or
+        statistic exists for the other rows, whose outputs and gradients are 0. A custom
+        ``logits_processor_func`` then sees ``student_logits [1, n, V/tp]`` and ``data`` with the
+        selected teacher rows ``[1, n, K]``. Cost O(n); one host sync (the row count)."""
+        cfg = self.config.model
+        rows = None
+        if select is not None:
+            rows = RowSelection(select)
+            output, label, temperature = rows.take(output), rows.take(label), rows.take(temperature)
+            if kwargs.get("batch") is not None:
+                kwargs["batch"] = {k: rows.take(v) for k, v in kwargs["batch"].items()}
+        if cfg.head == "value":
+            values = apply_output_layer(model, output) if rows is not None else output
+            out = {"values": values[..., 0]}
+        elif cfg.fused_lm_head:
+            out = process_lm_head_hidden(output, lm_head_weight(model), label, temperature,
+                                         vocab_size=cfg.vocab_size, chunk_size=self.config.logits_chunk_size,
+                                         **kwargs)
+        else:
+            logits = apply_output_layer(model, output) if rows is not None else output
+            out = self._lm_head_logits_processor(logits, label, temperature, **kwargs)
+        return out if rows is None else {k: rows.put(v) for k, v in out.items()}
 
     # ------------------------------------------------------------------ one pass of the schedule
     def _prepare(self, batch: TensorDictBase, logits_processor_func: Callable | None,
@@ -251,7 +280,7 @@ class MegatronEngine:
                 raise ValueError(f"{name} needs the logits, which model.fused_lm_head=True never builds; "
                                  "use the built-in outputs or fused_lm_head: false")
         par = self.config.parallel
-        return prepare_step(
+        step = prepare_step(
             batch, vocab_size=self.config.model.vocab_size,
             max_sequence_length=self.config.model.max_sequence_length, data_format=self.config.data_format,
             default_micro_batch_size=self.config.micro_batch_size,
@@ -260,6 +289,26 @@ class MegatronEngine:
             min_num_micro_batches=par.pipeline_model_parallel_size if self._interleaved else 1,
             device=get_device().torch_device, dp_group=parallel_state.get_data_parallel_group(),
             common_shape=self._interleaved)
+        self._check_head_flags(step.flags, logits_processor_func, logits_func)
+        return step
+
+    def _check_head_flags(self, flags, logits_processor_func: Callable | None,
+                          logits_func: Callable | None) -> None:
+        """``ValueError`` for step flags the output head cannot serve (same on every rank)."""
+        if self.config.model.head == "value":
+            asked = [name for name in ("calculate_entropy", "calculate_sum_pi_squared",
+                                       "distillation_use_topk") if getattr(flags, name)]
+            asked += [name for name, func in (("logits_processor_func", logits_processor_func),
+                                              ("logits_func", logits_func)) if func is not None]
+            if asked:
+                raise ValueError(f"model.head='value' has no vocabulary: {asked} need model.head='lm'")
+        if flags.outputs_on_loss_mask_only:
+            if logits_func is not None:
+                raise ValueError("outputs_on_loss_mask_only=True: logits_func needs the logits of every row; "
+                                 "drop the flag for sampling / scoring passes")
+            if self.config.parallel.sequence_parallel:
+                raise ValueError("outputs_on_loss_mask_only=True is not supported with "
+                                 "parallel.sequence_parallel=True (hidden states are sequence-sharded)")
 
     def _outputs_and_loss(self, run: _Pass, mb: MicroBatch, model: torch.nn.Module, output: torch.Tensor):
         """``(loss_function's result, (detached outputs, micro_batch metrics or None))`` of one
@@ -273,6 +322,7 @@ class MegatronEngine:
                 calculate_sum_pi_squared=flags.calculate_sum_pi_squared,
                 distillation_use_topk=flags.distillation_use_topk, distillation_only=flags.distillation_only,
                 logits_processor_func=run.logits_processor_func, batch=teacher, data_format=fmt,
+                select=inp.loss_mask if flags.outputs_on_loss_mask_only else None,
                 log_prob_min_clamp=flags.distillation_log_prob_min_clamp)
         if run.logits_func is not None:
             outputs = _merge_logits_func(outputs, run.logits_func(
@@ -302,6 +352,8 @@ class MegatronEngine:
         """Megatron's forward step: the model's output and the loss callback for it."""
         mb = next(data_iterator)
         inp = mb.inputs
+        if not self.config.model.fused_lm_head and is_last_stage_chunk(model):  # hidden states for select
+            output_hidden_states(model, enable=run.step.flags.outputs_on_loss_mask_only)
         output = model(input_ids=inp.input_ids, position_ids=inp.position_ids,
                        attention_mask=attention_mask(mb), packed_seq_params=inp.packed_seq_params)
         return output, partial(self._loss_func, run, mb, model)
@@ -339,6 +391,8 @@ class MegatronEngine:
         out = TensorDict({}, batch_size=[step.batch_size])
         for key, value in collect_outputs(step, per_mb).items():
             out.set(key, value)
+        if self.config.model.head == "value" and per_mb and not step.flags.outputs_on_loss_mask_only:
+            out.set("scores", sequence_scores(per_mb, step.micro_batches, step.order))
         out.set_non_tensor("loss", loss)
         out.set_non_tensor("metrics", metrics)
         if self._moe is not None:  # routed_experts per token, router metrics

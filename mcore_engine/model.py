@@ -22,9 +22,11 @@ from torch import Tensor
 
 from mcore_engine.config import EngineConfig
 from mcore_engine.platform import apply_cpu_device_layer, apply_moe_compat
+from mcore_engine.value_head import attach_value_head
 
 __all__ = ["PackedDotProductAttention", "build_model_chunks", "build_transformer_config", "has_te",
-           "lm_head_weight", "output_hidden_states", "padded_vocab_size"]
+           "apply_output_layer", "is_last_stage_chunk", "lm_head_weight", "output_hidden_states",
+           "padded_vocab_size"]
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -231,13 +233,15 @@ def build_model_chunks(cfg: EngineConfig) -> list[GPTModel]:
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             parallel_output=True,
-            share_embeddings_and_output_weights=cfg.model.tie_word_embeddings,
+            share_embeddings_and_output_weights=cfg.model.tie_word_embeddings and cfg.model.head == "lm",
             position_embedding_type="rope",
             rotary_base=cfg.model.rotary_base,
             rope_scaling=cfg.model.rope_scaling_factor is not None,
             rope_scaling_factor=cfg.model.rope_scaling_factor or 8.0,  # 8.0: GPTModel's unused default
             vp_stage=vp_stage,
         )
+        if cfg.model.head == "value" and model.post_process:
+            attach_value_head(model, cfg)  # mcore_engine.value_head: replicated Linear(H, 1)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
@@ -259,6 +263,22 @@ def lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
     if gpt.share_embeddings_and_output_weights:
         return gpt.shared_embedding_or_output_weight()
     return gpt.output_layer.weight
+
+
+def is_last_stage_chunk(model: torch.nn.Module) -> bool:
+    """True for a (wrapped) ``GPTModel`` chunk that holds the output layer."""
+    return getattr(_unwrap(model), "output_layer", None) is not None and _unwrap(model).post_process
+
+
+def apply_output_layer(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The last stage's output layer on hidden states ``[..., H]`` (3-d, e.g. ``[1, n, H]``), also
+    while :func:`output_hidden_states` is on: logits ``[..., V_local]`` (the tied embedding when
+    shared) or, with a value head, fp32 values ``[..., 1]``. Differentiable as the layer itself."""
+    gpt = _unwrap(model)
+    layer = gpt.output_layer
+    weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+    out, _ = type(layer).forward(layer, hidden, weight=weight)
+    return out
 
 
 def _hidden_passthrough(input_: torch.Tensor, weight: torch.Tensor | None = None,

@@ -18,6 +18,37 @@ from mcore_engine.ops.temperature import Temperature, scale_checked
 BATCH_TEACHER_NAMES = ('batch["teacher_ids"]', 'batch["teacher_logprobs"]')
 
 
+class RowSelection:
+    """The rows of a model-layout ``[b, s]`` grid where ``mask`` is nonzero (``n`` of them), for
+    running the lm-head only where the loss reads it::
+
+        index = mask.reshape(-1).nonzero()[:, 0]                         # [n]; one host sync
+        take(t) = t.reshape(b * s, *tail)[index][None]                   # [b, s, *tail] -> [1, n, *tail]
+        put(v)  = zeros(b * s, *tail).index_copy(0, index, v[0]).view(b, s, *tail)   # differentiable
+
+    ``take`` passes through anything that is not a tensor led by ``[b, s]`` (None, host or 0-d
+    temperatures). Memory: the ``[n]`` index and the copies made by ``take`` / ``put``.
+    """
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        if mask.dim() != 2:
+            raise ValueError(f"mask must be a [b, s] tensor, got shape {tuple(mask.shape)}")
+        self.shape = tuple(mask.shape)
+        self.index = mask.reshape(-1).nonzero()[:, 0]
+
+    def take(self, t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or tuple(t.shape[:2]) != self.shape:
+            return t
+        flat = t.reshape(self.shape[0] * self.shape[1], *t.shape[2:])
+        return flat.index_select(0, self.index.to(flat.device)).unsqueeze(0)
+
+    def put(self, values: torch.Tensor) -> torch.Tensor:
+        rows = values.reshape(self.index.numel(), *values.shape[2:])
+        flat = rows.new_zeros((self.shape[0] * self.shape[1], *rows.shape[1:]))
+        flat = flat.index_copy(0, self.index.to(rows.device), rows)
+        return flat.view(*self.shape, *rows.shape[1:])
+
+
 def _builtin_inputs(label: torch.Tensor | None, batch: Mapping[str, Any] | None, *,
                     distillation_use_topk: bool, distillation_only: bool, builtin_kl: bool) -> dict[str, Any]:
     """The op's labels (None under ``distillation_only``) and, for the built-in KL, the teacher

@@ -16,7 +16,14 @@ from megatron.core import parallel_state
 from mcore_engine.config import EngineConfig, ModelConfig
 from mcore_engine.hf.checkpoint_io import HFCheckpointReader
 from mcore_engine.hf.layout import shard_from_hf
-from mcore_engine.hf.mapping import check_hf_names, from_hf_config, hf_shapes, iter_units, read_hf_config
+from mcore_engine.hf.mapping import (
+    check_hf_names,
+    from_hf_config,
+    hf_shapes,
+    is_token_classification,
+    iter_units,
+    read_hf_config,
+)
 
 # Fields that must agree between the engine config and the checkpoint's config.json (the others,
 # e.g. max_sequence_length or init_method_std, may differ on purpose), compared by their resolved
@@ -32,10 +39,22 @@ _MATCHING_FIELDS = {"num_layers": "num_layers", "hidden_size": "hidden_size",
 def check_config_matches(cfg: ModelConfig, hf_cfg: ModelConfig) -> None:
     """``ValueError`` naming the first architecture field where ``cfg`` and the checkpoint differ."""
     for name, attr in _MATCHING_FIELDS.items():
+        if name == "tie_word_embeddings" and cfg.head == "value":
+            continue  # a value trunk never ties (the causal LM's lm_head is dropped)
         ours, theirs = getattr(cfg, attr, None), getattr(hf_cfg, attr, None)
         if ours != theirs:
             raise ValueError(f"model.{name}: the engine config has {ours!r} but the Hugging Face "
                              f"checkpoint's config.json implies {theirs!r}")
+
+
+def value_head_names_to_skip(cfg: ModelConfig, hf_config: dict, names: set[str]) -> set[str]:
+    """The value head's Hugging Face tensors to leave at their initialisation: both for a causal-LM
+    folder, ``score.bias`` when a ``*ForTokenClassification`` folder has none; else empty."""
+    if cfg.head != "value":
+        return set()
+    if not is_token_classification(hf_config):
+        return {"score.weight", "score.bias"}
+    return {"score.bias"} - names
 
 
 def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_path: str | os.PathLike,
@@ -46,11 +65,16 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_path: str | os.P
     config mismatch, a missing, misshaped or unreadable tensor, an unplaced tensor, an unknown family.
     """
     model_cfg = cfg.model
-    check_config_matches(model_cfg, from_hf_config(read_hf_config(hf_path)))
+    hf_config = read_hf_config(hf_path)
+    check_config_matches(model_cfg, from_hf_config(hf_config, head=model_cfg.head))
     shapes = hf_shapes(model_cfg)
 
     with HFCheckpointReader(hf_path) as reader:
         check_hf_names(reader.names(), model_cfg)
+        # a value head keeps its fresh (seeded) initialisation when the folder is a causal LM, and a
+        # zero bias when a *ForTokenClassification folder has none
+        fresh = value_head_names_to_skip(model_cfg, hf_config, set(reader.names()))
+        shapes = {k: v for k, v in shapes.items() if k not in fresh}
         reader.check(shapes)
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -60,6 +84,8 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_path: str | os.P
 
         for chunk in model_chunks:
             for unit, param, rule in iter_units(chunk, model_cfg):
+                if set(rule.hf_names) <= fresh:
+                    continue
                 shard = shard_from_hf(rule, read, model_cfg, tp_rank, tp_size, param.shape)
                 if shard.shape != param.shape:
                     raise ValueError(f"parameter {unit!r}: built a shard of shape {tuple(shard.shape)} from "

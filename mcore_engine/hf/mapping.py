@@ -30,6 +30,9 @@ ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "LlamaForTokenClassification": "llama",
+    "Qwen2ForTokenClassification": "qwen2",
+    "Qwen3ForTokenClassification": "qwen3",
 }
 
 
@@ -71,6 +74,9 @@ _GLOBAL_UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
     "embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",)),
     "decoder.final_layernorm.weight": ("replicated", ("model.norm.weight",)),
     "output_layer.weight": ("vocab", ("lm_head.weight",)),
+    # model.head == "value": the replicated Linear(H, 1) as *ForTokenClassification's ``score``
+    "value_head.weight": ("replicated", ("score.weight",)),
+    "value_head.bias": ("replicated", ("score.bias",)),
 }
 # Tensors some Hugging Face checkpoints carry that the model does not need.
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -118,7 +124,9 @@ def model_units(cfg: ModelConfig) -> list[str]:
     units = ["embedding.word_embeddings.weight"]
     units += [f"decoder.layers.{i}.{s}" for i in range(cfg.num_layers) for s in layer_suffixes]
     units.append("decoder.final_layernorm.weight")
-    if not cfg.tie_word_embeddings:
+    if cfg.head == "value":
+        units += ["value_head.weight", "value_head.bias"]
+    elif not cfg.tie_word_embeddings:
         units.append("output_layer.weight")
     return units
 
@@ -137,6 +145,7 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
         "self_attn.o_proj.weight": (h, q_out), "mlp.gate_proj.weight": (ffn, h),
         "mlp.up_proj.weight": (ffn, h), "mlp.down_proj.weight": (h, ffn),
+        "score.weight": (1, h), "score.bias": (1,),
     }
     shapes = {}
     for unit in model_units(cfg):
@@ -152,8 +161,8 @@ def check_hf_names(names: list[str], cfg: ModelConfig) -> None:
     for name in names:
         if name in expected or name.endswith(_IGNORED_HF_SUFFIXES):
             continue
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue  # some tied checkpoints store the (identical) lm_head anyway
+        if name == "lm_head.weight" and (cfg.tie_word_embeddings or cfg.head == "value"):
+            continue  # tied checkpoints may store it anyway; a value trunk from a causal LM drops it
         raise ValueError(f"tensor {name!r} in the checkpoint has no place in the model built from its "
                          "config (config and weights do not match)")
 
@@ -173,6 +182,8 @@ def iter_units(chunk: torch.nn.Module,
     expected = set(model_units(cfg))
     model = unwrap_chunk(chunk)
     for name, param in model.named_parameters():
+        if cfg.head == "value" and name.startswith("output_layer."):
+            name = name.replace("output_layer.", "value_head.", 1)
         global_layer = None
         if name.startswith("decoder.layers."):
             global_layer = model.decoder.layers[int(name.split(".")[2])].layer_number - 1
@@ -209,6 +220,17 @@ def hf_family(hf_config: Mapping[str, Any]) -> str:
         return model_type
     raise ValueError(f"architectures: unknown architecture {archs or model_type!r}; supported: "
                      f"{sorted(ARCHITECTURES)}")
+
+
+def is_token_classification(hf_config: Mapping[str, Any]) -> bool:
+    """A ``*ForTokenClassification`` config (``model.head: value``); ``ValueError`` unless it has one
+    label (``num_labels`` or ``id2label``)."""
+    if not any(str(a).endswith("ForTokenClassification") for a in hf_config.get("architectures") or []):
+        return False
+    labels = hf_config.get("num_labels", len(hf_config.get("id2label") or {0: None}))
+    if labels != 1:
+        raise ValueError(f"num_labels: a value head has one output, the checkpoint has {labels} labels")
+    return True
 
 
 # Megatron-Core's Llama-3 RoPE scaling has only ``factor`` as a parameter; the rest is hard-coded.
@@ -270,6 +292,8 @@ def from_hf_config(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfi
     d = hf_config.get("head_dim") or hidden // heads
     if d != hidden // heads or hidden % heads:
         fields["kv_channels"] = int(d)
+    if is_token_classification(hf_config):
+        fields["head"] = "value"
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -287,6 +311,8 @@ def to_hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
     if base is not None and hf_family(base) != family:
         base = None  # the source describes another family: do not carry its fields over
     arch = next(a for a, f in ARCHITECTURES.items() if f == family)
+    if cfg.head == "value":
+        arch = arch.replace("ForCausalLM", "ForTokenClassification")
     out = dict(base or {})
     out.update(
         architectures=[arch], model_type=family, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
@@ -299,6 +325,9 @@ def to_hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
         dtype=str(dtype).removeprefix("torch."), torch_dtype=str(dtype).removeprefix("torch."),
     )
     out.pop("rope_scaling", None)
+    if cfg.head == "value":  # score = Linear(H, 1) with bias; no lm_head to tie
+        out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0},
+                   tie_word_embeddings=False, token_classification_bias=True)
     if family == "llama":
         out.update(attention_bias=False, mlp_bias=False)
     else:

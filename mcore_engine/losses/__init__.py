@@ -16,6 +16,7 @@ from mcore_engine.losses.distillation import (
 from mcore_engine.losses.distillation_ppo import distillation_ppo_loss
 from mcore_engine.losses.kl import KL_ESTIMATORS, kl_estimator
 from mcore_engine.losses.policy import ppo_policy_loss
+from mcore_engine.losses.value import ppo_value_loss, value_loss
 
 __all__ = [
     "AGG_MODES",
@@ -28,7 +29,9 @@ __all__ = [
     "kl_estimator",
     "make_forward_kl_topk",
     "ppo_policy_loss",
+    "ppo_value_loss",
     "token_mean_metric",
     "tokens_per_sequence",
     "topk_overlap",
+    "value_loss",
 ]
