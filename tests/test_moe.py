@@ -5,9 +5,11 @@ checks: aux-loss normalisation (a micro-batch repeated gives the same gradient a
 gradient matches a finite difference of the reported ``moe/aux_loss``), router replay (recorded
 routing reproduces the outputs bit for bit; after a weight change the recorded experts are used),
 malformed ``routed_experts`` refused by name with nothing changed, the replay instances scoped per
-engine. Launch 2 (two gloo ranks) loads the same weights at EP=1 x DP=2 and EP=2 x DP=2 (experts
-split, each rank half of the batch) and compares infer_batch outputs, loss, metrics, every gradient
-and the weights after two train_batch steps at fp32 relative error 1e-5.
+engine. Launches 2 and 3 load the same weights at EP=1 x DP=2 and EP=2 x DP=2 (two ranks), EP=2 x
+DP=4 (expert data-parallel size 2) and EP=2 x PP=2 (four ranks), each rank its slice of the batch
+in one-sequence micro-batches as the reference, and compare infer_batch outputs and routed_experts,
+loss, router metrics, every gradient and the weights after two train_batch steps at fp32 relative
+error 1e-5.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ MOE = dict(num_experts=E, router_topk=K, ffn_hidden_size=32, aux_loss_coeff=0.01
            layer_freq=[0, 1, 1, 1])
 
 
-def moe_config(*, ep: int = 1, tp: int = 1, pp: int = 1, micro_batch_size: int = 3, **moe):
+def moe_config(*, ep: int = 1, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, **moe):
     from mcore_engine.config import MoEConfig
 
     cfg = tiny_config(tp=tp, pp=pp, micro_batch_size=micro_batch_size)
@@ -257,6 +259,7 @@ def _compare(name: str, got: dict, ref: dict, engine, tokens: slice) -> None:
             assert abs(got["fb_metrics"][key] - value) <= TOL * max(abs(value), 1e-3), \
                 f"{name}: metric {key} {got['fb_metrics'][key]} vs {value}"
     (want_grads,) = local_reference(engine, ref["grads"])
+    assert want_grads.keys() == got["grads"].keys()
     for key, value in want_grads.items():
         assert_rel_close(got["grads"][key], value, TOL, f"{name}: grad {key}")
     for i in (1, 2):
@@ -265,6 +268,12 @@ def _compare(name: str, got: dict, ref: dict, engine, tokens: slice) -> None:
         (want,) = local_reference(engine, ref[f"params{i}"])
         for key, value in want.items():
             assert_rel_close(got[f"params{i}"][key], value, TOL, f"{name}: {key} after step {i}")
+
+
+LAYOUTS_2 = (("ep1-dp2", dict(ep=1)), ("ep2-dp2", dict(ep=2)))
+# EP=2 inside DP=4 (expert data-parallel size 2); EP=2 x PP=2 (DP=2, 1F1B)
+LAYOUTS_4 = (("ep2-dp4", dict(ep=2)), ("ep2-pp2", dict(ep=2, pp=2)))
+CUTS = {2: [0, 3, 6], 4: [0, 2, 4, 5, 6]}
 
 
 def _layouts(rank: int, world_size: int, path: str) -> None:
@@ -276,14 +285,15 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
     ref = torch.load(path, weights_only=False)
     batch = make_batch(SEED, NUM_SEQS, calculate_entropy=True)
     tokens = torch.tensor([0] + [int(n) for n in batch["input_ids"].offsets().diff()]).cumsum(0)
-    for name, kwargs in (("ep1-dp2", dict(ep=1)), ("ep2-dp2", dict(ep=2))):
+    layouts = LAYOUTS_2 if world_size == 2 else LAYOUTS_4
+    for name, kwargs in layouts:
         engine = MegatronEngine(moe_config(**kwargs))
         engine.initialize()
         assert parallel_state.get_expert_model_parallel_world_size() == kwargs["ep"]
         load_reference(engine, ref["full0"])
-        dp_rank = parallel_state.get_data_parallel_rank()
-        per = NUM_SEQS // 2
-        rows = slice(dp_rank * per, (dp_rank + 1) * per)
+        dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        cut = CUTS[dp]
+        rows = slice(cut[dp_rank], cut[dp_rank + 1])
         got = _step_record(engine, batch[torch.arange(rows.start, rows.stop)])
         _compare(name, got, ref, engine, slice(int(tokens[rows.start]), int(tokens[rows.stop])))
         del engine
@@ -294,3 +304,4 @@ def test_moe_expert_parallel_matches_single_rank(tmp_path):
     path = os.path.join(tmp_path, "moe_ref.pt")
     run_distributed(_reference, 1, path)
     run_distributed(_layouts, 2, path)
+    run_distributed(_layouts, 4, path)
