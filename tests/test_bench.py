@@ -107,3 +107,27 @@ def test_bench_quick_runs_and_prints_table():
         assert all(v in ("PASS", "FAIL", "-") for v in row[13:17])
         assert float(row[17]) < 1e-4, f"ours and naive disagree: {row}"
         assert float(row[18]) < 1e-4, f"fused and naive disagree: {row}"
+
+
+def test_selected_rows_table_targets():
+    import bench_selected
+
+    args = bench.parse_args(["--tokens", "1024", "--vocab", "4096", "--hidden", "4", "--tp", "1", "--configs",
+                             "A", "--device", "cpu", "--selected", "--fractions", "1,0.2"])
+    assert args.selected and args.fractions == [1.0, 0.2]
+    grads = bench.grads_mb(args, 1)
+    checks = [{"log_probs@1.0": -3.0, "log_probs@0.2": -1.0}]
+
+    def res(work, cpu):
+        return {"peak_mb": grads + work, "time_ms": cpu, "cpu_ms": cpu, "checks": checks}
+
+    results = {}
+    for path in bench_selected.PATHS:
+        results.update({("A", path, 1, None): res(10.0, 100.0), ("A", path, 1, 1.0): res(10.0, 101.0),
+                        ("A", path, 1, 0.2): res(2.0, 23.0 if path == "fused" else 21.0)})
+    rows = bench_selected.table_rows(args, results, bench.logits_mb, bench.grads_mb, bench._mb)
+    assert [r[3] for r in rows] == ["100%", "20%"] * 2 and len(rows[0]) == len(bench_selected.COLUMNS)
+    assert [r[10] for r in rows] == ["PASS", "PASS", "PASS", "FAIL"]  # 0.23 > 1.1 x 0.2
+    assert rows[1][6] == "0.20" and rows[1][11] == "0e+00"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--selected", "--fractions", "0", "--device", "cpu"])

@@ -91,6 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="extra environment of the time processes (all implementations), e.g. "
                         "MALLOC_TRIM_THRESHOLD_=268435456 to see the times without glibc trimming churn")
     p.add_argument("--timeout", type=int, default=600, help="seconds per worker process")
+    p.add_argument("--selected", action="store_true",
+                   help="the selected-rows table instead (tools/bench_selected.py): lm-head + processor "
+                        "on every row vs only the response rows (outputs_on_loss_mask_only)")
+    p.add_argument("--fractions", default="1,0.5,0.2", help="--selected: response fractions of the tokens")
     args = p.parse_args(argv)
     if args.quick and args.realistic:
         p.error("--quick and --realistic exclude each other")
@@ -101,6 +105,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.tokens, args.vocab_global, args.hidden = REALISTIC["tokens"], REALISTIC["vocab_global"], \
             REALISTIC["hidden"]
         args.dtype, args.configs = REALISTIC["dtype"], REALISTIC["configs"]
+    try:
+        args.fractions = [float(f) for f in args.fractions.split(",")]
+    except ValueError:
+        p.error(f"--fractions: expected comma-separated numbers, got {args.fractions!r}")
+    if any(not 0 < f <= 1 for f in args.fractions):
+        p.error("--fractions: each fraction must be in (0, 1]")
     args.configs = [c.strip().upper() for c in args.configs.split(",")]
     bad = [c for c in args.configs if c not in CONFIGS]
     if bad:
@@ -193,7 +203,7 @@ def run_workers(spec: dict, timeout: int, extra_env: dict[str, str] | None = Non
     return results
 
 
-def measure(args: argparse.Namespace, config: str, impl: str, tp: int) -> dict:
+def measure(args: argparse.Namespace, config: str, impl: str, tp: int, **extra) -> dict:
     """Memory and time of one (configuration, implementation, TP) in fresh processes; max over ranks.
 
     CPU: a memory process and a time process; CUDA or ``--single-process``: one process (memory step,
@@ -203,7 +213,7 @@ def measure(args: argparse.Namespace, config: str, impl: str, tp: int) -> dict:
     spec = dict(impl=impl, config=config, tokens=args.tokens, vocab=vocab_local(args, tp), hidden=args.hidden,
                 dtype=args.dtype, tp=tp, k=args.k, temperature=args.temperature, repeats=args.repeats,
                 seed=args.seed, device=args.device, chunk_size=args.chunk_size,
-                fused_chunk_size=args.fused_chunk_size)
+                fused_chunk_size=args.fused_chunk_size, **extra)
     if args.device == "cuda" or args.single_process:
         mem = tim = run_workers(dict(spec, mode="both"), args.timeout, args.time_env)
     else:
@@ -344,6 +354,21 @@ def format_table(rows: list[list[str]], markdown: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     load_start = os.getloadavg()[0]
+    if args.selected:
+        import bench_selected
+
+        def measure_spec(impl, cfg, tp, fractions, select):
+            print(f"[bench] tp={tp} config {cfg} {impl} rows={select or 'all'} ...", file=sys.stderr,
+                  flush=True)
+            return measure(args, cfg, impl, tp, fractions=fractions, select=select)
+
+        results = bench_selected.measure_all(args, measure_spec)
+        prefix = "" if not args.markdown else "- "
+        print("\n".join(prefix + line for line in header(args, (load_start, os.getloadavg()[0]))))
+        print()
+        print(bench_selected.format_table(
+            bench_selected.table_rows(args, results, logits_mb, grads_mb, _mb), args.markdown))
+        return 0
     results = {}
     for tp in args.tp:
         for cfg in args.configs:

@@ -65,6 +65,11 @@ CONFIGS: dict[str, dict] = {
               distillation_use_topk=True, distillation_only=False),
 }
 GRAD_KEYS = ("log_probs", "entropy", "sum_pi_squared", "distillation_losses")
+# The lm-head + processor of one training step from hidden states, on every row ("full") or only on
+# the rows of a response mask (``RowSelection``, as ``outputs_on_loss_mask_only`` runs it): "head"
+# forms the logits ``h @ weight.T`` inside the step, "fused-head" never does.
+HEAD_IMPLS = ("head", "fused-head")
+RESPONSE_BLOCK = 512
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -101,7 +106,11 @@ def make_inputs(spec: dict, rank: int, device: torch.device) -> dict[str, torch.
     grads = {key: torch.randn(n, generator=shared, device=device) for key in GRAD_KEYS}
     inputs = dict(hidden=hidden, weight=weight, labels=labels, teacher_ids=teacher_ids,
                   teacher_log_probs=teacher_log_probs, **{"grad_" + key: g for key, g in grads.items()})
-    if spec["impl"] == "fused":
+    if spec["impl"] in HEAD_IMPLS:  # response masks: the last f of every block of RESPONSE_BLOCK tokens
+        block = min(RESPONSE_BLOCK, n)
+        pos = torch.arange(n, device=device) % block
+        inputs["masks"] = {f: pos >= block - round(f * block) for f in spec["fractions"]}
+    if spec["impl"] in ("fused", *HEAD_IMPLS):
         hidden.requires_grad_()
         weight.requires_grad_()
     else:
@@ -140,13 +149,46 @@ def make_step(spec: dict, inputs: dict[str, torch.Tensor], group):
             return naive_process_lm_head_logits(inputs["logits"], inputs["labels"], temperature,
                                                 teacher_ids=inputs["teacher_ids"],
                                                 teacher_log_probs=inputs["teacher_log_probs"], **flags)
+    elif spec["impl"] in HEAD_IMPLS:
+        return _head_step(spec, inputs, group, flags, batch)
     else:
-        raise ValueError(f"impl must be 'ours', 'naive' or 'fused', got {spec['impl']!r}")
+        raise ValueError(f"impl must be 'ours', 'naive', 'fused' or one of {HEAD_IMPLS}, "
+                         f"got {spec['impl']!r}")
 
     def step():
         for leaf in leaves:
             leaf.grad = None
         out = forward()
+        keys = [key for key in GRAD_KEYS if key in out]
+        torch.autograd.backward([out[key] for key in keys], [inputs["grad_" + key] for key in keys])
+        return out
+
+    return step
+
+
+def _head_step(spec: dict, inputs: dict[str, torch.Tensor], group, flags: dict, batch: dict):
+    """One step of a ``HEAD_IMPLS`` path: ``spec["select"]`` None (every row) or the fraction whose
+    mask selects the rows; the upstream gradients reach every computed row."""
+    from mcore_engine.processor import RowSelection, process_lm_head_hidden, process_lm_head_logits
+
+    hidden, weight, t = inputs["hidden"], inputs["weight"], spec["temperature"]
+    select = spec["select"]
+
+    def step():
+        hidden.grad = weight.grad = None
+        h, labels, rows = hidden[None], inputs["labels"][None], None
+        teacher = {k: v[None] for k, v in batch.items()}
+        if select is not None:
+            rows = RowSelection(inputs["masks"][select][None])
+            h, labels = rows.take(h), rows.take(labels)
+            teacher = {k: rows.take(v) for k, v in teacher.items()}
+        if spec["impl"] == "head":
+            out = process_lm_head_logits(h @ weight.T, labels, t, batch=teacher, group=group,
+                                         chunk_size=spec.get("chunk_size"), **flags)
+        else:
+            out = process_lm_head_hidden(h, weight, labels, t, batch=teacher, group=group,
+                                         chunk_size=spec.get("fused_chunk_size"), **flags)
+        out = {k: (rows.put(v) if rows is not None else v)[0] for k, v in out.items()}
         keys = [key for key in GRAD_KEYS if key in out]
         torch.autograd.backward([out[key] for key in keys], [inputs["grad_" + key] for key in keys])
         return out
@@ -183,7 +225,8 @@ def _sync(device: torch.device) -> None:
 def measure_memory(step, inputs: dict, device: torch.device) -> dict:
     """Peak bytes above the inputs over one step, plus checksums of the outputs and the gradient."""
     for t in inputs.values():  # touch every input page
-        t.detach().sum().item()
+        if isinstance(t, torch.Tensor):
+            t.detach().sum().item()
     gc.collect()
     if device.type == "cuda":
         _sync(device)
@@ -198,7 +241,11 @@ def measure_memory(step, inputs: dict, device: torch.device) -> dict:
         base = _proc_status_mb("VmRSS")
         out = step()
         peak_mb = _proc_status_mb("VmHWM") - base
-    checks = {key: float(val.detach().double().sum()) for key, val in out.items()}
+    if "masks" in inputs:  # per response fraction: output sums over its rows
+        checks = {f"{key}@{f}": float(val.detach().double()[m].sum()) for key, val in out.items()
+                  for f, m in inputs["masks"].items()}
+    else:
+        checks = {key: float(val.detach().double().sum()) for key, val in out.items()}
     return {"peak_mb": peak_mb, "checks": checks}
 
 
@@ -241,7 +288,8 @@ def main(spec: dict) -> dict:
         step = make_step(spec, inputs, group)
         if mode in ("memory", "both"):
             result = measure_memory(step, inputs, device)
-            result["checks"].update(gradient_checks(inputs, group))
+            if spec["impl"] not in HEAD_IMPLS:
+                result["checks"].update(gradient_checks(inputs, group))
         else:
             result = {}
         if mode in ("time", "both"):
