@@ -86,6 +86,7 @@ from mcore_engine.step import (
     prepare_step,
 )
 from mcore_engine.value_head import sequence_scores
+from mcore_engine.weight_sync import BucketMeta, iter_weight_buckets
 
 __all__ = ["MegatronEngine"]
 
@@ -537,6 +538,19 @@ class MegatronEngine:
         self._require_initialized()
         self._require_onloaded("per_tensor_generator", "params")
         return iter_hf_tensors(self.model, self.config, dtype=dtype)
+
+    def bucketed_weight_generator(self, bucket_bytes: int, dtype: torch.dtype | None = None
+                                  ) -> Iterator[tuple[torch.Tensor, BucketMeta]]:
+        """``per_tensor_generator`` packed into ``(bucket, meta)`` pairs: flat contiguous 1-D buckets
+        of one dtype and at most ``bucket_bytes`` bytes (a larger tensor alone), split again by the
+        receiver with ``mcore_engine.weight_sync.unflatten_bucket(bucket, meta)``.
+
+        Collective like ``per_tensor_generator``; a bucket is valid until the next one is requested.
+        Memory: one bucket buffer plus one gathered parameter. ValueError unless ``bucket_bytes`` is a
+        positive int."""
+        self._require_initialized()
+        self._require_onloaded("bucketed_weight_generator", "params")
+        return iter_weight_buckets(self.model, self.config, bucket_bytes, dtype=dtype)
 
     def export_hf(self, out_dir: str | os.PathLike, **kwargs: Any) -> None:
         """Collective: write the model as a Hugging Face folder (safetensors + ``config.json``, the

@@ -27,7 +27,8 @@ class RowSelection:
         put(v)  = zeros(b * s, *tail).index_copy(0, index, v[0]).view(b, s, *tail)   # differentiable
 
     ``take`` passes through anything that is not a tensor led by ``[b, s]`` (None, host or 0-d
-    temperatures). Memory: the ``[n]`` index and the copies made by ``take`` / ``put``.
+    temperatures). Memory: the ``[n]`` index and the copies made by ``take`` / ``put`` (none when
+    every row is selected: both are views then).
     """
 
     def __init__(self, mask: torch.Tensor) -> None:
@@ -35,15 +36,20 @@ class RowSelection:
             raise ValueError(f"mask must be a [b, s] tensor, got shape {tuple(mask.shape)}")
         self.shape = tuple(mask.shape)
         self.index = mask.reshape(-1).nonzero()[:, 0]
+        self.all_rows = self.index.numel() == mask.numel()
 
     def take(self, t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or tuple(t.shape[:2]) != self.shape:
             return t
         flat = t.reshape(self.shape[0] * self.shape[1], *t.shape[2:])
+        if self.all_rows:
+            return flat.unsqueeze(0)
         return flat.index_select(0, self.index.to(flat.device)).unsqueeze(0)
 
     def put(self, values: torch.Tensor) -> torch.Tensor:
         rows = values.reshape(self.index.numel(), *values.shape[2:])
+        if self.all_rows:
+            return rows.view(*self.shape, *rows.shape[1:])
         flat = rows.new_zeros((self.shape[0] * self.shape[1], *rows.shape[1:]))
         flat = flat.index_copy(0, self.index.to(rows.device), rows)
         return flat.view(*self.shape, *rows.shape[1:])

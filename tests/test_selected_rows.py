@@ -158,5 +158,9 @@ def test_row_selection_take_put():
     assert x.grad.tolist() == [[2.0, 0.0, 2.0], [0.0, 0.0, 2.0]]
     empty = RowSelection(torch.zeros(2, 3))
     assert empty.take(x).shape == (1, 0) and not empty.put(empty.take(x)).any()
+    every = RowSelection(torch.ones(2, 3))  # all rows: views, no copies
+    y = torch.randn(2, 3, 4)
+    assert every.take(y).shape == (1, 6, 4) and every.take(y).data_ptr() == y.data_ptr()
+    assert torch.equal(every.put(every.take(y)), y) and every.put(every.take(y)).data_ptr() == y.data_ptr()
     with pytest.raises(ValueError, match="mask"):
         RowSelection(torch.ones(3))

@@ -1,9 +1,4 @@
-"""RL and distillation losses: aggregation, PPO clip, KL estimators, top-k distillation.
-
-Loss functions have the signature ``loss_fn(outputs, data, ctx) -> (loss, metrics)`` and return
-one micro-batch's contribution to the global loss; the top-k processors run inside
-``process_lm_head_logits``.
-"""
+"""RL and distillation losses ``loss_fn(outputs, data, ctx) -> (loss, metrics)`` and top-k processors."""
 
 from mcore_engine.losses.aggregation import AGG_MODES, agg_loss, token_mean_metric, tokens_per_sequence
 from mcore_engine.losses.context import LossContext

@@ -133,10 +133,8 @@ def saved(tmp_path_factory) -> Path:
 
 def _check_buckets(engine, expected: dict, stream: list, bucket_bytes: int, dtype, what: str) -> int:
     """Rebuild the state dict from the buckets of ``bucket_bytes``; returns the bucket count."""
-    from mcore_engine.weight_sync import iter_weight_buckets
-
     rebuilt, buffers, count = {}, set(), 0
-    for bucket, meta in iter_weight_buckets(engine.model, engine.config, bucket_bytes, dtype=dtype):
+    for bucket, meta in engine.bucketed_weight_generator(bucket_bytes, dtype=dtype):
         assert bucket.dim() == 1 and bucket.is_contiguous() and bucket.dtype == meta.dtype == dtype, what
         if len(meta.names) > 1:
             assert bucket.untyped_storage().nbytes() <= bucket_bytes, what
@@ -158,7 +156,6 @@ def _check_layouts(rank: int, world_size: int, root: Path) -> None:
     from mcore_engine.config import EngineConfig, ParallelConfig
     from mcore_engine.hf import from_hf_config, read_hf_config
     from mcore_engine.platform import destroy_distributed
-    from mcore_engine.weight_sync import iter_weight_buckets
 
     expected_all = torch.load(root / "expected.pt")
     for tp, pp in LAYOUTS:
@@ -175,7 +172,7 @@ def _check_layouts(rank: int, world_size: int, root: Path) -> None:
             sizes = [t.nbytes for _, t in stream]
             largest, total = max(sizes), sum(sizes)
             with pytest.raises(ValueError, match="bucket_bytes"):
-                iter_weight_buckets(engine.model, engine.config, 0)
+                engine.bucketed_weight_generator(0)
             counts = {b: _check_buckets(engine, expected, stream, b, torch.float32, f"{what} bytes={b}")
                       for b in (1, 4096, largest // 2, total + 1)}
             assert counts[1] == len(stream) and counts[total + 1] == 1, f"{what}: {counts}"
