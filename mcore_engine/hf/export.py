@@ -2,8 +2,9 @@
 
 ``iter_hf_tensors`` is a collective over the model-parallel group (every rank consumes it to the
 end): per parameter, the owning stage all-gathers the shard over TP (``torch.cat(all_gather(shard),
-dim=tp_dim)``), rebuilds the Hugging Face tensors (``layout.hf_from_gathered``) and, with PP > 1,
-broadcasts them. Memory: one gathered parameter and its tensors at a time; yielded tensors may share
+dim=tp_dim)``; routed experts: over expert TP on the expert-parallel rank that holds the expert,
+then broadcast over EP), rebuilds the Hugging Face tensors (``layout.hf_from_gathered``) and, with
+PP > 1, broadcasts them. Memory: one gathered parameter and its tensors at a time; yielded tensors may share
 storage with parameters (copy them to keep them past an update).
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -45,20 +47,29 @@ def _gather_tp(t: torch.Tensor, dim: int | None, group, size: int) -> torch.Tens
     return torch.cat(parts, dim=dim)
 
 
-def _owners(local_units: dict, pp_group, pp_size: int) -> list[dict[str, str]]:
-    """Per pipeline rank: {unit: dtype name} of the units it holds (one all_gather_object)."""
-    mine = {unit: str(param.dtype).removeprefix("torch.") for unit, (param, _) in local_units.items()}
+def _owners(local_keys: dict[str, str], pp_group, pp_size: int) -> list[dict[str, str]]:
+    """Per pipeline rank: {stage key: dtype name} of the units it holds (one all_gather_object)."""
     if pp_size == 1:
-        return [mine]
+        return [local_keys]
     gathered: list = [None] * pp_size
-    dist.all_gather_object(gathered, mine, group=pp_group)
+    dist.all_gather_object(gathered, local_keys, group=pp_group)
     return gathered
+
+
+def _stage_key(unit: str) -> str:
+    """``unit`` with its expert index replaced by ``*``: the key every expert-parallel rank of the
+    stage that holds the layer shares."""
+    return re.sub(r"\.local_experts\.\d+\.", ".local_experts.*.", unit)
 
 
 def iter_hf_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, *,
                     dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, tensor)`` for the whole model in checkpoint order, on the parameters' device, in
-    ``dtype`` (None: ``cfg.precision``; fp32 norms of a bf16 model are cast). Collective.
+    ``dtype`` (None: ``cfg.precision``; fp32 norms of a bf16 model are cast). Collective over the
+    tensor-, pipeline- and (MoE) expert-parallel groups.
+
+    A routed expert's weight is gathered over the expert-tensor-parallel group on the
+    expert-parallel rank that holds it and broadcast over the expert-parallel group.
     """
     model_cfg = cfg.model
     dtype = dtype or precision_dtype(cfg)
@@ -67,40 +78,62 @@ def iter_hf_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, 
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    moe = model_cfg.moe
+    if moe is not None:
+        etp_group = parallel_state.get_expert_tensor_parallel_group()
+        etp_size = parallel_state.get_expert_tensor_parallel_world_size()
+        ep_group = parallel_state.get_expert_model_parallel_group()
+        ep_size = parallel_state.get_expert_model_parallel_world_size()
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
 
     local: dict[str, tuple[torch.nn.Parameter, object]] = {}
     for chunk in model_chunks:
         for unit, param, rule in iter_units(chunk, model_cfg):
             if not (unit == "output_layer.weight" and model_cfg.tie_word_embeddings):
                 local[unit] = (param, rule)
-    owners = _owners(local, pp_group, pp_size)
+    mine = {_stage_key(unit): str(param.dtype).removeprefix("torch.") for unit, (param, _) in local.items()}
+    owners = _owners(mine, pp_group, pp_size)
     owner = {}
     for rank, held in enumerate(owners):
-        for unit in held:
-            owner.setdefault(unit, rank)
+        for key in held:
+            owner.setdefault(key, rank)
     shapes = hf_shapes(model_cfg)
     if local:
         device = next(iter(local.values()))[0].device
     else:  # a stage without parameters still receives the broadcasts
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
 
+    def receive(name: str, key: str, src: int) -> torch.Tensor:
+        return torch.empty(shapes[name], dtype=getattr(torch, owners[src][key]), device=device)
+
     for unit in model_units(model_cfg):
-        if unit not in owner:
+        key = _stage_key(unit)
+        if key not in owner:
             raise ValueError(f"model_chunks: no pipeline stage holds {unit!r}; cfg.model does not match "
                              "the model")
-        src = owner[unit]
-        if src == pp_rank:
+        src = owner[key]
+        rule = unit_rule(unit, model_cfg)
+        if src != pp_rank:
+            tensors = [(name, None) for name in rule.hf_names]
+        elif not rule.expert:
             param, rule = local[unit]
             full = _gather_tp(param.detach(), rule.tp_dim, tp_group, tp_size)
             tensors = hf_from_gathered(rule, full, model_cfg, tp_size)
-        else:
-            tensors = [(name, None) for name in unit_rule(unit).hf_names]
+        else:  # --- a routed expert: ETP gather on its EP rank, EP broadcast ---
+            holder = int(unit.split(".")[6]) // (moe.num_experts // ep_size)
+            if holder == ep_rank:
+                param, rule = local[unit]
+                full = _gather_tp(param.detach(), rule.tp_dim, etp_group, etp_size)
+                tensors = hf_from_gathered(rule, full, model_cfg, etp_size)
+            else:
+                tensors = [(name, receive(name, key, pp_rank)) for name in rule.hf_names]
+            if ep_size > 1:
+                tensors = [(name, t.contiguous()) for name, t in tensors]
+                for _, t in tensors:
+                    dist.broadcast(t, src=dist.get_global_rank(ep_group, holder), group=ep_group)
         for name, t in tensors:
             if pp_size > 1:
-                if t is None:
-                    t = torch.empty(shapes[name], dtype=getattr(torch, owners[src][unit]), device=device)
-                else:
-                    t = t.contiguous()
+                t = receive(name, key, src) if t is None else t.contiguous()
                 dist.broadcast(t, src=dist.get_global_rank(pp_group, src), group=pp_group)
             yield name, t.to(dtype)
 
@@ -126,7 +159,11 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, out_di
     rank = dist.get_rank() if dist.is_initialized() else 0
     writer = ShardedSafetensorsWriter(out_dir, max_shard_bytes) if rank == 0 else None
     dtype = dtype or precision_dtype(cfg)
-    if parallel_state.get_data_parallel_rank() == 0:
+    # the ranks of one full copy: data-parallel rank 0 (MoE: expert-data-parallel rank 0, whose
+    # expert-parallel group holds every expert)
+    first = (parallel_state.get_data_parallel_rank() if cfg.model.moe is None
+             else parallel_state.get_expert_data_parallel_rank())
+    if first == 0:
         for name, tensor in iter_hf_tensors(model_chunks, cfg, dtype=dtype):
             if writer is not None:
                 writer.add(name, tensor)

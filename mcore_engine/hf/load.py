@@ -1,6 +1,8 @@
-"""Import a Hugging Face Llama / Qwen2 / Qwen3 folder into this rank's GPTModel chunks.
+"""Import a Hugging Face Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / Mixtral folder into this
+rank's GPTModel chunks.
 
-No collectives: each rank reads only its shards' rows / columns (memory: its shards plus one
+No collectives: each rank reads only its shards' rows / columns, of routed experts only its
+expert-parallel rank's experts and its expert-tensor-parallel slice (memory: its shards plus one
 shard-sized buffer). Call after ``build_model_chunks(cfg)`` and before the DDP wrap and the
 optimizer, whose fp32 main parameters are copied from the model.
 """
@@ -34,6 +36,18 @@ _MATCHING_FIELDS = {"num_layers": "num_layers", "hidden_size": "hidden_size",
                     "normalization": "normalization", "norm_epsilon": "norm_epsilon", "swiglu": "swiglu",
                     "tie_word_embeddings": "tie_word_embeddings", "add_qkv_bias": "add_qkv_bias",
                     "qk_layernorm": "qk_layernorm", "kv_channels": "kv_channels"}
+# MoEConfig fields that must agree (routing and expert shapes).
+_MOE_MATCHING_FIELDS = ("num_experts", "router_topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size",
+                        "shared_expert_gate", "router_pre_softmax", "router_score_function")
+
+
+def _moe_fields(cfg: ModelConfig) -> dict | None:
+    if cfg.moe is None:
+        return None
+    out = {name: getattr(cfg.moe, name) for name in _MOE_MATCHING_FIELDS}
+    out["ffn_hidden_size"] = cfg.moe.ffn_hidden_size or cfg.ffn_size
+    out["layer_freq"] = cfg.moe.layer_pattern(cfg.num_layers)
+    return out
 
 
 def check_config_matches(cfg: ModelConfig, hf_cfg: ModelConfig) -> None:
@@ -45,6 +59,14 @@ def check_config_matches(cfg: ModelConfig, hf_cfg: ModelConfig) -> None:
         if ours != theirs:
             raise ValueError(f"model.{name}: the engine config has {ours!r} but the Hugging Face "
                              f"checkpoint's config.json implies {theirs!r}")
+    ours, theirs = _moe_fields(cfg), _moe_fields(hf_cfg)
+    if (ours is None) != (theirs is None):
+        raise ValueError(f"model.moe: the engine config has {cfg.moe!r} but the Hugging Face checkpoint is "
+                         f"{'dense' if theirs is None else 'a mixture of experts'}")
+    for name in ours or {}:
+        if ours[name] != theirs[name]:
+            raise ValueError(f"model.moe.{name}: the engine config has {ours[name]!r} but the Hugging Face "
+                             f"checkpoint's config.json implies {theirs[name]!r}")
 
 
 def value_head_names_to_skip(cfg: ModelConfig, hf_config: dict, names: set[str]) -> set[str]:
@@ -59,7 +81,8 @@ def value_head_names_to_skip(cfg: ModelConfig, hf_config: dict, names: set[str])
 
 def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_path: str | os.PathLike,
                     cfg: EngineConfig) -> None:
-    """``param.copy_(shard_from_hf(rule, read, cfg.model, tp_rank, tp_size, param.shape))`` per parameter.
+    """``param.copy_(shard_from_hf(rule, read, cfg.model, tp_rank, tp_size, param.shape))`` per parameter
+    (expert weights: the expert-tensor-parallel rank and size).
 
     Every check runs before any parameter changes: ``ValueError`` (naming the field or tensor) for a
     config mismatch, a missing, misshaped or unreadable tensor, an unplaced tensor, an unknown family.
@@ -76,8 +99,10 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_path: str | os.P
         fresh = value_head_names_to_skip(model_cfg, hf_config, set(reader.names()))
         shapes = {k: v for k, v in shapes.items() if k not in fresh}
         reader.check(shapes)
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        tp = (parallel_state.get_tensor_model_parallel_rank(),
+              parallel_state.get_tensor_model_parallel_world_size())
+        etp = tp if model_cfg.moe is None else (parallel_state.get_expert_tensor_parallel_rank(),
+                                                parallel_state.get_expert_tensor_parallel_world_size())
 
         def read(name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
             return reader.read(name, shapes[name], dim, start, stop)
@@ -86,7 +111,7 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_path: str | os.P
             for unit, param, rule in iter_units(chunk, model_cfg):
                 if set(rule.hf_names) <= fresh:
                     continue
-                shard = shard_from_hf(rule, read, model_cfg, tp_rank, tp_size, param.shape)
+                shard = shard_from_hf(rule, read, model_cfg, *(etp if rule.expert else tp), param.shape)
                 if shard.shape != param.shape:
                     raise ValueError(f"parameter {unit!r}: built a shard of shape {tuple(shard.shape)} from "
                                      f"{list(rule.hf_names)} but the model expects {tuple(param.shape)}")

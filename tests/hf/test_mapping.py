@@ -117,7 +117,7 @@ def test_units_names_and_te_aliases():
         "decoder.layers.0.pre_mlp_layernorm.weight")
     with pytest.raises(ValueError, match="linear_proj.bias"):
         canonical_unit("decoder.layers.0.self_attention.linear_proj.bias", 0)
-    names = [n for u in model_units(cfg) for n in unit_rule(u).hf_names]
+    names = [n for u in model_units(cfg) for n in unit_rule(u, cfg).hf_names]
     assert names == list(hf_shapes(cfg))
     assert "model.layers.1.self_attn.k_norm.weight" in names and "lm_head.weight" in names
     check_hf_names(names, cfg)
@@ -127,7 +127,7 @@ def test_units_names_and_te_aliases():
 
 # --------------------------------------------------------------------------------- layout transforms
 def _random_hf(cfg: ModelConfig, unit: str):
-    rule = unit_rule(unit)
+    rule = unit_rule(unit, cfg)
     shapes = hf_shapes(cfg)
     return rule, {n: torch.randn(shapes[n], dtype=torch.float64) for n in rule.hf_names}
 
