@@ -195,6 +195,9 @@ class MoERuntime:
         for name in _LOSS_NAMES:
             self._stats[name] = torch.zeros(self.num_moe_layers, dtype=torch.float64, device=device)
         self._num_tokens = counts[0].clamp_min(1.0)
+        # Megatron's per-layer loss tracker only grows; zeroed per step, the per-router differences
+        # read from it stay exact in fp32 however long the run
+        moe_utils.clear_aux_losses_tracker()
         self._step = step
         self._training = training
         self._armed = True

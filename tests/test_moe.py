@@ -8,8 +8,10 @@ malformed ``routed_experts`` refused by name with nothing changed, the replay in
 engine. Launches 2 and 3 load the same weights at EP=1 x DP=2 and EP=2 x DP=2 (two ranks), EP=2 x
 DP=4 (expert data-parallel size 2) and EP=2 x PP=2 (four ranks), each rank its slice of the batch
 in one-sequence micro-batches as the reference, and compare infer_batch outputs and routed_experts,
-loss, router metrics, every gradient and the weights after two train_batch steps at fp32 relative
-error 1e-5.
+the processor's flags (entropy, sum_pi_squared, top-k distillation losses), loss, router metrics,
+every gradient and the weights after two train_batch steps at fp32 relative error 1e-5; EP=2 x DP=2
+also with bshd micro-batches and the fused lm-head. At EP=2 x DP=2 and EP=2 x PP=2 a checkpoint
+saved after the two steps resumes a third step bit for bit.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ MOE = dict(num_experts=E, router_topk=K, ffn_hidden_size=32, aux_loss_coeff=0.01
            layer_freq=[0, 1, 1, 1])
 
 
-def moe_config(*, ep: int = 1, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, **moe):
+def moe_config(*, ep: int = 1, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, data_format: str = "thd",
+               fused_lm_head: bool = False, **moe):
     from mcore_engine.config import MoEConfig
 
-    cfg = tiny_config(tp=tp, pp=pp, micro_batch_size=micro_batch_size)
+    cfg = tiny_config(tp=tp, pp=pp, micro_batch_size=micro_batch_size, data_format=data_format,
+                      fused_lm_head=fused_lm_head)
     return dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, moe=MoEConfig(**{**MOE, **moe})),
         parallel=dataclasses.replace(cfg.parallel, expert_model_parallel_size=ep))
@@ -104,12 +108,25 @@ def _zero_main_loss(outputs, data, ctx):
     return (outputs["log_probs"] * 0.0).sum(), {}
 
 
-def _step_record(engine, batch) -> dict:
-    """infer outputs, one forward-backward's loss / metrics / grads, two train steps' results."""
+FLAG_OUTPUTS = ("log_probs", "entropy", "sum_pi_squared", "distillation_losses")
+
+
+def flags_batch(rows: slice | None = None, *, topk: bool = True):
+    """The main batch's sequences with every processor flag on (teacher top-k unless ``topk=False``)."""
+    extra = dict(teacher_k=3, distillation_use_topk=True) if topk else {}
+    batch = make_batch(SEED, NUM_SEQS, calculate_entropy=True, calculate_sum_pi_squared=True, **extra)
+    return batch if rows is None else batch[torch.arange(rows.start, rows.stop)]
+
+
+def _step_record(engine, batch, flagged) -> dict:
+    """infer outputs (also with every processor flag), one forward-backward's loss / metrics /
+    grads, two train steps' results."""
     rec = {}
     infer = engine.infer_batch(batch)
     rec["infer_log_probs"] = flat_values(infer["log_probs"])
     rec["routed"] = flat_values(infer["routed_experts"])
+    out = engine.infer_batch(flagged)
+    rec["flags"] = {k: flat_values(out[k]) for k in FLAG_OUTPUTS if k in out.keys()}
     out = engine.forward_backward_batch(batch, policy_loss)
     rec["fb_loss"] = out.get_non_tensor("loss").clone()
     rec["fb_metrics"] = dict(out.get_non_tensor("metrics"))
@@ -243,7 +260,8 @@ def _reference(rank: int, world_size: int, path: str) -> None:
     engine = MegatronEngine(moe_config())
     engine.initialize()
     full = params(engine)
-    ref = {"full0": full, **_step_record(engine, make_batch(SEED, NUM_SEQS, calculate_entropy=True))}
+    ref = {"full0": full, **_step_record(engine, make_batch(SEED, NUM_SEQS, calculate_entropy=True),
+                                         flags_batch())}
     _check_aux_normalisation(engine, full)
     _check_replay(engine, full)
     torch.save(ref, path)
@@ -253,6 +271,9 @@ def _reference(rank: int, world_size: int, path: str) -> None:
 def _compare(name: str, got: dict, ref: dict, engine, tokens: slice) -> None:
     assert_rel_close(got["infer_log_probs"], ref["infer_log_probs"][tokens], TOL, f"{name}: infer log_probs")
     assert torch.equal(got["routed"], ref["routed"][tokens]), f"{name}: routed_experts"
+    assert got["flags"].keys() >= set(FLAG_OUTPUTS) - {"distillation_losses"}, got["flags"].keys()
+    for key, value in got["flags"].items():
+        assert_rel_close(value, ref["flags"][key][tokens], TOL, f"{name}: infer {key} with every flag")
     assert_rel_close(got["fb_loss"], ref["fb_loss"], TOL, f"{name}: loss")
     for key, value in ref["fb_metrics"].items():
         if key.startswith("moe/"):
@@ -270,7 +291,8 @@ def _compare(name: str, got: dict, ref: dict, engine, tokens: slice) -> None:
             assert_rel_close(got[f"params{i}"][key], value, TOL, f"{name}: {key} after step {i}")
 
 
-LAYOUTS_2 = (("ep1-dp2", dict(ep=1)), ("ep2-dp2", dict(ep=2)))
+LAYOUTS_2 = (("ep1-dp2", dict(ep=1)), ("ep2-dp2", dict(ep=2)),
+             ("ep2-dp2-bshd-fused", dict(ep=2, data_format="bshd", fused_lm_head=True)))
 # EP=2 inside DP=4 (expert data-parallel size 2); EP=2 x PP=2 (DP=2, 1F1B)
 LAYOUTS_4 = (("ep2-dp4", dict(ep=2)), ("ep2-pp2", dict(ep=2, pp=2)))
 CUTS = {2: [0, 3, 6], 4: [0, 2, 4, 5, 6]}
@@ -294,10 +316,30 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
         dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         cut = CUTS[dp]
         rows = slice(cut[dp_rank], cut[dp_rank + 1])
-        got = _step_record(engine, batch[torch.arange(rows.start, rows.stop)])
+        mine = batch[torch.arange(rows.start, rows.stop)]
+        got = _step_record(engine, mine, flags_batch(rows, topk="fused" not in name))
         _compare(name, got, ref, engine, slice(int(tokens[rows.start]), int(tokens[rows.stop])))
+        if name in ("ep2-dp2", "ep2-pp2"):
+            _check_resume(engine, mine, os.path.join(os.path.dirname(path), f"ckpt-{name}"))
         del engine
         destroy_distributed()
+
+
+def _check_resume(engine, batch, path: str) -> None:
+    """save_checkpoint, a third step, load_checkpoint, the third step again: bit for bit."""
+    engine.save_checkpoint(path)
+    runs = []
+    for _ in range(2):
+        out = engine.train_batch(batch, policy_loss)
+        runs.append((out.get_non_tensor("loss").clone(), dict(out.get_non_tensor("metrics")),
+                     flat_values(out["routed_experts"]), params(engine)))
+        engine.load_checkpoint(path)
+    (loss_a, metrics_a, routed_a, params_a), (loss_b, metrics_b, routed_b, params_b) = runs
+    assert torch.equal(loss_a, loss_b) and torch.equal(routed_a, routed_b), "resumed step differs"
+    differ = {k: (v, metrics_b.get(k)) for k, v in metrics_a.items() if metrics_b.get(k) != v}
+    assert not differ, f"resumed step's metrics differ: {differ}"
+    assert all(torch.equal(params_a[k], params_b[k]) for k in params_a), "resumed weights differ"
+    assert not all(torch.equal(params_a[k], v) for k, v in params(engine).items()), "load did not restore"
 
 
 def test_moe_expert_parallel_matches_single_rank(tmp_path):
