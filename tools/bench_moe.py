@@ -1,0 +1,212 @@
+"""Benchmark: tokens/s and peak memory of one ``train_batch`` step, MoE vs dense, EP=1 vs EP=2.
+
+    python tools/bench_moe.py              # hidden 256, 4 layers, 8 experts top-2, 2 ranks
+    python tools/bench_moe.py --quick      # hidden 64 (seconds)
+
+Configurations (one setup factory each, ``_engine_config``), all on the same ranks (default 2,
+gloo on CPU / NCCL on CUDA) and batch (``--seqs`` sequences of ``--seq-len`` tokens per rank, one
+``bshd`` micro-batch: the CPU ``thd`` attention's ``[heads, t, t]`` scores of the whole pack would
+dominate the memory):
+
+- ``dense``: SwiGLU FFN of width ``k * F``, the active parameters per token of the MoE model;
+- ``moe ep=1``: ``E`` experts of width ``F``, top-``k``, every layer MoE, each rank all experts (DP);
+- ``moe ep=2``: the same model, experts split over two expert-parallel ranks (alltoall dispatcher).
+
+Every configuration runs in a fresh ``torchrun`` (``--worker``): one warm-up step, then the median
+wall time and process CPU time of ``--repeats`` steps (ranks aligned by a barrier); tokens/s = all
+ranks' tokens / wall time. Peak memory (CPU): the worker runs with ``MALLOC_MMAP_THRESHOLD_=65536``
+so RSS tracks live bytes; VmHWM is reset before the last step, peak = VmHWM - RSS before it, max
+over ranks (CUDA: ``max_memory_allocated`` above the allocated bytes). ``params/rank`` counts the
+parameters a rank holds (EP=2: half the experts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from importlib import metadata
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KINDS = ("dense", "moe-ep1", "moe-ep2")
+
+
+def _engine_config(kind: str, args: argparse.Namespace):
+    from mcore_engine.config import EngineConfig, ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig
+
+    h, f, k = args.hidden, args.expert_ffn, args.topk
+    moe = None if kind == "dense" else MoEConfig(num_experts=args.experts, router_topk=k, ffn_hidden_size=f,
+                                                 aux_loss_coeff=1e-3)
+    model = ModelConfig(num_layers=args.layers, hidden_size=h, num_attention_heads=max(1, h // 32),
+                        num_query_groups=max(1, h // 64), ffn_hidden_size=k * f, vocab_size=args.vocab,
+                        max_sequence_length=args.seq_len, qk_layernorm=True, moe=moe)
+    return EngineConfig(model=model, parallel=ParallelConfig(expert_model_parallel_size=2 if kind == "moe-ep2"
+                                                             else 1),
+                        optimizer=OptimizerConfig(lr=1e-4), precision=args.precision,
+                        micro_batch_size=args.seqs, data_format="bshd")
+
+
+def _batch(args: argparse.Namespace, rank: int):
+    import torch
+    from tensordict import TensorDict
+
+    g = torch.Generator().manual_seed(rank)
+    rows = [torch.randint(0, args.vocab, (args.seq_len,), generator=g) for _ in range(args.seqs)]
+    nested = lambda ts: torch.nested.nested_tensor(ts, layout=torch.jagged)  # noqa: E731
+    return TensorDict({"input_ids": nested(rows), "advantages": nested([torch.randn(len(r), generator=g)
+                                                                       for r in rows]),
+                       "loss_mask": nested([torch.ones_like(r) for r in rows])}, batch_size=[len(rows)])
+
+
+def _loss(outputs, data, ctx):
+    mask = data["loss_mask"]
+    return (-data["advantages"] * outputs["log_probs"] * mask).sum() / ctx.global_num_tokens, {}
+
+
+def _rss_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith(field + ":")) / 1024.0
+
+
+def worker(kind: str, args: argparse.Namespace) -> dict | None:
+    import torch
+    import torch.distributed as dist
+
+    from mcore_engine import MegatronEngine
+
+    engine = MegatronEngine(_engine_config(kind, args))
+    engine.initialize()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = _batch(args, rank)
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    engine.train_batch(batch, _loss)  # warm-up
+    wall, cpu = [], []
+    for _ in range(args.repeats):
+        dist.barrier()
+        sync()
+        t, c = time.perf_counter(), time.process_time()
+        engine.train_batch(batch, _loss)
+        sync()
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+    dist.barrier()
+    if cuda:
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = _rss_mb("VmRSS")
+    engine.train_batch(batch, _loss)
+    sync()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else _rss_mb("VmHWM") - base
+    figures = torch.tensor([peak, statistics.median(wall), statistics.median(cpu)], dtype=torch.float64)
+    figures = figures.to("cuda") if cuda else figures
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    held = sum(p.numel() for chunk in engine.model for p in chunk.module.parameters())
+    if rank != 0:
+        return None
+    m = engine.config.model
+    fe = m.moe.ffn_hidden_size if m.moe else m.ffn_size
+    per_layer_ffn = 3 * m.hidden_size * fe * (m.moe.router_topk if m.moe else 1)
+    return {"kind": kind, "world": world, "tokens": world * args.seqs * args.seq_len,
+            "peak_mb": float(figures[0]), "wall_s": float(figures[1]), "cpu_s": float(figures[2]),
+            "params_rank": held, "active_ffn": per_layer_ffn * m.num_layers,
+            "device": "cuda" if cuda else "cpu"}
+
+
+def header() -> list[str]:
+    import torch
+
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return [f"machine: {platform.node()}, {os.cpu_count()} CPUs ({cpu}), GPU: {gpu}, load avg {load:.1f}",
+            f"versions: python {platform.python_version()}, torch {torch.__version__}, "
+            f"megatron-core {metadata.version('megatron-core')}"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--experts", type=int, default=8, help="E")
+    p.add_argument("--topk", type=int, default=2, help="k")
+    p.add_argument("--expert-ffn", type=int, default=256, help="F, one expert's FFN width")
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--seqs", type=int, default=8, help="sequences per rank (one micro-batch)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--nproc", type=int, default=2, help="ranks (EP=2 needs an even number)")
+    p.add_argument("--quick", action="store_true", help="hidden 64, expert FFN 64, 64 tokens x 4 sequences")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
+    p.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.quick:
+        args.hidden, args.expert_ffn, args.seq_len, args.seqs, args.vocab = 64, 64, 64, 4, 1024
+    if args.worker:
+        result = worker(args.worker, args)
+        if result is not None:
+            print("RESULT " + json.dumps(result), flush=True)
+        from mcore_engine.platform import destroy_distributed
+
+        destroy_distributed()
+        return 0
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--quick"]
+    if args.quick:
+        passthrough += ["--hidden", "64", "--expert-ffn", "64", "--seq-len", "64", "--seqs", "4",
+                        "--vocab", "1024"]
+    results = {}
+    for kind in KINDS:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={args.nproc}", __file__, *passthrough, "--worker", kind]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=args.timeout)
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
+            return 1
+        results[kind] = json.loads(line[len("RESULT "):])
+    base = results["dense"]
+    rows = [["config", "params/rank", "active FFN params", "tokens/step", "step s (wall)", "step s (cpu)",
+             "tokens/s", "x dense", "peak MB", "x dense"]]
+    for kind, r in results.items():
+        tps = r["tokens"] / r["wall_s"]
+        rows.append([kind, f"{r['params_rank'] / 1e6:.2f}M", f"{r['active_ffn'] / 1e6:.2f}M",
+                     str(r["tokens"]),
+                     f"{r['wall_s']:.3f}", f"{r['cpu_s']:.3f}", f"{tps:.0f}",
+                     f"{tps / (base['tokens'] / base['wall_s']):.2f}", f"{r['peak_mb']:.1f}",
+                     f"{r['peak_mb'] / max(base['peak_mb'], 1e-9):.2f}"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    print("\n".join(header()))
+    print(f"device: {base['device']}, {base['world']} ranks; model: {args.layers} layers, "
+          f"hidden {args.hidden}, vocab {args.vocab}, {args.precision}; MoE: E={args.experts}, "
+          f"top-{args.topk}, expert FFN {args.expert_ffn} (dense FFN {args.topk * args.expert_ffn}); "
+          f"{args.seqs} x {args.seq_len} tokens per rank; median of {args.repeats} steps")
+    for i, row in enumerate(rows):
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
