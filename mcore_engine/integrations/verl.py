@@ -8,6 +8,14 @@ verl's ``TrainingWorker`` builds :class:`McoreEngineVerl` from ``model_config`` 
 and ``checkpoint_config``. :func:`engine_config_from_verl` maps every field with a meaning here onto
 an :class:`mcore_engine.EngineConfig` and raises ``ValueError`` naming the field for every setting the
 engine cannot honour; the fields in :data:`NOT_APPLICABLE` have no meaning for this engine.
+Expert-parallel sizes go to ``ParallelConfig``, whose layout checks (a dense model has no experts)
+reach the user naming both the verl and the core field.
+
+Offload as verl's Megatron engine: with ``param_offload`` the parameters and grad buffers, with
+``optimizer_offload`` the optimizer state, live in host memory (``engine.offload``: device storage
+resized to 0) except inside ``train_mode()`` (all of them onloaded) and ``eval_mode()`` (parameters
+only); ``to(device, model, optimizer, grad)`` moves parts by hand. Checkpoints are the core's
+reshardable ``torch_dist`` folders, one per ``save_checkpoint`` call, loadable at another layout.
 
 Batches arrive as verl builds them (``left_right_2_no_padding``): jagged ``input_ids`` /
 ``position_ids`` ``[B, j]``, dense ``response_mask`` / ``loss_mask`` ``[B, R]``, dense per-sample
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -132,14 +141,10 @@ def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_con
            f"build the engine block as McoreEngineVerlConfig (strategy={BACKEND!r})")
     # --- engine_config
     _check(e.dtype in _DTYPES, "engine_config.dtype", e.dtype, "use float32 or bfloat16")
-    for name in ("context_parallel_size", "expert_model_parallel_size"):
-        _check(getattr(e, name) == 1, f"engine_config.{name}", getattr(e, name), "only TP / PP / VPP / DP")
-    _check(e.expert_tensor_parallel_size in (None, 1), "engine_config.expert_tensor_parallel_size",
-           e.expert_tensor_parallel_size, "dense models only")
+    _check(e.context_parallel_size == 1, "engine_config.context_parallel_size", e.context_parallel_size,
+           "only TP / PP / VPP / EP / DP")
     flags_off = {
         "dynamic_context_parallel": "no context parallelism",
-        "param_offload": "no parameter offload yet",
-        "optimizer_offload": "no optimizer offload yet",
         "full_determinism": "no deterministic-kernel mode",
         "pad_to_length": "micro-batches are packed to their own length",
         "use_dist_checkpointing": "initial weights come from model_config.path (HF)",
@@ -193,14 +198,25 @@ def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_con
                    f"checkpoint_config.{name}", sorted(contents),
                    "model, optimizer and extra are always saved and loaded together (+ optional hf_model)")
         _check(not getattr(c, "async_save", False), "checkpoint_config.async_save", True, "no async save")
-    parallel = ParallelConfig(tensor_model_parallel_size=e.tensor_model_parallel_size,
-                              pipeline_model_parallel_size=e.pipeline_model_parallel_size,
-                              virtual_pipeline_model_parallel_size=e.virtual_pipeline_model_parallel_size,
-                              sequence_parallel=bool(e.sequence_parallel))
-    return EngineConfig(model=model, parallel=parallel, optimizer=optimizer, precision=_DTYPES[e.dtype],
-                        seed=int(e.seed), micro_batch_size=int(e.micro_batch_size_per_gpu or 1),
-                        logits_chunk_size=getattr(e, "logits_chunk_size", None),
-                        data_format="thd" if e.use_remove_padding else "bshd")
+    parallel = {name: getattr(e, name) for name in _PARALLEL_FIELDS}
+    try:
+        layout = ParallelConfig(**parallel, sequence_parallel=bool(e.sequence_parallel))
+        return EngineConfig(model=model, parallel=layout, optimizer=optimizer, precision=_DTYPES[e.dtype],
+                            seed=int(e.seed), micro_batch_size=int(e.micro_batch_size_per_gpu or 1),
+                            logits_chunk_size=getattr(e, "logits_chunk_size", None),
+                            data_format="thd" if e.use_remove_padding else "bshd")
+    except ValueError as exc:  # the core's layout checks name ParallelConfig fields: name verl's too
+        named = [n for n in _PARALLEL_FIELDS if re.search(rf"(?<![A-Za-z_]){n}", str(exc))]
+        named = [n for n in named if parallel[n] not in (None, 1)] or named
+        if not named:
+            raise
+        fields = ", ".join(f"engine_config.{n}={parallel[n]!r}" for n in named)
+        raise ValueError(f"{fields} is not supported by the mcore_engine backend: {exc}") from exc
+
+
+_PARALLEL_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                    "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
+                    "expert_tensor_parallel_size")
 
 
 def _optimizer_from_verl(o: Any, e: Any) -> CoreOptimizerConfig:
@@ -297,17 +313,32 @@ def _topk_clamp(loss_function: Callable | None) -> float | None:
 
 # ------------------------------------------------------------------------------------------- engine
 class _ModeCtx(BaseEngineCtx):
-    """verl's train / eval context: module modes; the train context zeroes gradients on exit."""
+    """verl's train / eval context: onload on entry and offload on exit what the offload flags name
+    (eval: the parameters; train: parameters + grad buffers and the optimizer state), module modes;
+    the train context zeroes gradients on exit. The moves call :meth:`McoreEngineVerl.onload_parts` /
+    ``offload_parts`` directly rather than ``to(get_device_name())`` / ``to("cpu")``, which name the
+    same device on a CPU host."""
+
+    def _switch(self, onload: bool) -> None:
+        engine = self.engine
+        param, optim = engine.is_param_offload_enabled, engine.is_optimizer_offload_enabled
+        if self.disable_auto_offload or not (param or optim):
+            return
+        train = self.mode == "train"
+        move = engine.onload_parts if onload else engine.offload_parts
+        move(model=param, optimizer=train and optim, grad=train and param)
 
     def __enter__(self):
-        super().__enter__()
+        self.engine.mode = self.mode
+        self._switch(onload=True)
         for chunk in self.engine.engine.model:
             chunk.train(self.mode == "train")
 
     def __exit__(self, exc_type, exc_value, traceback):
         if self.mode == "train" and (self.zero_grad_on_exit or exc_type is not None):
             self.engine.optimizer_zero_grad()
-        super().__exit__(exc_type, exc_value, traceback)
+        self._switch(onload=False)
+        self.engine.mode = None
 
 
 @EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cpu", "cuda"])
@@ -342,20 +373,23 @@ class McoreEngineVerl(BaseEngine):
 
     # --- set-up and modes
     def initialize(self) -> None:
-        """Build model, optimizer and scheduler (HF weights from ``model_config.path``); a second
-        call (``TrainingWorker.reset``) builds a fresh engine from the same configs."""
+        """Build model, optimizer and scheduler (HF weights from ``model_config.path``), then offload
+        what ``param_offload`` / ``optimizer_offload`` name (verl's Megatron engine); a second call
+        (``TrainingWorker.reset``) builds a fresh engine from the same configs."""
         if self._initialized:
             self.engine = MegatronEngine(self.config)
         self.engine.initialize()
         self._initialized = True
+        self.offload_parts(model=self.is_param_offload_enabled, optimizer=self.is_optimizer_offload_enabled,
+                           grad=self.is_param_offload_enabled)
 
     @property
     def is_param_offload_enabled(self) -> bool:
-        return False
+        return bool(getattr(self.engine_config, "param_offload", False))
 
     @property
     def is_optimizer_offload_enabled(self) -> bool:
-        return False
+        return bool(getattr(self.engine_config, "optimizer_offload", False))
 
     def train_mode(self, **kwargs):
         return _ModeCtx(self, "train", **kwargs)
@@ -364,16 +398,39 @@ class McoreEngineVerl(BaseEngine):
         return _ModeCtx(self, "eval", **kwargs)
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
-        """A no-op when nothing is to move or ``device`` is where the engine lives (always on CPU);
-        moving to another device (offload) raises ``NotImplementedError``."""
+        """verl's manual load / offload, whatever the offload flags: ``"cpu"`` offloads the named
+        parts to host memory (``model`` releases the parameters and the grad buffers, as verl's
+        Megatron engine does), the engine's device (``"cuda"``; ``"device"`` on any host) onloads them
+        (the grad buffers only with ``grad``). ``grad`` needs ``model``. On a CPU host ``"cpu"`` means
+        offload, so onload is spelled ``"device"`` there."""
         super().to(device=device, model=model, optimizer=optimizer, grad=grad)
         from mcore_engine.platform import get_device
 
-        here = get_device().type
-        if not (model or optimizer or grad) or torch.device(device).type == here:
-            return
-        raise NotImplementedError(f"McoreEngineVerl.to({device!r}): the engine lives on {here!r} and has "
-                                  "no offload yet (param_offload / optimizer_offload are refused)")
+        if device == "cpu":
+            self.offload_parts(model=model, optimizer=optimizer, grad=grad)
+        elif device == "device" or torch.device(device).type == get_device().type:
+            self.onload_parts(model=model, optimizer=optimizer, grad=grad)
+        else:
+            raise ValueError(f"McoreEngineVerl.to: device={device!r}; expected 'cpu', 'device' or "
+                             f"{get_device().type!r}")
+
+    def offload_parts(self, model: bool, optimizer: bool, grad: bool = True) -> None:
+        """``to("cpu", ...)``: parameters and grad buffers with ``model``, optimizer state with
+        ``optimizer`` (``engine.offload``: host copy, device storage resized to 0)."""
+        self.engine.offload(params=model, grads=model, optimizer=optimizer)
+
+    def onload_parts(self, model: bool, optimizer: bool, grad: bool = True) -> None:
+        """``to(device, ...)``: parameters with ``model``, grad buffers with ``model and grad``,
+        optimizer state with ``optimizer``, bit-identical (``engine.onload``)."""
+        self.engine.onload(params=model, grads=model and grad, optimizer=optimizer)
+
+    def _reoffload(self, before: frozenset[str], *, optimizer: bool) -> None:
+        """After a checkpoint call: offload what was offloaded before, and what verl's Megatron engine
+        offloads after it (parameters + grads with ``param_offload``; the optimizer state with
+        ``optimizer_offload`` when ``optimizer``)."""
+        param, optim = self.is_param_offload_enabled, optimizer and self.is_optimizer_offload_enabled
+        self.engine.offload(params=param or "params" in before, grads=param or "grads" in before,
+                            optimizer=optim or "optimizer" in before)
 
     # --- parallel layout
     def get_data_parallel_rank(self) -> int:
@@ -448,34 +505,61 @@ class McoreEngineVerl(BaseEngine):
 
     # --- weights and checkpoints
     def get_per_tensor_param(self, **kwargs) -> tuple[Generator[tuple[str, torch.Tensor], None, None], None]:
-        """``(generator of (hf_name, full tensor), None)``: no PEFT config. Collective over TP / PP:
-        every rank consumes the generator to the end."""
+        """``(generator of (hf_name, full tensor), None)``: no PEFT config. Onloads the parameters and
+        leaves them onloaded (verl's worker offloads them after the weight sync when
+        ``param_offload``). The tensors may share storage with the parameters: consume them before
+        offloading. Collective over TP / PP: every rank consumes the generator to the end."""
+        self.engine.onload(params=True, grads=False, optimizer=False)
         return self.engine.per_tensor_generator(), None
 
     def save_checkpoint(self, local_path: str, hdfs_path: str | None = None, global_step: int = 0,
                         max_ckpt_to_keep: int | None = None, **kwargs) -> None:
-        """Collective: the core checkpoint in ``local_path`` (+ an HF folder ``local_path/huggingface``
-        when ``checkpoint_config.save_contents`` holds ``hf_model``); keeps the newest
-        ``max_ckpt_to_keep`` folders this engine saved. ``hdfs_path`` is refused."""
+        """Collective: the core checkpoint (``torch_dist``, reshardable) in folder ``local_path`` (+ an
+        HF folder ``local_path/huggingface`` when ``checkpoint_config.save_contents`` holds
+        ``hf_model``). Offloaded parameters / optimizer state are onloaded for the write and offloaded
+        again. Retention as verl's checkpoint managers: of the folders this engine saved, the oldest
+        are deleted before the write so that ``max_ckpt_to_keep - 1`` remain (when it is > 1), and
+        after it so that ``max_ckpt_to_keep`` remain. ``hdfs_path`` is refused."""
         if hdfs_path is not None:
             _refuse("hdfs_path", hdfs_path, "no HDFS client; save to a shared local path")
-        self.engine.save_checkpoint(local_path)
-        contents = getattr(self.checkpoint_config, "save_contents", None) or ()
-        if "hf_model" in contents:
-            self.engine.export_hf(os.path.join(local_path, "huggingface"))
         path = os.path.abspath(local_path)
-        self._saved = [p for p in self._saved if p != path] + [path]
-        if max_ckpt_to_keep and len(self._saved) > max_ckpt_to_keep:
-            old, self._saved = self._saved[:-max_ckpt_to_keep], self._saved[-max_ckpt_to_keep:]
-            if dist.get_rank() == 0:
-                for p in old:
-                    shutil.rmtree(p, ignore_errors=True)
+        self._saved = [p for p in self._saved if p != path]
+        keep = max_ckpt_to_keep if isinstance(max_ckpt_to_keep, int) and max_ckpt_to_keep > 0 else None
+        if keep is not None and keep > 1 and len(self._saved) >= keep:
+            self._prune(len(self._saved) - keep + 1)
+        before = self.engine.offloaded
+        self.engine.onload(params=True, grads=False, optimizer=True)
+        try:
+            self.engine.save_checkpoint(path)
+            contents = getattr(self.checkpoint_config, "save_contents", None) or ()
+            if "hf_model" in contents:
+                self.engine.export_hf(os.path.join(path, "huggingface"))
+        finally:
+            self._reoffload(before, optimizer=False)
+        self._saved.append(path)
+        if keep is not None and len(self._saved) > keep:
+            self._prune(len(self._saved) - keep)
         dist.barrier()
+
+    def _prune(self, count: int) -> None:
+        """Delete the ``count`` oldest folders this engine saved (rank 0 deletes)."""
+        old, self._saved = self._saved[:count], self._saved[count:]
+        if dist.get_rank() == 0:
+            for p in old:
+                shutil.rmtree(p, ignore_errors=True)
 
     def load_checkpoint(self, local_path: str, hdfs_path: str | None = None,
                         del_local_after_load: bool = True, **kwargs) -> None:
-        """Collective: restore what :meth:`save_checkpoint` wrote. A local checkpoint is never
-        deleted (verl deletes only downloaded copies); ``hdfs_path`` is refused."""
+        """Collective: restore what :meth:`save_checkpoint` wrote, at this engine's TP / PP / DP layout
+        (the core reshards). Offloaded parts are onloaded for the read; afterwards what
+        ``param_offload`` / ``optimizer_offload`` name is offloaded (verl's Megatron engine), and what
+        was offloaded before. A local checkpoint is never deleted (verl deletes only downloaded
+        copies); ``hdfs_path`` is refused."""
         if hdfs_path is not None:
             _refuse("hdfs_path", hdfs_path, "no HDFS client; load from a shared local path")
-        self.engine.load_checkpoint(local_path)
+        before = self.engine.offloaded
+        self.engine.onload(params=True, grads=False, optimizer=True)
+        try:
+            self.engine.load_checkpoint(local_path)
+        finally:
+            self._reoffload(before, optimizer=True)
