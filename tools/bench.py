@@ -91,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="extra environment of the time processes (all implementations), e.g. "
                         "MALLOC_TRIM_THRESHOLD_=268435456 to see the times without glibc trimming churn")
     p.add_argument("--timeout", type=int, default=600, help="seconds per worker process")
+    p.add_argument("--moe", action="store_true",
+                   help="the mixture-of-experts table instead (tools/bench_moe.py: dense vs MoE at EP=1 / "
+                        "EP=2, one train_batch step; --quick applies)")
     p.add_argument("--selected", action="store_true",
                    help="the selected-rows table instead (tools/bench_selected.py): lm-head + processor "
                         "on every row vs only the response rows (outputs_on_loss_mask_only)")
@@ -354,6 +357,10 @@ def format_table(rows: list[list[str]], markdown: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     load_start = os.getloadavg()[0]
+    if args.moe:
+        import bench_moe
+
+        return bench_moe.main(["--quick"] if args.quick else [])
     if args.selected:
         import bench_selected
 
