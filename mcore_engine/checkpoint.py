@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import random
 import re
 import shutil
@@ -160,6 +161,17 @@ def _has_state(optimizer) -> bool:
                for sub in sub_optimizers(optimizer))
 
 
+def _in_process_write_results() -> None:
+    """Synchronous saves collect the file writers' results in this process, so Megatron's module-level
+    results queue can be a plain ``queue.Queue``: otherwise its first save spawns a multiprocessing
+    Manager server (seconds per process; its socket path under a long ``TMPDIR`` exceeds AF_UNIX's
+    108 bytes and the save fails)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, common: dict[str, Any], *,
                            layout: dict[str, Any], precision: str, config: dict[str, Any], step: int) -> None:
     """Collective: write the model chunks, optimizer, ``common`` (plain, identical on every rank)
@@ -188,6 +200,7 @@ def save_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, 
         state["optimizer"] = optimizer.sharded_state_dict(state, False, metadata=OPTIMIZER_METADATA)
     state["rng"] = _rng_object(layout, rng_state())
     state["engine"] = common
+    _in_process_write_results()
     dist_checkpointing.save(state, tmp, async_sharded_save=False)  # ends with a barrier
 
     error = None

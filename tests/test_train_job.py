@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from mcore_engine.checkpoint import FORMAT
 from mcore_engine.losses import LossContext
 from mcore_engine.recipes import JobConfig, MarkovCorpus
 from mcore_engine.recipes.distill import distillation_batch, lm_batch, next_token_loss
@@ -267,5 +268,7 @@ def test_main_job_end_to_end(tmp_path, layout):
     assert (run / "curves.png").stat().st_size > 10_000
     assert (run / "config.yaml").is_file()
     for who in ("teacher", "student"):
-        meta = json.loads((run / "checkpoints" / who / "meta.json").read_text())
-        assert len(meta["shards"]) == 2
+        ckpt = run / "checkpoints" / who
+        marker = json.loads((ckpt / "mcore_engine.json").read_text())
+        assert marker["format"] == FORMAT and marker["layout"]["world_size"] == 2, marker
+        assert list(ckpt.glob("*.distcp")), sorted(p.name for p in ckpt.iterdir())
