@@ -14,7 +14,6 @@ setup(
     # kernels/ installs as ``mcore_engine_kernels``: the PyPI name ``kernels`` belongs to another project.
     packages=find_packages(include=["mcore_engine", "mcore_engine.*"]) + ["mcore_engine_kernels"],
     package_dir={"mcore_engine_kernels": "kernels"},
-    package_data={"mcore_engine": ["data_files/*.txt"]},
     install_requires=[
         "torch>=2.11",
         "megatron-core==0.16.1",
