@@ -1,24 +1,16 @@
 """MegatronEngine: Megatron-Core GPT training and inference on TensorDict batches (TP / PP / DP).
 
-One step, as ``train_batch`` runs it::
+One ``train_batch``::
 
     step = prepare_step(batch)            # flags, validation, micro-batches, packing, global counts
-    zero_grad()                           # only after the batch was accepted on every DP rank
-    get_forward_backward_func()(forward_step, ...)   # no pipelining, 1F1B or interleaved
-        forward_step: output = GPTModel(input_ids, position_ids, mask, packed_seq_params)
-                      # logits [b, s, V/tp]; with fused_lm_head the hidden states [b, s, H]
-                      outputs = process_lm_head_logits(...) or process_lm_head_hidden(...)
-                      loss_i, metrics_i = loss_function(outputs_flat, data_flat, ctx)
-                      # loss_convention="micro_batch": loss_function(model_output=jagged [b, j],
-                      #     data=the micro-batch's rows as given, ctx=ctx); metrics kept per micro-batch
-    finalize: DP all-reduce (SUM, no averaging), embedding / layer-norm grad all-reduces
+    zero_grad()                           # after every DP rank accepted the batch
+    get_forward_backward_func()(forward_step, ...)   # loss_i = loss_function(outputs, data, ctx)
+    finalize: DP all-reduce (SUM), embedding / layer-norm grad all-reduces
     gather_results()                      # outputs, loss, metrics: last stage -> every rank
-    optimizer_step()                      # empty_cache iff top-k distillation ran; clip; step or skip
+    optimizer_step()                      # clip; step, or skip on non-finite gradients
 
-Loss normalisation: ``loss_function`` returns each micro-batch's contribution to the global loss
-(divided by ``ctx.global_num_tokens``, all-reduced over DP before the schedule); Megatron neither
-divides by the micro-batch count nor averages over DP (``calculate_per_token_loss=True``, a
-finalize without the per-token rescale), so the gradient is that of ``sum_{dp, mb} loss_i``.
+``loss_i`` is divided by ``ctx.global_num_tokens`` and never averaged over micro-batches or DP, so
+the gradient is that of ``sum_{dp, mb} loss_i``.
 """
 
 from __future__ import annotations
@@ -94,8 +86,7 @@ LossFunction = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 def _finalize_grads_without_token_rescale(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
-    """Megatron's ``finalize_model_grads`` with ``num_tokens=None``: the loss is already globally
-    normalised, so the DP-summed gradients are final."""
+    """``finalize_model_grads`` with ``num_tokens=None``: the loss is already globally normalised."""
     finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
 
 
@@ -128,12 +119,9 @@ class _Pass:
 
 
 class MegatronEngine:
-    """Megatron-Core GPT policy engine (API.md "The engine").
-
-    After ``initialize()``: ``model`` (DDP-wrapped ``GPTModel`` chunks, one per virtual pipeline
-    stage), ``optimizer`` (Megatron optimizer), ``lr_scheduler`` (``OptimizerParamScheduler``),
-    ``global_step`` (applied updates), ``num_skipped_steps``.
-    """
+    """Megatron-Core GPT policy engine. After ``initialize()``: ``model`` (DDP-wrapped ``GPTModel``
+    chunks, one per virtual pipeline stage), ``optimizer``, ``lr_scheduler``, ``global_step`` (applied
+    updates), ``num_skipped_steps``."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -149,9 +137,8 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ set-up
     def initialize(self) -> None:
-        """Bring up distributed state, build the model chunks (``model.hf_path``: import that
-        Hugging Face folder, each rank reading its shards), wrap them in Megatron DDP, build the
-        optimizer and scheduler. Config errors raise before any process-group work."""
+        """Bring up distributed state, build the DDP-wrapped model chunks (from ``model.hf_path``
+        when set), the optimizer and scheduler. Config errors raise before any process-group work."""
         cfg = self.config
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         cfg.validate_world_size(world)
@@ -206,10 +193,9 @@ class MegatronEngine:
         return offloader.offloaded if offloader is not None else frozenset()
 
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
-        """Move the chosen parts to host memory (pinned on CUDA) and release their device storage
-        (``mcore_engine.offload``): the parameters, the DDP grad buffers, the optimizer state (fp32
-        main weights, Adam moments). Local to this rank. Until :meth:`onload`, calls that need an
-        offloaded part raise ``RuntimeError``."""
+        """Move the chosen parts (parameters, DDP grad buffers, optimizer state) to host memory
+        (pinned on CUDA) and free their device storage. Local to this rank. Until :meth:`onload`,
+        calls that need an offloaded part raise ``RuntimeError``."""
         self._require_initialized()
         self._offloader.offload(name for name, on in
                                 (("params", params), ("grads", grads), ("optimizer", optimizer)) if on)
@@ -227,8 +213,7 @@ class MegatronEngine:
                                   logits_processor_func: Callable | None = None, batch: Any = None,
                                   data_format: str = "thd", log_prob_min_clamp: float | None = None
                                   ) -> dict[str, torch.Tensor]:
-        """``process_lm_head_logits`` on this rank's logits ``[..., V/tp]`` with the true vocab size
-        (padded ids get no mass) and ``config.logits_chunk_size``."""
+        """``process_lm_head_logits`` over the true vocab size (padded ids get no mass)."""
         return process_lm_head_logits(
             logits, label, temperature, calculate_sum_pi_squared=calculate_sum_pi_squared,
             calculate_entropy=calculate_entropy, distillation_use_topk=distillation_use_topk,
@@ -240,17 +225,10 @@ class MegatronEngine:
     def _lm_head_outputs(self, model: torch.nn.Module, output: torch.Tensor, label: torch.Tensor | None,
                          temperature, *, select: torch.Tensor | None = None,
                          **kwargs) -> dict[str, torch.Tensor]:
-        """Per-token outputs ``[b, s]`` from the last stage's output: logits ``[b, s, V/tp]``; with
-        ``model.fused_lm_head`` hidden states ``[b, s, H]`` and the lm-head weight shard (same keys,
-        the logits never exist); with ``model.head: value`` values ``[b, s, 1]`` -> ``{"values"}``.
-
-        ``select`` (the packed ``loss_mask`` under ``outputs_on_loss_mask_only``): ``output`` is then
-        the hidden states; the ``n`` rows with ``select != 0`` (and their labels, per-token
-        temperatures, teacher tensors) are gathered into ``[1, n, ...]``, run through the output
-        layer and the processor (or the fused path) and scattered back into zeros: no logit or
-        statistic exists for the other rows, whose outputs and gradients are 0. A custom
-        ``logits_processor_func`` then sees ``student_logits [1, n, V/tp]`` and ``data`` with the
-        selected teacher rows ``[1, n, K]``. Cost O(n); one host sync (the row count)."""
+        """Per-token outputs ``[b, s]`` from logits ``[b, s, V/tp]``, hidden states ``[b, s, H]``
+        (``fused_lm_head``) or values ``[b, s, 1]`` (``head: value``). With ``select``
+        (``outputs_on_loss_mask_only``) only the ``n`` rows with ``select != 0`` go through the output
+        layer and the processor, as ``[1, n, ...]``; the rest get outputs and gradients 0. One host sync."""
         cfg = self.config.model
         rows = None
         if select is not None:
@@ -312,8 +290,7 @@ class MegatronEngine:
                                  "parallel.sequence_parallel=True (hidden states are sequence-sharded)")
 
     def _outputs_and_loss(self, run: _Pass, mb: MicroBatch, model: torch.nn.Module, output: torch.Tensor):
-        """``(loss_function's result, (detached outputs, micro_batch metrics or None))`` of one
-        micro-batch (run by the guard)."""
+        """``(loss_function's result, (detached outputs, micro_batch metrics or None))``."""
         inp, flags, fmt = mb.inputs, run.step.flags, self.config.data_format
         teacher = {"teacher_ids": inp.teacher_ids, "teacher_logprobs": inp.teacher_logprobs}
         outputs = {}
@@ -410,31 +387,18 @@ class MegatronEngine:
                                forward_only: bool = False, *,
                                logits_processor_func: Callable | None = None,
                                loss_convention: str = "flat") -> TensorDict:
-        """Forward (and backward unless ``forward_only``) over all micro-batches of ``batch``.
+        """Forward (and backward unless ``forward_only``) over all micro-batches; gradients
+        accumulate into the DDP grad buffers. Returns on every rank a TensorDict ``[B]``: per-token
+        outputs in the layout of ``input_ids``, non-tensor ``loss`` (global, 0-d) and ``metrics``
+        (summed over micro-batches and DP ranks). A loss function that raises or returns anything
+        but ``(0-d float loss requiring grad, {name: number or one-element tensor})`` fails the step
+        on every rank after the schedule, with the grad buffers zeroed.
 
-        Gradients accumulate into the DDP grad buffers (``train_batch`` zeroes them first). Returns
-        on every rank a TensorDict ``[B]``: the per-token outputs in the layout of ``input_ids``,
-        non-tensor ``loss`` (global, 0-d) and ``metrics`` (the loss function's contributions summed
-        over micro-batches and DP ranks). Unless ``forward_only``, records ``distillation_use_topk``
-        for ``optimizer_step``'s ``empty_cache()`` hook.
-
-        A loss function (or ``logits_processor_func``) that raises, or returns anything but
-        ``(floating 0-d loss requiring grad, {name: number or one-element tensor})``, fails the step
-        on every rank once the schedule has ended (``mcore_engine.loss_guard``); the grad buffers
-        are then zeroed, parameters and optimizer state unchanged.
-
-        ``loss_convention`` says how ``loss_function`` is called, once per micro-batch:
-
-        - ``"flat"``: ``loss_function(outputs, data, ctx)`` with ``outputs[k]`` and the per-token
-          fields of ``data`` flat ``[T]`` in packed slot order (``step.loss_data``);
-        - ``"micro_batch"`` (verl's convention): ``loss_function(model_output=..., data=..., ctx=...)``
-          with ``model_output[k]`` in the layout of the micro-batch's ``input_ids`` (jagged ``[b, j]``
-          in micro-batch order) and ``data`` the micro-batch's slice of ``batch`` as given (dense
-          per-sample fields and non-tensor entries included). The loss is a contribution as in
-          ``"flat"``; ``metrics`` may hold anything (verl's ``Metric`` objects, lists): it is never
-          summed but returned per micro-batch as the non-tensor ``micro_batch_metrics`` (a list in
-          micro-batch order, this DP rank's, tensors detached); ``metrics`` then holds no loss
-          metrics.
+        ``loss_convention="flat"``: ``loss_function(outputs, data, ctx)``, per-token fields flat
+        ``[T]`` in packed order. ``"micro_batch"`` (verl): ``loss_function(model_output=, data=,
+        ctx=)``, outputs in the micro-batch's ``input_ids`` layout (jagged ``[b, j]``), ``data`` its
+        slice of ``batch``; its metrics come back unsummed as the non-tensor ``micro_batch_metrics``
+        (one entry per micro-batch, this DP rank's) instead of ``metrics``.
         """
         if loss_function is None and not forward_only:
             raise ValueError("forward_backward_batch: loss_function=None needs forward_only=True")
@@ -454,9 +418,8 @@ class MegatronEngine:
                     logits_processor_func: Callable | None = None,
                     loss_convention: str = "flat") -> TensorDict:
         """Validate -> zero_grad -> forward_backward_batch -> optimizer_step. A bad batch raises
-        ``ValueError`` before any gradient or parameter changes. The metrics gain ``grad_norm``,
-        ``update_skipped`` (1.0 when non-finite gradients skipped the update) and ``lr``.
-        ``loss_convention``: see :meth:`forward_backward_batch`."""
+        ``ValueError`` before anything changes. The metrics gain ``grad_norm``, ``update_skipped``
+        (1.0 when non-finite gradients skipped the update) and ``lr``."""
         self._require_onloaded("train_batch", "params", "grads", "optimizer")
         step = self._prepare(batch, logits_processor_func, loss_convention=loss_convention)
         for chunk in self.model:
@@ -476,20 +439,11 @@ class MegatronEngine:
     def infer_batch(self, batch: TensorDictBase, loss_function: LossFunction | None = None, *,
                     logits_processor_func: Callable | None = None, logits_func: Callable | None = None,
                     builtin_outputs: bool = True, loss_convention: str = "flat") -> TensorDict:
-        """Forward only, under ``no_grad`` and eval mode (each module's mode restored afterwards):
-        per-token outputs in the layout of ``input_ids``. Leaves gradients and the ``empty_cache``
-        hook alone.
-
-        ``logits_func`` (sampling, teacher top-k scoring) runs on every micro-batch whatever the
-        flags::
-
-            extra = logits_func(student_logits=logits / temperature,   # this rank's shard [..., V/tp]
-                                data={"teacher_ids": ..., "teacher_logprobs": ...}, data_format=fmt)
-
-        and its per-token tensors (``student_logits.shape[:-1]`` plus trailing dims) are merged into
-        the outputs; a key clash with a built-in output is a ``ValueError``. ``builtin_outputs=False``
-        computes only ``logits_func``'s outputs (then required). ``loss_convention``: see
-        :meth:`forward_backward_batch`."""
+        """Forward only, under ``no_grad`` and eval mode (modes restored): per-token outputs in the
+        layout of ``input_ids``; gradients and the ``empty_cache`` hook untouched. ``logits_func(
+        student_logits=logits / temperature [..., V/tp], data={"teacher_ids", "teacher_logprobs"},
+        data_format=fmt)`` runs on every micro-batch and its per-token tensors join the outputs (a key
+        clash is a ``ValueError``); ``builtin_outputs=False`` returns only those."""
         if not builtin_outputs and logits_func is None:
             raise ValueError("infer_batch: builtin_outputs=False needs a logits_func (nothing to compute)")
         self._require_onloaded("infer_batch", "params")
@@ -506,10 +460,9 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ optimizer
     def optimizer_step(self) -> float:
-        """``get_device().empty_cache()`` first iff the last ``forward_backward_batch`` ran with
-        ``distillation_use_topk``; then clip to ``optimizer.clip_grad`` and step. Returns the
-        pre-clip global grad norm. Non-finite gradients skip the update (parameters and optimizer
-        state unchanged) and count in ``num_skipped_steps``."""
+        """Clip to ``optimizer.clip_grad`` and step; returns the pre-clip global grad norm. Non-finite
+        gradients skip the update (counted in ``num_skipped_steps``). ``empty_cache()`` first iff the
+        last ``forward_backward_batch`` ran with ``distillation_use_topk``."""
         self._require_initialized()
         self._require_onloaded("optimizer_step", "params", "grads", "optimizer")
         if self._last_distillation_use_topk:
@@ -530,24 +483,19 @@ class MegatronEngine:
     # ------------------------------------------------------------------ weight export (Hugging Face names)
     def per_tensor_generator(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream ``(hf_name, full_tensor)`` for the whole model in Hugging Face names and layouts
-        (TP shards gathered, vocab padding dropped), e.g. for weight sync to an inference engine.
-
-        Collective over the tensor- and pipeline-parallel groups: every rank of the model-parallel
-        group consumes the generator to the end, in step. ``dtype`` None: the training precision.
-        Tensors may share storage with live parameters. Memory: one gathered parameter at a time."""
+        (TP shards gathered, vocab padding dropped). Collective over TP and PP: every model-parallel
+        rank consumes it to the end. ``dtype`` None: the training precision. Tensors may share
+        storage with live parameters. Memory: one gathered parameter."""
         self._require_initialized()
         self._require_onloaded("per_tensor_generator", "params")
         return iter_hf_tensors(self.model, self.config, dtype=dtype)
 
     def bucketed_weight_generator(self, bucket_bytes: int, dtype: torch.dtype | None = None
                                   ) -> Iterator[tuple[torch.Tensor, BucketMeta]]:
-        """``per_tensor_generator`` packed into ``(bucket, meta)`` pairs: flat contiguous 1-D buckets
-        of one dtype and at most ``bucket_bytes`` bytes (a larger tensor alone), split again by the
-        receiver with ``mcore_engine.weight_sync.unflatten_bucket(bucket, meta)``.
-
-        Collective like ``per_tensor_generator``; a bucket is valid until the next one is requested.
-        Memory: one bucket buffer plus one gathered parameter. ValueError unless ``bucket_bytes`` is a
-        positive int."""
+        """``per_tensor_generator`` packed into ``(bucket, meta)``: flat 1-D buckets of one dtype, at
+        most ``bucket_bytes`` (a larger tensor alone); ``weight_sync.unflatten_bucket`` splits one.
+        Collective likewise; a bucket is valid until the next is requested. Memory: one bucket plus
+        one gathered parameter. ``ValueError`` unless ``bucket_bytes`` is a positive int."""
         self._require_initialized()
         self._require_onloaded("bucketed_weight_generator", "params")
         return iter_weight_buckets(self.model, self.config, bucket_bytes, dtype=dtype)
@@ -561,10 +509,9 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ state and checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state in memory, for this parallel layout only (checkpoints on disk that
-        reshard: :meth:`save_checkpoint`): model chunks, optimizer (inner state + stepped main
-        parameters), scheduler, step counters and the process-global RNG states. Memory: one copy
-        of the optimizer's main parameters; the rest references live tensors."""
+        """This rank's state in memory for this parallel layout (resharding: :meth:`save_checkpoint`):
+        model chunks, optimizer, scheduler, step counters, RNG states. Memory: one copy of the
+        optimizer's main parameters; the rest references live tensors."""
         self._require_initialized()
         self._require_onloaded("state_dict", "params", "optimizer")
         return {
@@ -621,9 +568,8 @@ class MegatronEngine:
         return checkpoint_layout(self.config, dist.get_world_size() if dist.is_initialized() else 1)
 
     def save_checkpoint(self, path: str | None = None) -> None:
-        """Collective: write the engine state (model, optimizer, scheduler, step counters, RNG) to
-        folder ``path`` (default ``config.checkpoint_dir``; the same shared path on every rank)
-        atomically, in Megatron-Core's reshardable ``torch_dist`` format (``mcore_engine.checkpoint``)."""
+        """Collective: write model, optimizer, scheduler, step counters and RNG atomically to ``path``
+        (default ``config.checkpoint_dir``, shared by all ranks) in the reshardable ``torch_dist`` format."""
         self._require_initialized()
         self._require_onloaded("save_checkpoint", "params", "optimizer")
         common = {"scheduler": self.lr_scheduler.state_dict(), "global_step": self.global_step,
@@ -633,10 +579,9 @@ class MegatronEngine:
                                config=config_record(self.config), step=self.global_step)
 
     def load_checkpoint(self, path: str | None = None) -> None:
-        """Collective: restore what ``save_checkpoint`` wrote, at this engine's parallel layout
-        (TP / PP / DP may differ from the saving engine's; the RNG states are restored only when the
-        layout is the same). A torn checkpoint or one of another model raises ``ValueError`` on
-        every rank and leaves the engine untouched."""
+        """Collective: restore what ``save_checkpoint`` wrote, at this engine's layout (TP / PP / DP
+        may differ; RNG states are restored only for the same layout). A torn checkpoint or one of
+        another model raises ``ValueError`` on every rank and leaves the engine untouched."""
         self._require_initialized()
         self._require_onloaded("load_checkpoint", "params", "optimizer")
         common = load_engine_checkpoint(self._checkpoint_path(path), self.model, self.optimizer,

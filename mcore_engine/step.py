@@ -1,25 +1,15 @@
-"""One engine step's data side: validate, split, pack, and agree on the global normalisers.
-
-``prepare_step`` turns a TensorDict batch into a :class:`PreparedStep` before any model work::
+"""One engine step's data side (:func:`prepare_step`), before any model work::
 
     flags = parse_step_flags(batch); validate_batch(batch, ...)              # ValueError naming the key
     micro_batches, order = split_micro_batches(batch, flags, ...)
     inputs = [pack_micro_batch(mb, ...) for mb in micro_batches]
     counts = all_gather([sum(loss_mask), num_seqs, failed], group=dp)    # [dp, 3], one collective
     ctx = LossContext(global_num_tokens=counts[:, 0].sum().clamp_min(1), global_num_seqs=counts[:, 1].sum())
-    seq_ids = local index + sequences on lower DP ranks
 
-The failure flag rides on the same all-gather: a bad batch on one DP rank raises on every rank
-(the failing rank its own exception, the others a ``ValueError`` naming it). Counts travel as
-float64 (exact to 2**53), the context holds float32 0-d tensors.
-
-Interleaved pipeline schedule: its batched send/recv pairs the two directions to one PP=2 peer the
-wrong way round on gloo unless shapes are fixed, so every micro-batch is padded to one model shape
-(``common_shape=True``; padding has ``loss_mask`` 0) and the schedule runs with
-``variable_seq_lengths=False``.
-
-Memory: the packed inputs of all micro-batches, O(tokens). The bshd masks ``[b, 1, S, S]`` are
-rebuilt per micro-batch by :func:`attention_mask` (one alive at a time; thd needs none).
+A bad batch on one DP rank raises on every rank (the others a ``ValueError`` naming it). Counts
+travel as float64; the context holds float32 0-d tensors. The interleaved schedule needs fixed
+shapes, so every micro-batch is padded to one model shape (``common_shape=True``, ``loss_mask`` 0).
+Memory: the packed inputs of all micro-batches, O(tokens); one bshd mask ``[b, 1, S, S]`` at a time.
 """
 
 from __future__ import annotations
@@ -57,8 +47,7 @@ class MicroBatch:
     inputs: ModelInputs
     """Its packed model inputs, ``attention_mask`` dropped (see :func:`attention_mask`)."""
     sample_ids: torch.Tensor
-    """int64 ``[b]``: the micro-batch's sequences' indices in the global batch (this rank's batch
-    follows the sequences of the lower data-parallel ranks)."""
+    """int64 ``[b]``: global batch indices of the micro-batch's sequences (lower DP ranks first)."""
 
 
 @dataclass(frozen=True)
@@ -81,11 +70,9 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
                  default_micro_batch_size: int, has_logits_processor_func: bool, pad_multiple: int,
                  min_num_micro_batches: int, device: torch.device,
                  dp_group: Any, common_shape: bool = False) -> PreparedStep:
-    """Validate and pack ``batch`` for one step (module docstring). Teacher tensors are required
-    under ``distillation_use_topk`` unless a custom logits processor brings its own. The
-    micro-batch count must be a multiple of ``min_num_micro_batches`` (``pp`` for the interleaved
-    schedule; a token-budget split is refined to reach one). One host sync beyond
-    ``validate_batch``'s."""
+    """Validate and pack ``batch`` for one step; one host sync beyond ``validate_batch``'s. The
+    micro-batch count is a multiple of ``min_num_micro_batches``. Teacher tensors are required under
+    ``distillation_use_topk`` unless a custom logits processor brings its own."""
     error: Exception | None = None
     prepared = None
     local_tokens = torch.zeros((), dtype=torch.float64, device=device)
@@ -163,14 +150,10 @@ def _pad(t: torch.Tensor, shape: tuple[int, int], fill: float | int = 0) -> torc
 
 
 def pad_inputs(inputs: ModelInputs, shape: tuple[int, int]) -> ModelInputs:
-    """``inputs`` padded to model shape ``shape`` (``[1, T']`` thd, ``[b', S']`` bshd); the new slots
-    have ``loss_mask`` 0, label 0 and temperature 1 and never change the real tokens' outputs
-    (``attention_mask`` is left None: :func:`attention_mask` builds it for the padded shape):
-
-    - thd: the last sequence's block grows to ``T'`` (padding attends only inside that block, after
-      its real tokens), so ``cu_seqlens_padded[-1] = T'``;
-    - bshd: more columns (masked keys) and empty rows (every key masked).
-    """
+    """``inputs`` padded to ``shape`` (``[1, T']`` thd, ``[b', S']`` bshd) with slots of ``loss_mask``
+    0, label 0, temperature 1 that leave the real tokens' outputs unchanged: thd grows the last
+    sequence's block to ``T'`` (``cu_seqlens_padded[-1] = T'``), bshd adds masked columns and empty
+    rows. ``attention_mask`` stays None."""
     rows, cols = inputs.input_ids.shape
     if (rows, cols) == tuple(shape):
         return inputs
@@ -209,11 +192,8 @@ def pad_inputs(inputs: ModelInputs, shape: tuple[int, int]) -> ModelInputs:
 
 
 def attention_mask(mb: MicroBatch) -> torch.Tensor | None:
-    """The micro-batch's bool attention mask (True = masked), built on demand (packing's convention):
-
-        bshd: causal | key_is_padding                            [b, 1, S, S]  (empty rows: all masked)
-        thd:  None (the packed attention masks by ``packed_seq_params.cu_seqlens``)
-    """
+    """Bool attention mask (True = masked): bshd ``causal | key_is_padding`` ``[b, 1, S, S]``; thd
+    None (the packed attention masks by ``cu_seqlens``)."""
     inputs = mb.inputs
     if inputs.data_format != "bshd":
         return None
@@ -237,16 +217,14 @@ def loss_data(mb: MicroBatch) -> TensorDict:
 
 
 def micro_batch_outputs(outputs: dict[str, torch.Tensor], mb: MicroBatch) -> dict[str, torch.Tensor]:
-    """The ``"micro_batch"`` loss's ``model_output``: each per-token output in the layout of the
-    micro-batch's ``input_ids`` (jagged ``[b, j, ...]`` or padded ``[b, S, ...]``, micro-batch order).
-    Differentiable; one ``[N, ...]`` copy per output."""
+    """The ``"micro_batch"`` loss's ``model_output``: each output in the layout of the micro-batch's
+    ``input_ids`` (jagged ``[b, j, ...]`` or padded ``[b, S, ...]``). Differentiable; one copy each."""
     return {key: unpack_per_token(value, mb.inputs) for key, value in outputs.items()}
 
 
 def micro_batch_loss_result(result: Any) -> tuple[tuple[Any, dict], dict[str, Any]]:
-    """Split a ``"micro_batch"`` loss's ``(loss, metrics)`` into ``((loss, {}), metrics)``: the loss
-    goes through ``check_loss_result``, the metrics are kept as given (tensor values detached), never
-    summed. ``ValueError`` unless ``result`` is a pair and ``metrics`` a mapping with str keys."""
+    """``(loss, metrics)`` -> ``((loss, {}), metrics)``: the loss checked by ``check_loss_result``,
+    the metrics kept (tensors detached). ``ValueError`` unless a pair with a str-keyed mapping."""
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         raise ValueError(f"loss_function must return (loss, metrics), got {type(result).__name__}")
     loss, metrics = result
@@ -258,9 +236,8 @@ def micro_batch_loss_result(result: Any) -> tuple[tuple[Any, dict], dict[str, An
 
 def gather_micro_batch_metrics(store: list[dict[str, Any]], *, num_micro_batches: int, pp_group: Any,
                                pp_last_rank: int) -> list[dict[str, Any]]:
-    """The ``"micro_batch"`` loss's metrics, one dict per micro-batch in micro-batch order (this DP
-    rank's), from the last stage's ``store`` (records with ``raw_metrics``); with PP > 1 the last
-    stage sends them to the other stages (one object broadcast)."""
+    """One metrics dict per micro-batch (this DP rank's) from the last stage's ``store``; with PP > 1
+    broadcast to the other stages (one object broadcast)."""
     metrics = [r["raw_metrics"] for r in sorted(store, key=lambda r: r["index"])]
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         box = [metrics]
@@ -288,16 +265,11 @@ def collect_outputs(step: PreparedStep, per_mb: list[dict[str, torch.Tensor]]) -
 def gather_results(step: PreparedStep, store: list[dict[str, Any]], *, is_last_stage: bool, pp_group: Any,
                    pp_last_rank: int, dp_group: Any, device: torch.device
                    ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor, dict[str, float]]:
-    """Per-micro-batch outputs (model layout), global loss (0-d) and global metrics on every rank.
-
-    ``store``: the schedule's records on the last pipeline stage (``index``, ``loss``, ``metrics``,
-    ``outputs``), empty elsewhere. Loss and metrics are contributions, so their sum over
-    micro-batches and DP ranks is the global value. With PP > 1 the last stage broadcasts the
-    keys and metrics (one object broadcast) and each output key as one flat tensor over all
-    micro-batches. Host syncs: one on the last stage (the loss and every metric of every
-    micro-batch stacked into one float64 tensor ``[num_micro_batches, 1 + num_metrics]``, summed,
-    read once). Memory: one flat copy of the per-token outputs.
-    """
+    """Per-micro-batch outputs (model layout), global loss (0-d) and global metrics on every rank,
+    from ``store`` (the last stage's records; empty elsewhere). Loss and metrics are contributions:
+    their sum over micro-batches and DP ranks is the global value. PP > 1: the last stage broadcasts
+    the metrics (one object) and each output key (one flat tensor). One host sync (a float64
+    ``[num_micro_batches, 1 + num_metrics]`` sum). Memory: one flat copy of the outputs."""
     meta: dict[str, Any] | None = None
     per_mb: list[dict[str, torch.Tensor]] = []
     if is_last_stage:
