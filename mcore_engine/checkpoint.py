@@ -6,23 +6,16 @@ Folder ``path/``::
     common.pt, metadata.json          rank 0's plain entries; dist_checkpointing's backend record
     mcore_engine.json                 written last: format, step, layout, precision, config record
 
-Content: every model chunk's ``sharded_state_dict()`` (global keys, layers stacked along a layer
-axis, so any TP / PP / VPP cut loads it), the optimizer's sharded state (fp32 main weights and Adam
-moments in model space: ``fully_reshardable`` for the distributed optimizer, per-parameter tensors
-otherwise), the scheduler and step counters (common) and each rank's RNG states (restored only when
-the layout is unchanged; another layout keeps the engine's own streams). An optimizer that never
-stepped saves no state; loading such a checkpoint clears the engine's Adam state.
+Holds each model chunk's ``sharded_state_dict()`` (any TP / PP / VPP cut loads it), the optimizer's
+fp32 main weights and Adam moments (none before the first step; loading that clears Adam state),
+scheduler, step counters and each rank's RNG states (restored for the same layout only).
 
-Atomicity: the save writes into ``path.tmp/``; after the writers' barrier rank 0 writes
-``mcore_engine.json``, renames an older ``path`` to ``path.old``, ``path.tmp`` to ``path`` and
-deletes ``path.old``. A crash at any point leaves the previous checkpoint loadable (from
-``path.old`` with a ``RuntimeWarning`` when it fell between the renames). A folder holding anything
-but checkpoint files is never deleted. Before anything changes, a load checks on every rank (one
-MAX all-reduce agrees) that the marker exists, the config matches (:data:`IGNORED_CONFIG` aside),
-every storage file is present and long enough, and every tensor the engine needs is in the
-checkpoint with its global shape and dtype; else ``ValueError``. Shared filesystem assumed. Memory:
-the distributed optimizer's ``fully_reshardable`` form gathers a DP group's optimizer state on
-every rank of it during save and load (once the model's fp32 state); the rest streams.
+A save writes ``path.tmp/``; rank 0 then writes the marker and swaps it in through ``path.old``, so
+a crash leaves a loadable checkpoint; a folder holding other files is never deleted. A load checks
+on every rank the marker, the config (:data:`IGNORED_CONFIG` aside), the storage files and every
+tensor's global shape and dtype before changing anything (``ValueError``). Shared filesystem assumed.
+Memory: the distributed optimizer's ``fully_reshardable`` form gathers a DP group's optimizer state
+(once the model's fp32 state) on each of its ranks.
 """
 
 from __future__ import annotations
@@ -115,8 +108,7 @@ def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> dict[str,
 
 
 def checkpoint_layout(config: EngineConfig, world_size: int) -> dict[str, Any]:
-    """The parallel layout of an engine with ``config`` on ``world_size`` ranks (RNG states are
-    per rank of one layout)."""
+    """The parallel layout of ``config`` on ``world_size`` ranks (RNG states are per layout)."""
     par = config.parallel
     return {"world_size": world_size, "tp": par.tensor_model_parallel_size,
             "pp": par.pipeline_model_parallel_size, "vpp": par.virtual_pipeline_model_parallel_size,
@@ -162,10 +154,8 @@ def _has_state(optimizer) -> bool:
 
 
 def _in_process_write_results() -> None:
-    """Synchronous saves collect the file writers' results in this process, so Megatron's module-level
-    results queue can be a plain ``queue.Queue``: otherwise its first save spawns a multiprocessing
-    Manager server (seconds per process; its socket path under a long ``TMPDIR`` exceeds AF_UNIX's
-    108 bytes and the save fails)."""
+    """Megatron's module-level writer-results queue as a plain ``queue.Queue`` for synchronous saves
+    (no multiprocessing Manager server, whose socket path breaks under a long ``TMPDIR``)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
@@ -311,11 +301,9 @@ def _check_tensors(path: str, wanted: dict[str, Any], saved: dict[str, Any], ste
 
 @contextlib.contextmanager
 def _adam_step_kept(optimizer):
-    """Two fixes for Megatron 0.16's ``DistributedOptimizer`` with torch Adam (no Apex / TE): its
-    ``fully_reshardable`` load copies every Adam state entry from the checkpoint, whose ``step``
-    lives in the param groups (``KeyError: 'step'``): ``step`` is taken from the state itself; and it
-    gives every parameter the same ``step`` tensor, which Adam's in-place ``step += 1`` would then
-    bump once per parameter: each gets its own copy afterwards."""
+    """Megatron 0.16's ``fully_reshardable`` load with torch Adam: ``step`` is read from the state
+    itself (the checkpoint keeps it in the param groups), and each parameter then gets its own
+    ``step`` tensor (a shared one would be bumped once per parameter)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     from mcore_engine.optim import sub_optimizers

@@ -1,21 +1,15 @@
-"""Platform layer: devices, distributed bring-up, seeding, and the CPU device layer for Megatron-Core.
+"""Devices, distributed bring-up, seeding, and the CPU device layer for Megatron-Core.
 
 ``init_distributed`` brings up ``torch.distributed`` (NCCL with CUDA, gloo without), Megatron-Core's
-``parallel_state`` and the RNG streams; ``get_device`` hands out a :class:`Device` for
-``empty_cache`` / synchronisation / memory statistics.
-
-Megatron-Core 0.16 calls CUDA unconditionally; :func:`apply_cpu_device_layer` (only when CUDA is
-absent) makes those calls run on the CPU:
+``parallel_state`` and the RNG streams; ``get_device`` returns the process's :class:`Device`.
+Without CUDA, :func:`apply_cpu_device_layer` runs Megatron-Core 0.16's CUDA calls on the CPU:
 
 1. ``torch.cuda.current_device`` -> ``"cpu"``.
-2. CUDA RNG calls -> the CPU default generator, so the RNG tracker keeps Megatron's seed layout
-   (data-parallel ``seed``, model-parallel ``seed + 2718 + tp_rank``) and forks what CPU dropout draws.
+2. CUDA RNG calls -> the CPU default generator (Megatron's seed layout kept).
 3. Streams, events, ``synchronize``, ``set_stream`` and NVTX ranges -> no-ops.
 4. A ``TorchFunctionMode`` maps ``device='cuda'`` / ``device=<int>`` / ``.to('cuda')`` to the CPU,
-   drops ``pin_memory``, makes ``.cuda()`` / ``.pin_memory()`` identities and reports
-   ``Tensor.type()`` with the ``torch.cuda.`` prefix Megatron asserts on. Cost ~1-2 us per torch call.
-5. MoE: ``te_general_gemm`` bound to ``None`` and ``all_to_all_single`` split sizes as lists
-   (:func:`apply_moe_compat`).
+   drops ``pin_memory`` and keeps the ``torch.cuda.`` prefix of ``Tensor.type()``; ~1-2 us a call.
+5. MoE: :func:`apply_moe_compat`.
 """
 
 from __future__ import annotations
@@ -88,10 +82,7 @@ _IDENTITY_METHODS = frozenset({torch.Tensor.cuda, torch.Tensor.pin_memory})
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Redirects CUDA placements to the CPU (see the module docstring, item 4).
-
-    Every torch function passes through here (~1-2 us each; ~270 calls per fwd+bwd of the tiny
-    test GPT, +3-8% time there): the common case costs three identity checks and a call."""
+    """Redirects CUDA placements to the CPU (module docstring, item 4); ~1-2 us per torch call."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _IDENTITY_METHODS:
@@ -191,13 +182,9 @@ _MOE_COMPAT = False
 
 
 def apply_moe_compat() -> None:
-    """What Megatron-Core 0.16's MoE layers need without Transformer Engine / on gloo. Idempotent.
-
-    1. ``moe_utils.te_general_gemm`` is only bound when Transformer Engine imports, yet the router's
-       gating GEMM reads it: bind it to ``None`` (its torch path).
-    2. CPU only: the alltoall token dispatcher hands ``all_to_all_single`` its split sizes as tensors
-       / NumPy arrays; the gloo binding takes lists of ints (converted here, one host copy of E ints).
-    """
+    """Megatron-Core 0.16 MoE without Transformer Engine / on gloo; idempotent. Binds
+    ``moe_utils.te_general_gemm`` to ``None`` (the router's torch path) and, CPU only, passes the
+    alltoall dispatcher's split sizes to ``all_to_all_single`` as lists of ints."""
     global _MOE_COMPAT
     if _MOE_COMPAT:
         return
@@ -216,12 +203,8 @@ def cpu_device_layer_active() -> bool:
 
 
 def apply_cpu_device_layer() -> None:
-    """Make Megatron-Core 0.16's CUDA calls run on the CPU. Idempotent; a no-op when CUDA is available.
-
-    Patches ``torch.cuda`` attributes, Megatron's ``_set_cuda_rng_state`` and enters a process-wide
-    ``TorchFunctionMode`` (items 1-4 of the module docstring). Never reverted: a CPU-only process
-    stays CPU-only.
-    """
+    """Make Megatron-Core 0.16's CUDA calls run on the CPU (module docstring, items 1-4). Idempotent;
+    a no-op when CUDA is available. Never reverted: a CPU-only process stays CPU-only."""
     global _CPU_LAYER_MODE
     if _CPU_LAYER_MODE is not None or torch.cuda.is_available():
         return
@@ -271,13 +254,9 @@ def _rss_bytes(field: str) -> int:
 
 @dataclass
 class Device:
-    """The compute device of this process: ``type`` is ``"cuda"`` or ``"cpu"``.
-
-    On CUDA the methods forward to ``torch.cuda``; on the CPU the memory statistics are the process's
-    resident set size (``VmRSS``; peak ``VmHWM``, reset through ``/proc/self/clear_refs``) and
-    ``empty_cache`` / ``synchronize`` do nothing (they exist so callers and tests can rely on them).
-    Not frozen: tests may spy on one method of the process-wide instance or of the class.
-    """
+    """The process's compute device, ``type`` ``"cuda"`` or ``"cpu"``. On CUDA the methods forward to
+    ``torch.cuda``; on the CPU the memory statistics are the process's RSS (``VmRSS``, peak ``VmHWM``)
+    and ``empty_cache`` / ``synchronize`` do nothing. Not frozen, so tests can spy on a method."""
 
     type: str
 
@@ -337,9 +316,8 @@ def _world_size_before_init() -> int:
 
 
 def seed_everything(seed: int) -> None:
-    """Megatron's seed layout: every stream offset by ``100 * pp_rank``; Python, NumPy and torch get
-    ``seed``; the RNG tracker gets the data-parallel stream ``seed`` and the tensor-parallel stream
-    ``seed + 2718 + tp_rank`` (``model_parallel_cuda_manual_seed``). Needs ``parallel_state``."""
+    """Megatron's seed layout, offset by ``100 * pp_rank``: Python / NumPy / torch and the DP stream
+    get ``seed``, the TP stream ``seed + 2718 + tp_rank``. Needs ``parallel_state``."""
     import numpy as np
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -352,19 +330,12 @@ def seed_everything(seed: int) -> None:
 
 
 def init_distributed(parallel: ParallelConfig, seed: int) -> None:
-    """Bring up ``torch.distributed``, Megatron-Core's ``parallel_state`` and the RNG streams.
-
-    The default group comes from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-    ``MASTER_PORT``; NCCL with CUDA, gloo without) unless one already exists, which is then used as
-    is; without torchrun variables a single-process group is created. The world size is checked
-    against ``parallel`` (``ValueError``) before any process-group work. Gloo process groups are
-    kept (Megatron's default).
-
-    An already initialised ``parallel_state`` with the same layout (tp, pp, vpp) is kept and only
-    reseeded, so several engines (a teacher and a student) share one process and its groups; a
-    different layout raises ``ValueError`` naming both (call :func:`destroy_distributed` first:
-    engines built on the old groups stop working then).
-    """
+    """Bring up ``torch.distributed``, ``parallel_state`` and the RNG streams. The default group comes
+    from torchrun's environment (NCCL with CUDA, gloo without; one process without torchrun) unless
+    one exists. ``ValueError`` before any process-group work when the world size does not fit
+    ``parallel``. An initialised ``parallel_state`` of the same layout (tp, pp, vpp) is kept and
+    reseeded, so several engines share one process; another layout raises ``ValueError`` (call
+    :func:`destroy_distributed` first; engines on the old groups stop working)."""
     world_size = _world_size_before_init()
     parallel.data_parallel_size(world_size)
     use_cuda = torch.cuda.is_available()
