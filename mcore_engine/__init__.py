@@ -1,9 +1,6 @@
-"""mcore-engine: a Megatron-Core tensor-parallel training backend for RL post-training.
-
-``MegatronEngine`` and ``EngineConfig`` load lazily, so ``mcore_engine.ops`` stays importable
-without paying for Megatron-Core's import. Importing the package quiets Megatron-Core's CPU-only
-hints before anything imports it (``platform.quiet_cpu_warnings``).
-"""
+"""mcore-engine: a Megatron-Core training backend for RL post-training. ``MegatronEngine`` and
+``EngineConfig`` load lazily (``mcore_engine.ops`` imports without Megatron-Core); importing the
+package quiets Megatron-Core's CPU-only hints (``platform.quiet_cpu_warnings``)."""
 
 from typing import Any
 

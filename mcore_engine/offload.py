@@ -1,20 +1,13 @@
-"""Offload / onload of the engine's device memory: parameters, DDP grad buffers, optimizer state.
+"""Offload / onload of the engine's device memory in three parts, each moved on its own::
 
-Three parts, each moved on its own::
+    params     the storages behind the model chunks' parameters (DDP ``param_data`` buffers under
+               the distributed optimizer)
+    grads      every DDP bucket's ``grad_data`` (holds the ``main_grad`` views)
+    optimizer  Adam state and the fp32 main weights it steps, less what the parts above own
 
-    params     every storage behind the model chunks' parameters (the DDP ``param_data`` buffers
-               under the distributed optimizer, the parameters themselves otherwise)
-    grads      every DDP bucket buffer's ``grad_data`` (the ``main_grad`` views live in it)
-    optimizer  the inner optimizers' state (Adam ``exp_avg`` / ``exp_avg_sq`` / ``step``) and the
-               parameters they step (fp32 main weights, this rank's shard under the distributed
-               optimizer), less what the two parts above already own
-
-Offload copies each storage's bytes into a host buffer (pinned on CUDA) and resizes the storage to
-0 bytes, so every view of it (parameters, ``main_grad``, optimizer shards) keeps its metadata and
-comes back when onload resizes the storage and copies the bytes in: bit-identical, nothing
-re-pointed. On the CPU host and device are one memory; the copy + resize still releases the live
-storages, which is what the tests assert on. Memory: the host copy holds the bytes offloaded;
-offload + onload peak is one storage on both sides at a time.
+Offload copies each storage into a host buffer (pinned on CUDA) and resizes it to 0 bytes; onload
+resizes and copies back, so every view keeps its metadata and comes back bit-identical. Memory: the
+host copy holds the offloaded bytes; the peak is one storage on both sides at a time.
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """Megatron-Core optimizer, learning-rate schedule and a step that skips non-finite gradients.
 
-``build_optimizer`` maps our ``OptimizerConfig`` onto Megatron's (Adam(W) via ``get_megatron_optimizer``:
-``FP32Optimizer`` in fp32, ``Float16OptimizerWithFloat16Params`` with fp32 main params in bf16, the
-``DistributedOptimizer`` when asked). ``build_scheduler`` gives Megatron's ``OptimizerParamScheduler``
-(linear warm-up, then constant / linear / cosine decay to ``min_lr``).
-
-``step_optimizer`` is Megatron's ``ChainedOptimizer.step`` with one change: the global gradient norm
-is checked BEFORE anything is updated, and a non-finite norm skips the update, so parameters and
-optimizer state (Adam moments and step count) stay bit-identical::
+``build_optimizer`` / ``build_scheduler`` map our config onto Megatron's Adam(W) (fp32 main params
+under bf16) and ``OptimizerParamScheduler``. ``step_optimizer`` is ``ChainedOptimizer.step`` with the
+norm checked before any update, so a skipped step leaves parameters and Adam state bit-identical::
 
     found_inf = optimizer.prepare_grads()          # model grads -> main grads (+ unscale)
-    norm = ||main grads||_2 over all model-parallel (and, distributed optimizer, DP) ranks
+    norm = ||main grads||_2 over the grad-stats group (one fp32 all-reduce)
     if found_inf or not isfinite(norm): skip
     else: grads *= min(1, clip / (norm + 1e-6)); optimizer.step_with_ready_grads()
-
-Memory: nothing beyond Megatron's optimizer (one fp32 norm all-reduce).
 """
 
 from __future__ import annotations
@@ -90,9 +83,8 @@ def _stepped_params(sub: MegatronOptimizer) -> list[torch.Tensor]:
 
 
 def optimizer_state_dict(optimizer: MegatronOptimizer) -> list[dict[str, Any]]:
-    """Per sub-optimizer: the inner torch optimizer's state dict, a copy of the parameters it steps
-    (fp32 main copies under bf16, this rank's slice under the distributed optimizer) and the grad
-    scaler's state. Memory: one copy of the stepped parameters."""
+    """Per sub-optimizer: the inner optimizer's state dict, a copy of the parameters it steps (fp32
+    main / this rank's slice) and the grad scaler's state. Memory: one copy of the stepped parameters."""
     states = []
     for sub in sub_optimizers(optimizer):
         inner = sub.optimizer
@@ -123,9 +115,8 @@ def load_optimizer_state_dict(optimizer: MegatronOptimizer, states: list[dict[st
 
 
 def init_optimizer_state(optimizer: MegatronOptimizer) -> None:
-    """Give every stepped parameter without Adam state the state torch's Adam creates on its first
-    step (``step`` 0, zero moments), so Megatron's sharded state dict for loading can be built on a
-    never-stepped optimizer (the load then overwrites it)."""
+    """Adam's first-step state (``step`` 0, zero moments) for every stepped parameter without one, so
+    Megatron's sharded state dict for loading can be built on a never-stepped optimizer."""
     for sub in sub_optimizers(optimizer):
         inner = sub.optimizer
         if inner is None:
@@ -157,12 +148,9 @@ class StepResult:
 
 @torch.no_grad()
 def step_optimizer(optimizer: MegatronOptimizer, clip_grad: float) -> StepResult:
-    """Clip to ``clip_grad`` (0 = no clipping) and step, or skip when the gradients are not finite.
-
-    Every rank takes the same decision: the norm is all-reduced over the gradient-statistics group
-    (the model-parallel group; the whole world for the distributed optimizer), and data-parallel
-    replicas hold identical reduced gradients.
-    """
+    """Clip to ``clip_grad`` (0 = none) and step, or skip on non-finite gradients. Every rank decides
+    the same: the norm is all-reduced over the model-parallel group (the world for the distributed
+    optimizer), and DP replicas hold identical reduced gradients."""
     found_inf = bool(optimizer.prepare_grads())
     if found_inf:
         return StepResult(grad_norm=float("inf"), skipped=True)

@@ -19,17 +19,14 @@ BATCH_TEACHER_NAMES = ('batch["teacher_ids"]', 'batch["teacher_logprobs"]')
 
 
 class RowSelection:
-    """The rows of a model-layout ``[b, s]`` grid where ``mask`` is nonzero (``n`` of them), for
-    running the lm-head only where the loss reads it::
+    """The ``n`` rows of a model-layout ``[b, s]`` grid where ``mask`` is nonzero::
 
         index = mask.reshape(-1).nonzero()[:, 0]                         # [n]; one host sync
         take(t) = t.reshape(b * s, *tail)[index][None]                   # [b, s, *tail] -> [1, n, *tail]
         put(v)  = zeros(b * s, *tail).index_copy(0, index, v[0]).view(b, s, *tail)   # differentiable
 
-    ``take`` passes through anything that is not a tensor led by ``[b, s]`` (None, host or 0-d
-    temperatures). Memory: the ``[n]`` index and the copies made by ``take`` / ``put`` (none when
-    every row is selected: both are views then).
-    """
+    ``take`` passes through anything not led by ``[b, s]`` (None, scalars). Memory: the index and the
+    copies (none when every row is selected)."""
 
     def __init__(self, mask: torch.Tensor) -> None:
         if mask.dim() != 2:
@@ -58,8 +55,7 @@ class RowSelection:
 def _builtin_inputs(label: torch.Tensor | None, batch: Mapping[str, Any] | None, *,
                     distillation_use_topk: bool, distillation_only: bool, builtin_kl: bool) -> dict[str, Any]:
     """The op's labels (None under ``distillation_only``) and, for the built-in KL, the teacher
-    tensors of ``batch``, named as batch keys in errors.
-    """
+    tensors of ``batch`` (errors name the batch keys)."""
     if distillation_only and not distillation_use_topk:
         raise ValueError("distillation_only=True requires distillation_use_topk=True")
     if not distillation_only and label is None:
@@ -84,17 +80,13 @@ def process_lm_head_logits(
     chunk_size: int | None = None, group: dist.ProcessGroup | None = None,
     log_prob_min_clamp: float | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Per-token fp32 outputs ``logits.shape[:-1]`` for the requested flags, from one pass.
-
-    Keys: "log_probs" unless ``distillation_only`` (never computed then); "entropy" iff
-    ``calculate_entropy``; "sum_pi_squared" iff ``calculate_sum_pi_squared``; with
+    """Per-token fp32 outputs ``logits.shape[:-1]`` from one pass over this rank's shard
+    ``[..., V_local]`` (not modified): "log_probs" unless ``distillation_only``; "entropy" iff
+    ``calculate_entropy``; "sum_pi_squared" iff ``calculate_sum_pi_squared``; under
     ``distillation_use_topk`` either ``logits_processor_func(student_logits=logits / temperature,
-    data=batch, data_format=data_format)`` merged in, or (no func) the built-in top-k forward KL on
-    ``batch["teacher_ids"]`` / ``batch["teacher_logprobs"]``: "distillation_losses", "student_mass",
-    "teacher_mass". ``logits`` is this rank's vocab shard ``[..., V_local]``; nothing is modified in
-    place or cloned; the only full-size copy is the scaled logits handed to a custom func when the
-    temperature is not a host-scalar 1.
-    """
+    data=batch, data_format=data_format)``'s outputs or the built-in top-k forward KL on
+    ``teacher_ids`` / ``teacher_logprobs``: "distillation_losses", "student_mass", "teacher_mass".
+    The only full-size copy: the scaled logits for a custom func (temperature not a host 1)."""
     group = _common.resolve_group(group)
     custom = distillation_use_topk and logits_processor_func is not None
     inputs = _builtin_inputs(label, batch, distillation_use_topk=distillation_use_topk,
@@ -118,10 +110,8 @@ def process_lm_head_hidden(
     chunk_size: int | None = None, group: dist.ProcessGroup | None = None,
     log_prob_min_clamp: float | None = None,
 ) -> dict[str, torch.Tensor]:
-    """``process_lm_head_logits(hidden @ weight.T, ...)`` without the logits: same flags and keys.
-
-    ``hidden [..., H]``, ``weight [V_local, H]``; a custom ``logits_processor_func`` is a ValueError.
-    """
+    """``process_lm_head_logits(hidden @ weight.T, ...)`` without materialising the logits:
+    ``hidden [..., H]``, ``weight [V_local, H]``; a custom ``logits_processor_func`` is a ValueError."""
     if logits_processor_func is not None:
         raise ValueError("logits_processor_func needs the logits; the fused lm-head never builds them "
                          "(set fused_lm_head: false to use a custom logits processor)")

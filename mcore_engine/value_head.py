@@ -1,16 +1,11 @@
-"""Scalar value head on the GPTModel trunk (``model.head: value``): critics and reward models.
-
-The last stage's vocab-parallel ``output_layer`` is replaced by :class:`ValueHead`::
+"""Scalar value head on the GPTModel trunk (``model.head: value``) for critics and reward models::
 
     values = (hidden @ weight.T + bias).float()    # hidden [s, b, H], weight [1, H], bias [1] -> [s, b, 1]
 
-replicated over the tensor-parallel group, as verl's Megatron critic (``LinearForLastLayer``) and
-Hugging Face's ``*ForTokenClassification.score`` hold it. The final hidden states are the same on
-every TP rank (the last row-parallel layer all-reduces them), so every rank computes the same value
-without a collective and the same full gradient (the trunk's backward needs no TP reduction; the
-grad norm counts the head once). Under sequence parallelism the values are all-gathered over the
-sequence and the head's parameters are marked ``sequence_parallel`` so Megatron all-reduces their
-partial gradients. Memory: ``H + 1`` parameters; values ``[s, b]`` fp32.
+It replaces the last stage's ``output_layer``, replicated over TP (verl's ``LinearForLastLayer``):
+the final hidden states are the same on every TP rank, so no collective is needed and the grad norm
+counts the head once. Under sequence parallelism the values are all-gathered over the sequence and
+the head's parameters marked ``sequence_parallel``. Memory: ``H + 1`` parameters; values fp32.
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """Bucketed weight sync: the Hugging Face tensors packed into flat buckets of at most N bytes.
 
-Sender (collective, on every rank of the model-parallel group, like ``iter_hf_tensors``)::
+Sender (collective over the model-parallel group, like ``iter_hf_tensors``) and receiver (this
+module imports only torch)::
 
     for bucket, meta in iter_weight_buckets(engine.model, engine.config, bucket_bytes=512 << 20):
-        send(bucket, meta)          # e.g. broadcast / CUDA IPC from one rank; done before the next step
-
-Receiver (imports only torch: an inference engine imports this module alone)::
-
+        send(bucket, meta)                                  # before the next bucket is requested
     model.load_weights(unflatten_bucket(bucket, meta).items())
 
-A bucket is a contiguous 1-D tensor of one dtype; ``meta`` (``BucketMeta``) names its tensors and
-where they lie: tensor i is ``bucket[offsets[i]:offsets[i] + prod(shapes[i])].view(shapes[i])``.
-Buckets are filled greedily in checkpoint order; a bucket is closed when the next tensor does not
-fit, and a tensor larger than N bytes gets a bucket of its own.
-
-Memory above the model, at any time: one buffer of the largest multi-tensor bucket (at most N
-bytes, allocated once and reused) plus ``iter_hf_tensors``' working set (one gathered parameter and
-its Hugging Face tensors). A bucket of one tensor is that tensor flattened, not copied.
-``tools/bench_weight_sync.py`` measures it: peak = the per-tensor export's peak + the buffer.
+Tensor i is ``bucket[offsets[i]:offsets[i] + prod(shapes[i])].view(shapes[i])``; buckets are filled
+greedily in checkpoint order and a tensor over N bytes is alone. Memory above the model: one reused
+buffer of the largest multi-tensor bucket (<= N bytes) plus one gathered parameter; a one-tensor
+bucket is that tensor flattened, not copied.
 """
 
 from __future__ import annotations
@@ -130,14 +123,10 @@ def _is_one_tensor(meta: BucketMeta) -> bool:
 
 def fill_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
                  plan: Sequence[BucketMeta]) -> Iterator[tuple[torch.Tensor, BucketMeta]]:
-    """``(bucket, meta)`` per entry of ``plan``, filled from ``named_tensors`` (which must match the
-    plan tensor for tensor in name, shape and dtype; ``ValueError`` otherwise) and consumed to its end.
-
-    Multi-tensor buckets are views of one reused buffer: a bucket is valid until the next step of
-    the generator (send or copy it first; wait for an asynchronous send). A one-tensor bucket is the
-    tensor flattened, possibly sharing storage with a parameter. Memory: the buffer (the largest
-    multi-tensor bucket) plus what ``named_tensors`` holds.
-    """
+    """``(bucket, meta)`` per ``plan`` entry, filled from ``named_tensors`` (matching the plan in name,
+    shape and dtype, else ``ValueError``). Multi-tensor buckets are views of one reused buffer, valid
+    until the next step of the generator; a one-tensor bucket may share storage with a parameter.
+    Memory: the buffer plus what ``named_tensors`` holds."""
     stream = iter(named_tensors)
     buffer_numel = max((m.numel for m in plan if not _is_one_tensor(m)), default=0)
     buffer: torch.Tensor | None = None
@@ -166,12 +155,9 @@ def fill_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
 
 def iter_weight_buckets(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, bucket_bytes: int, *,
                         dtype: torch.dtype | None = None) -> Iterator[tuple[torch.Tensor, BucketMeta]]:
-    """``(bucket, meta)`` for the whole model: ``iter_hf_tensors(model_chunks, cfg, dtype=dtype)``
-    packed by ``plan_buckets`` into buckets of at most ``bucket_bytes`` (``dtype`` None: the training
-    precision). Collective over the tensor- and pipeline-parallel groups, like ``iter_hf_tensors``:
-    every rank consumes the generator to the end, in step, and gets the same buckets. Validity and
-    memory as in ``fill_buckets``.
-    """
+    """``iter_hf_tensors(model_chunks, cfg, dtype=dtype)`` packed by ``plan_buckets``. Collective over
+    TP and PP: every rank consumes it to the end and gets the same buckets. Validity and memory as in
+    :func:`fill_buckets`."""
     from mcore_engine.hf.export import iter_hf_tensors, precision_dtype
     from mcore_engine.hf.mapping import hf_shapes
 
@@ -182,9 +168,8 @@ def iter_weight_buckets(model_chunks: Sequence[torch.nn.Module], cfg: EngineConf
 
 
 def unflatten_bucket(bucket: torch.Tensor, meta: BucketMeta) -> dict[str, torch.Tensor]:
-    """``{name: tensor}`` in bucket order, every tensor a view of ``bucket`` (no copy): load or copy
-    them before the bucket's memory is reused. ``ValueError`` when ``bucket`` is not a contiguous 1-D
-    tensor of ``meta.dtype`` and ``meta.numel`` elements."""
+    """``{name: tensor}`` in bucket order, views of ``bucket`` (no copy). ``ValueError`` unless
+    ``bucket`` is a contiguous 1-D tensor of ``meta.dtype`` and ``meta.numel`` elements."""
     if not isinstance(meta, BucketMeta):
         raise ValueError(f"meta: must be a BucketMeta, got {type(meta).__name__}")
     if not isinstance(bucket, torch.Tensor):
