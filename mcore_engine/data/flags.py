@@ -1,8 +1,5 @@
-"""Per-step flags: a batch's non-tensor entries, read once into a frozen :class:`StepFlags`.
-
-Nothing below the engine reads string keys from the batch. Numbers and bools may be Python or NumPy
-scalars (``np.True_``, ``np.int64(2)``, ``np.float32(0.7)``); they are stored as Python values.
-"""
+"""Per-step flags: a batch's non-tensor entries (Python or NumPy scalars), parsed once into a frozen
+:class:`StepFlags` of Python values; nothing below the engine reads string keys from the batch."""
 
 from __future__ import annotations
 
@@ -42,8 +39,7 @@ class StepFlags:
     max_token_len_per_gpu: int | None = None
     """Token budget of one micro-batch under ``use_dynamic_bsz`` (required then)."""
     outputs_on_loss_mask_only: bool = False
-    """Run the output layer and every per-token output only on the rows whose (packed) ``loss_mask``
-    is nonzero; the outputs are 0 on the other rows (``MegatronEngine._lm_head_outputs``)."""
+    """Output layer and per-token outputs only on rows with a nonzero packed ``loss_mask`` (0 elsewhere)."""
     distillation_log_prob_min_clamp: float | None = None
     """The built-in top-k KL's lower clamp ``c`` on the teacher and student log-probs (entries with a
     student log-prob below ``c`` get no gradient); verl's ``distillation_loss.log_prob_min_clamp``."""
@@ -90,14 +86,11 @@ def _as_positive_int(key: str, value: Any) -> int:
 
 
 def parse_step_flags(batch: TensorDictBase) -> StepFlags:
-    """The step flags of ``batch``; absent flags take their defaults.
-
-    ``temperature``: a non-tensor number, a per-sample tensor (``StepFlags.temperature is None``) or
-    absent (1.0). ``ValueError`` naming the key for: a flag stored as a tensor, a wrong type
-    (``"yes"``, ``1`` for a bool, ``2.0`` for a size), a size <= 0, a non-finite or non-positive
-    temperature, a non-finite ``distillation_log_prob_min_clamp``, ``distillation_only`` without
-    ``distillation_use_topk``, ``use_dynamic_bsz`` without ``max_token_len_per_gpu``.
-    """
+    """The step flags of ``batch`` (absent ones: defaults; a tensor ``temperature``: ``None``).
+    ``ValueError`` naming the key for a flag stored as a tensor, a wrong type (``1`` for a bool, ``2.0``
+    for a size), a size <= 0, a non-finite or non-positive temperature, a non-finite clamp,
+    ``distillation_only`` without ``distillation_use_topk``, ``use_dynamic_bsz`` without
+    ``max_token_len_per_gpu``."""
     if not isinstance(batch, TensorDictBase):
         raise ValueError(f"batch must be a tensordict.TensorDict, got {type(batch).__name__}")
     kwargs: dict[str, Any] = {}

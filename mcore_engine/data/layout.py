@@ -1,24 +1,12 @@
 """How a TensorDict batch lays out its tokens: jagged nested ``[B, j, ...]`` or padded ``[B, S, ...]``.
 
-Two layouts of ``input_ids`` are accepted (API.md "The engine"):
-
-- jagged: ``torch.nested.nested_tensor(list_of_[L_i], layout=torch.jagged)``; every per-token key is a
-  jagged nested tensor with the same lengths (trailing dims allowed, e.g. ``teacher_ids [B, j, K]``).
-- padded: ``input_ids [B, S]`` plus ``attention_mask [B, S]`` (bool or 0/1); the real tokens of row
-  ``b`` are ``input_ids[b][attention_mask[b]]`` in order (left, right or both-sided padding all work).
-  Every per-token key has the shape ``[B, S, ...]``.
-
-The user's loss mask is output-aligned (entry t masks the output at position t, which is about token
-t + 1). It comes either per token (``loss_mask`` in the layout of ``input_ids``) or, beside jagged
-``input_ids``, as verl's dense response mask ``[B, R]`` (:func:`loss_mask_values`).
-
-The helpers here turn either layout into the same canonical form: ``lengths [B]`` (int64) and, per
-key, ``values [N, ...]`` with ``N = lengths.sum()`` (sequence 0's tokens, then sequence 1's, ...):
+Jagged: every per-token key is a jagged nested tensor with the lengths of ``input_ids`` (trailing
+dims allowed). Padded: ``input_ids [B, S]`` plus a bool or 0/1 ``attention_mask [B, S]`` (any padding
+side), every per-token key ``[B, S, ...]``. Both map to ``lengths [B]`` (int64) and, per key,
+``values [N, ...]`` (one copy per key; a view for contiguous jagged)::
 
     values = torch.cat([x[b][mask[b]] for b in range(B)])      # padded
     values = torch.cat(x.unbind())                             # jagged
-
-Memory: one ``[N, ...]`` copy per extracted key (the jagged fast path returns a view).
 """
 
 from __future__ import annotations
@@ -63,11 +51,8 @@ def jagged_lengths(t: torch.Tensor) -> torch.Tensor:
 
 
 def per_token_keys(batch: TensorDictBase) -> list[str]:
-    """Tensor keys laid out per token like ``input_ids`` (``attention_mask`` excluded).
-
-    Jagged batches: every jagged nested tensor. Padded batches ``[B, S]``: every tensor with
-    ``dim >= 2`` and ``shape[:2] == (B, S)``.
-    """
+    """Tensor keys laid out per token like ``input_ids`` (``attention_mask`` excluded): jagged nested
+    tensors, or (padded) tensors with ``shape[:2] == (B, S)``."""
     ids = batch["input_ids"]
     keys = []
     for key in tensor_keys(batch):
@@ -83,11 +68,8 @@ def per_token_keys(batch: TensorDictBase) -> list[str]:
 
 
 def token_values(batch: TensorDictBase, key: str) -> torch.Tensor:
-    """The real tokens of ``batch[key]`` concatenated over sequences: ``[N, ...]``.
-
-    Jagged: a view of the nested tensor's buffer when it is contiguous, else a concatenation.
-    Padded: ``batch[key][attention_mask]`` (a copy).
-    """
+    """``[N, ...]``: the real tokens of ``batch[key]`` over sequences (jagged: a view when contiguous;
+    padded: ``batch[key][attention_mask]``, a copy)."""
     value = batch[key]
     if is_jagged(value):
         offsets = value.offsets()
@@ -103,12 +85,9 @@ def padded_source_index(batch: TensorDictBase) -> torch.Tensor:
 
 
 def response_mask_key(batch: TensorDictBase) -> str | None:
-    """The key of the batch's dense ``[B, R]`` response mask, or None.
-
-    Only beside jagged ``input_ids``: a dense (not nested) ``loss_mask`` (verl sets ``loss_mask =
-    response_mask``), else a dense ``response_mask``. A per-token (jagged) ``loss_mask`` always
-    wins: ``response_mask`` is then an ordinary per-sample field.
-    """
+    """Key of the dense ``[B, R]`` response mask beside jagged ``input_ids``, or None: a dense
+    ``loss_mask`` (verl's ``loss_mask = response_mask``), else a dense ``response_mask``; a jagged
+    ``loss_mask`` wins (``response_mask`` is then an ordinary field)."""
     if not is_jagged(batch["input_ids"]):
         return None
     for key in ("loss_mask", "response_mask"):
@@ -119,10 +98,9 @@ def response_mask_key(batch: TensorDictBase) -> str | None:
 
 
 def response_lengths(batch: TensorDictBase, width: int) -> torch.Tensor:
-    """Response tokens per sequence ``r_i``, int64 ``[B]`` on the CPU, for a ``[B, width]`` response
-    mask: ``attention_mask[:, -width:].sum(1)`` of verl's left-right padded ``attention_mask
-    [B, P + width]`` (prompts left-padded into the first P columns, responses right-padded into the
-    last ``width``). ``ValueError`` naming the mask's key without one."""
+    """Response tokens per sequence, int64 ``[B]`` (CPU): ``attention_mask[:, -width:].sum(1)`` of
+    verl's ``attention_mask [B, P + width]`` (left-padded prompts, right-padded responses).
+    ``ValueError`` naming the mask's key without one."""
     mask = batch["attention_mask"] if "attention_mask" in batch.keys() else None
     if isinstance(mask, torch.Tensor) and not mask.is_nested and mask.dim() == 2 and mask.shape[1] >= width:
         return mask[:, mask.shape[1] - width:].sum(1).to(device="cpu", dtype=torch.int64)
@@ -132,17 +110,13 @@ def response_lengths(batch: TensorDictBase, width: int) -> torch.Tensor:
 
 
 def loss_mask_values(batch: TensorDictBase) -> torch.Tensor | None:
-    """The user's output-aligned loss mask over the real tokens, float32 ``[N]``; None without one.
-
-    Per-token ``loss_mask``: its :func:`token_values`. Dense response mask ``m [B, R]``
-    (:func:`response_mask_key`): sequence i of ``L_i`` tokens ends with its ``r_i`` response tokens
-    (:func:`response_lengths`), response token c sits at position ``L_i - r_i + c`` and is
-    predicted by the output one earlier, so::
+    """The output-aligned loss mask (entry t masks the output predicting token t + 1) over the real
+    tokens, float32 ``[N]`` (None without one): a per-token ``loss_mask``'s :func:`token_values`, or
+    from a dense response mask ``m [B, R]`` with ``r_i`` response tokens ending sequence i of ``L_i``::
 
         loss_mask[i, L_i - r_i - 1 + c] = m[i, c]    (c < r_i), 0 elsewhere
 
-    Needs ``1 <= L_i - r_i`` (a prompt token); ``validate_batch`` checks it. Memory: one ``[N]``.
-    """
+    Needs ``L_i - r_i >= 1`` (checked by ``validate_batch``)."""
     key = response_mask_key(batch)
     if key is None:
         if "loss_mask" not in batch.keys():

@@ -1,15 +1,8 @@
 """Split a batch into micro-batches (by count or by token budget) and put outputs back in order.
 
-Both modes return ``(micro_batches, order)``: ``order[i]`` is the original batch index of the i-th
-sample when the micro-batches are concatenated, so per-sample results come back with
-
-    restored = concatenated[torch.argsort(torch.tensor(order))]        # == restore_order(...)
-
-By count the order is the identity. By token budget (``use_dynamic_bsz``) the sequences are spread
-over ``k`` micro-batches with a balanced greedy partition (longest first, each into the currently
-lightest micro-batch), ``k`` starting at ``ceil(total_tokens / max_token_len_per_gpu)`` and growing
-until every micro-batch fits the budget. Micro-batches are TensorDict index views of the batch
-(``batch[idx]``): one copy of each selected tensor, the input is never modified.
+Both modes return ``(micro_batches, order)``, ``order[i]`` the batch index of the i-th concatenated
+sample: ``restored = concatenated[torch.argsort(torch.tensor(order))]``. Micro-batches are
+``batch[idx]`` (one copy of each selected tensor; the input is never modified).
 """
 
 from __future__ import annotations
@@ -27,13 +20,10 @@ __all__ = ["balanced_partition", "merge_micro_batches", "restore_order", "split_
 
 
 def balanced_partition(lengths: Sequence[int], budget: int, *, min_parts: int = 1) -> list[list[int]]:
-    """Partition indices of ``lengths`` into the fewest groups (>= ``min_parts``) of sum <= ``budget``.
-
-    Greedy: for ``k = max(min_parts, ceil(sum / budget)), k + 1, ...`` place the indices by decreasing
-    length, each into the group with the smallest sum so far; stop at the first ``k`` where all fit.
-    Each group is sorted ascending; groups are ordered by their first index. A length above
-    ``budget`` raises ``ValueError`` naming ``max_token_len_per_gpu``.
-    """
+    """Indices of ``lengths`` in the fewest groups (>= ``min_parts``) of sum <= ``budget``: for
+    ``k = max(min_parts, ceil(sum / budget)), k + 1, ...`` place indices longest first into the
+    lightest group; stop at the first ``k`` where all fit. Groups sorted, ordered by first index.
+    A length over ``budget`` raises ``ValueError`` naming ``max_token_len_per_gpu``."""
     n = len(lengths)
     if budget <= 0:
         raise ValueError(f"max_token_len_per_gpu must be a positive int, got {budget}")
@@ -62,16 +52,10 @@ def balanced_partition(lengths: Sequence[int], budget: int, *, min_parts: int = 
 def split_micro_batches(batch: TensorDictBase, flags: StepFlags, *, default_micro_batch_size: int,
                         min_num_micro_batches: int = 1,
                         pad_multiple: int = 1) -> tuple[list[TensorDictBase], list[int]]:
-    """Split ``batch`` (``[B]``) into micro-batches; return them and ``order`` (see module docstring).
-
-    ``flags`` is a :class:`~mcore_engine.data.flags.StepFlags`. By count: ``flags.micro_batch_size_per_gpu``
-    (or ``default_micro_batch_size``) consecutive sequences per micro-batch, the last one smaller.
-    By token budget (``flags.use_dynamic_bsz``): real tokens per micro-batch <=
-    ``flags.max_token_len_per_gpu``, each length counted rounded up to ``pad_multiple`` (use the
-    ``pad_multiple`` of :func:`mcore_engine.data.packing.pack_micro_batch` so the packed thd ``T`` is within
-    budget), at least ``min_num_micro_batches`` micro-batches (lets DP ranks agree on one count).
-    Non-tensor entries (the flags) travel with every micro-batch.
-    """
+    """Split ``batch [B]`` into micro-batches and ``order``. By count: ``micro_batch_size_per_gpu`` (or
+    ``default_micro_batch_size``) consecutive sequences each. By token budget (``use_dynamic_bsz``,
+    :func:`balanced_partition`): at most ``max_token_len_per_gpu`` tokens each, lengths rounded up to
+    packing's ``pad_multiple``, at least ``min_num_micro_batches``. Non-tensor entries go with each."""
     size = batch.batch_size[0]
     if flags.use_dynamic_bsz:
         if not isinstance(pad_multiple, int) or pad_multiple < 1:
@@ -99,12 +83,8 @@ def restore_order(items: Sequence, order: Sequence[int]) -> list:
 
 
 def merge_micro_batches(outputs: Sequence[torch.Tensor], order: Sequence[int]) -> torch.Tensor:
-    """Concatenate per-micro-batch outputs and restore the original sample order.
-
-    Each output is in its micro-batch's input layout (``packing.unpack_per_token``):
-    jagged nested ``[b, j, ...]`` -> jagged ``[B, j, ...]``; padded ``[b, S, ...]`` or per-sample
-    ``[b, ...]`` dense tensors -> ``[B, ...]``. Autograd flows through. Memory: one copy of the outputs.
-    """
+    """Concatenate per-micro-batch outputs (jagged ``[b, j, ...]`` or dense ``[b, ...]``) into
+    ``[B, ...]`` in the original sample order. Differentiable; one copy of the outputs."""
     if not outputs:
         raise ValueError("outputs must hold at least one micro-batch output")
     inverse = torch.argsort(torch.tensor(list(order), dtype=torch.int64))

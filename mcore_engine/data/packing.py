@@ -1,25 +1,18 @@
 """Pack a micro-batch into Megatron-Core GPTModel inputs ('thd' or 'bshd') and unpack outputs.
 
-``b`` sequences of ``L_i`` real tokens (``N = sum L_i``), each padded to ``P_i = ceil(L_i / m) * m``
-(``m = pad_multiple``, e.g. the TP size under sequence parallelism):
+``b`` sequences of ``L_i`` real tokens (``N = sum L_i``), each padded to ``P_i = ceil(L_i / m) * m``:
 
-- ``thd``:  ``input_ids [1, T]``, ``T = sum P_i``; sequence i occupies slots
-  ``[cu_seqlens_padded[i], cu_seqlens_padded[i] + L_i)``, its padding the rest of its block;
-  ``packed_seq_params.cu_seqlens_* = cu_seqlens_padded`` (padding attends only within its block,
-  after the real tokens, so real tokens see exactly their own prefix).
-- ``bshd``: ``input_ids [b, S]``, ``S = max P_i``, right-padded; ``attention_mask [b, 1, S, S]``
-  bool, True = masked, ``causal | key_is_padding`` (the local spec uses a given mask instead of
-  its causal one).
+- ``thd``: ``input_ids [1, T]``, ``T = sum P_i``, sequence i at ``[cu_seqlens_padded[i], +L_i)``;
+  ``packed_seq_params.cu_seqlens_* = cu_seqlens_padded`` (padding attends only inside its block).
+- ``bshd``: ``input_ids [b, S]``, ``S = max P_i``, right-padded; bool ``attention_mask [b, 1, S, S]
+  = causal | key_is_padding`` (True = masked).
 
-Per-token fields (position t predicts token t+1)::
+Per token (position t predicts token t+1)::
 
     labels[t]    = input_ids[t + 1]                    (0 at each sequence's last token and padding)
     loss_mask[t] = user_loss_mask[t] * (t is not the last token of its sequence)   # float32
 
-so the user's ``loss_mask``, ``old_log_probs``, ``advantages`` ... align with the outputs (a dense
-``[b, R]`` response mask is placed first: ``layout.loss_mask_values``). Dense per-sample fields are
-not packed; they stay in the micro-batch's ``data``.
-Memory: O(T) per field (``[T, K]`` for teacher tensors), bshd masks O(b S^2) bools.
+Dense per-sample fields are not packed. Memory: O(T) per field (``[T, K]`` teacher), bshd O(b S^2).
 """
 
 from __future__ import annotations
@@ -46,10 +39,8 @@ DATA_FORMATS = ("thd", "bshd")
 
 @dataclass(kw_only=True)
 class ModelInputs:
-    """Model inputs of one micro-batch plus what :func:`unpack_per_token` needs to undo the packing.
-
-    Token-layout tensors share the shape of ``input_ids``: ``[1, T]`` (thd) or ``[b, S]`` (bshd).
-    """
+    """One micro-batch's model inputs plus what :func:`unpack_per_token` needs. Token-layout tensors
+    are shaped like ``input_ids``: ``[1, T]`` (thd) or ``[b, S]`` (bshd)."""
 
     data_format: str
     """"thd" or "bshd"."""
@@ -125,14 +116,9 @@ def _slot_layout(lengths: torch.Tensor, data_format: str, pad_multiple: int):
 def pack_micro_batch(mb: TensorDictBase, *, data_format: str, temperature: float | None,
                      pad_multiple: int = 1, thd_attention_mask: bool = False,
                      device: torch.device | str | None = None) -> ModelInputs:
-    """Pack micro-batch ``mb`` (validated by ``validate_batch``) into :class:`ModelInputs`.
-
-    ``temperature``: ``StepFlags.temperature``; a number is passed through untouched (a unit host
-    scalar stays unit), ``None`` expands ``mb["temperature"] [b]`` to one value per token.
-    ``pad_multiple``: pad each sequence (thd) or S (bshd) to a multiple (e.g. TP size under sequence
-    parallelism). ``device``: where the outputs live (default: ``input_ids``' device).
-    The micro-batch is only read.
-    """
+    """Pack a validated micro-batch (only read) into :class:`ModelInputs`. ``temperature``: a number
+    is passed through, ``None`` expands ``mb["temperature"] [b]`` per token. ``device`` defaults to
+    ``input_ids``' device."""
     if data_format not in DATA_FORMATS:
         raise ValueError(f"data_format must be one of {DATA_FORMATS}, got {data_format!r}")
     if not isinstance(pad_multiple, int) or pad_multiple < 1:
@@ -225,12 +211,9 @@ def _token_rows(t: torch.Tensor, inputs: ModelInputs, what: str) -> torch.Tensor
 
 
 def unpack_per_token(t: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
-    """Per-token model output -> the layout of the micro-batch's ``input_ids``.
-
-    ``t``: ``[1, T, ...]`` / ``[b, S, ...]`` or flat ``[T, ...]``. Returns a jagged nested
-    ``[b, j, ...]`` (jagged input) or a padded ``[b, S_in, ...]`` with zeros where
-    ``attention_mask`` is 0 (padded input). Differentiable; one ``[N, ...]`` copy.
-    """
+    """Per-token output ``[1, T, ...]`` / ``[b, S, ...]`` / ``[T, ...]`` -> the layout of the
+    micro-batch's ``input_ids``: jagged ``[b, j, ...]`` or padded ``[b, S_in, ...]`` (zeros where
+    ``attention_mask`` is 0). Differentiable; one ``[N, ...]`` copy."""
     rows = _token_rows(t, inputs, "t")
     if inputs.source_jagged:
         offsets = inputs.cu_seqlens.to(device=rows.device, dtype=torch.int64)
@@ -243,16 +226,10 @@ def unpack_per_token(t: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
 
 def flatten_per_token(mb: TensorDictBase, inputs: ModelInputs, *,
                       sample_ids: torch.Tensor | None = None) -> TensorDict:
-    """The micro-batch's per-token fields as a flat ``[T]`` TensorDict in the packed slot order.
-
-    ``T = inputs.input_ids.numel()`` (padding slots included, so it lines up with the processor's
-    outputs flattened with ``reshape(-1)``). Holds ``loss_mask`` (``inputs.loss_mask``, float32),
-    ``seq_ids`` (int64: ``sample_ids[i]`` for every slot of sequence i; ``sample_ids`` defaults to
-    ``arange(b)``, pass the indices in the global batch), ``teacher_ids`` / ``teacher_logprobs``
-    ``[T, K]`` when packed (views of ``inputs``' tensors), and every other per-token key of ``mb``
-    (``old_log_probs``, ``advantages``, ... with trailing dims kept; input keys excluded), 0 on
-    padding. Memory: one ``[T, ...]`` tensor per user key.
-    """
+    """The micro-batch's per-token fields as a flat ``[T]`` TensorDict in packed slot order
+    (``T = inputs.input_ids.numel()``, padding included and 0): ``loss_mask``, ``seq_ids``
+    (``sample_ids[i]`` on sequence i's slots, default ``arange(b)``), ``teacher_*`` ``[T, K]`` (views)
+    and every other per-token key of ``mb`` but the inputs. Memory: one ``[T, ...]`` per user key."""
     device = inputs.input_ids.device
     b, num_slots = inputs.lengths.numel(), inputs.input_ids.numel()
     if sample_ids is None:

@@ -94,23 +94,17 @@ def _check_response_mask(batch: TensorDictBase, key: str, lengths: torch.Tensor)
 
 def validate_batch(batch: TensorDictBase, *, vocab_size: int, max_sequence_length: int,
                    require_teacher: bool) -> None:
-    """Raise ``ValueError`` naming the key when ``batch`` is not a valid engine batch.
+    """Raise ``ValueError`` naming the key when ``batch`` is not a valid engine batch:
 
     - ``input_ids``: int64/int32, jagged ``[B, j]`` or padded ``[B, S]`` with a bool or 0/1
-      ``attention_mask [B, S]``; ``1 <= length <= max_sequence_length``; ids in ``[0, vocab_size)``.
-    - ``position_ids`` (int), ``loss_mask`` (finite) and every other per-token key shaped like
-      ``input_ids``; beside jagged ``input_ids`` the loss mask may instead be a dense response mask
-      ``[B, R]`` (``loss_mask`` or ``response_mask``, one shape when both are dense; a jagged
-      ``loss_mask`` wins) with the response lengths from verl's ``attention_mask [B, P + R]``
-      (``layout.loss_mask_values``); other dense ``[B, ...]`` fields and non-tensor entries are
-      not checked.
-    - ``teacher_ids`` (ids in the vocab) and ``teacher_logprobs`` (floating, no NaN or +inf; -inf is
-      a zero teacher probability) shaped ``[B, j, K]`` with one ``K``; required when
-      ``require_teacher``.
+      ``attention_mask``; ``1 <= length <= max_sequence_length``; ids in ``[0, vocab_size)``.
+    - ``position_ids`` (int), ``loss_mask`` (finite) and other per-token keys shaped like ``input_ids``;
+      beside jagged ``input_ids``, a dense ``[B, R]`` response mask instead (``layout``).
+    - ``teacher_ids`` (in the vocab), ``teacher_logprobs`` (no NaN / +inf) ``[B, j, K]``, one ``K``;
+      required when ``require_teacher``.
     - a tensor ``temperature``: floating ``[B]``, finite and > 0.
 
-    Only real tokens are checked (padding may hold anything). Reads only; a few host syncs per key.
-    """
+    Only real tokens are checked. Reads only; a few host syncs per key."""
     if not isinstance(batch, TensorDictBase):
         raise ValueError(f"batch must be a tensordict.TensorDict, got {type(batch).__name__}")
     if "input_ids" not in batch.keys():
