@@ -5,35 +5,18 @@
     python tools/bench.py --quick              # small sizes, seconds (smoke test)
     python tools/bench.py --realistic          # GPU only: N=32768, vocab 152064 / TP, H=4096, bf16, A and E
 
-Configurations (flags of ``process_lm_head_logits``): (A) log-probs, (B) + entropy, (C) + sum-pi²,
-(D) top-k KL with ``distillation_only``, (E) top-k KL + log-probs + entropy. "ours" is
-``mcore_engine.processor.process_lm_head_logits``; "naive" is ``tools/bench_naive.py``, the upstream
-path (whole-tensor fp32 upcast + temperature division, Megatron-Core ``vocab_parallel_cross_entropy``
-on a clone, softmax-saving entropy, sum-pi² by plain autograd, probability-saving top-k KL).
-"fused" is ``mcore_engine.processor.process_lm_head_hidden``: the same outputs from the hidden states
-``[N, H]`` and this rank's lm-head shard ``[V_local, H]`` (``--hidden`` H), never holding the logits;
-its logits would be exactly the logits paths' input ``[N, V_local] = hidden @ weight.T`` (built before
-their measured step). So the fused time includes the lm-head matmuls (forward, recompute, both
-gradients) and the logits paths' times do not.
+Configurations: (A) log-probs, (B) + entropy, (C) + sum-pi², (D) top-k KL with ``distillation_only``,
+(E) top-k KL + log-probs + entropy. "ours": ``process_lm_head_logits``; "naive": ``tools/bench_naive.py``
+(the upstream path); "fused": ``process_lm_head_hidden`` from ``hidden [N, H]`` and the shard
+``[V_local, H]``, its time including the lm-head matmuls whose output the logits paths get as input.
 
-Method (details in ``tools/bench_worker.py``): every (configuration, implementation, TP) runs in
-FRESH processes, one per TP rank (gloo on CPU, NCCL on CUDA: one GPU per rank), twice on CPU.
-Memory process: one forward+backward; CPU: VmHWM - VmRSS above the inputs, started with
-``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0`` so RSS tracks live buffers; CUDA:
-``max_memory_allocated`` above the inputs. Time process (allocator as users have it): median of
-``--repeats`` steps after a warm-up step. On CUDA (and on CPU with ``--single-process``) the memory
-process goes on to the timed steps. Per-rank figures; the table shows the max over ranks. "xL" is a
-multiple of this rank's logits bytes (tokens x V_local x dtype size); the gradient of the logits
-(1 xL) is part of the logits paths' peaks. Times show wall and, in parentheses, the process's CPU
-time (robust on a shared machine).
-Fused peak, two ways: (i) "fused peak" = everything above its inputs, the gradients of hidden and
-weight included (unavoidable outputs, (N + V_local) x H x dtype size bytes); (ii) "fused work" = (i)
-minus those gradient bytes, the working memory.
-Targets (PASS/FAIL columns): ours peak <= 1.25 xL in every configuration, ours <= 0.5 x naive peak
-in E, ours time <= 1.0 x naive; fused peak (i) < 0.1 xL (issue 5, at the default CPU size).
-The "agree" columns are the largest relative difference between ours (resp. fused) and naive over
-the sums of the outputs and the norms of the gradients w.r.t. hidden and weight (a check that all
-three compute the same thing). A CUDA out-of-memory error shows as "OOM".
+Each (configuration, implementation, TP) runs in fresh processes, one per rank (method:
+``tools/bench_worker.py``); the table shows the max over ranks. "xL": multiples of this rank's logits
+bytes (N x V_local x dtype size; the logits' gradient, 1 xL, is in the logits paths' peaks). Times:
+wall (process CPU time). "fused peak" includes the hidden / weight gradients ((N + V_local) x H x
+dtype size), "fused work" excludes them. Targets: ours peak <= 1.25 xL, ours <= 0.5 x naive peak in
+E, ours time <= 1.0 x naive, fused peak < 0.1 xL (default CPU size). "agree": largest relative
+difference to naive over output sums and gradient norms. "OOM": CUDA out of memory.
 """
 
 from __future__ import annotations
@@ -207,12 +190,8 @@ def run_workers(spec: dict, timeout: int, extra_env: dict[str, str] | None = Non
 
 
 def measure(args: argparse.Namespace, config: str, impl: str, tp: int, **extra) -> dict:
-    """Memory and time of one (configuration, implementation, TP) in fresh processes; max over ranks.
-
-    CPU: a memory process and a time process; CUDA or ``--single-process``: one process (memory step,
-    then timed steps).
-    Returns ``{"oom": message}`` when a rank ran out of CUDA memory.
-    """
+    """Memory and time of one (configuration, implementation, TP), max over ranks: a memory and a time
+    process on CPU, one process on CUDA / ``--single-process``; ``{"oom": message}`` on CUDA OOM."""
     spec = dict(impl=impl, config=config, tokens=args.tokens, vocab=vocab_local(args, tp), hidden=args.hidden,
                 dtype=args.dtype, tp=tp, k=args.k, temperature=args.temperature, repeats=args.repeats,
                 seed=args.seed, device=args.device, chunk_size=args.chunk_size,

@@ -3,13 +3,10 @@
     python tools/bench_offload.py            # tiny, small, medium GPT; fp32 and bf16
     python tools/bench_offload.py --quick    # tiny only (seconds)
 
-Every configuration runs in a fresh single-rank process (``--worker``): build the engine, one
-``train_batch`` (so the Adam state and grad buffers exist), then ``--repeats`` rounds of
-``offload()`` / ``onload()``, timed separately (median). Device bytes: on CUDA
-``torch.cuda.memory_allocated()`` before and after offload; on the CPU (host and device are one
-memory) the bytes of the storages the three parts own (``HostOffloader.device_bytes``), per part.
-The worker asserts every part's storages are 0 bytes while offloaded; bit-identity after onload is
-the tests' job (tests/test_offload.py).
+Each configuration runs in a fresh single-rank process: build the engine, one ``train_batch``, then
+``--repeats`` rounds of ``offload()`` / ``onload()``, timed separately (median). Device bytes: CUDA
+``memory_allocated()`` before and after offload; CPU ``HostOffloader.device_bytes`` per part. The
+worker asserts every part's storages are 0 bytes while offloaded.
 """
 
 from __future__ import annotations

@@ -4,21 +4,13 @@
     python tools/bench_weight_sync.py --tp 1 2        # TP=1 and TP=2 (2 gloo ranks)
     python tools/bench_weight_sync.py --quick         # tiny model, seconds (smoke test)
 
-Rows: "per-tensor" consumes ``iter_hf_tensors`` (what ``per_tensor_generator`` returns);
-"bucketed N" consumes ``mcore_engine.weight_sync.iter_weight_buckets`` with ``bucket_bytes`` N and
-splits every bucket with ``unflatten_bucket`` (the receiver); "cat N" is the naive flat bucket for
-comparison: hold the streamed tensors until N bytes, then ``torch.cat`` their flattened copies (one
-new tensor a bucket). The consumer keeps each item until the next one arrives, as a ``for`` loop does.
-
-Method: every row runs in fresh processes (one per TP rank, gloo, one thread each) that build a
-randomly initialised model, export it once as a warm-up, then measure. Peak extra memory is
-``VmHWM - VmRSS`` over one export above the built model (``/proc/self/clear_refs`` reset), with
-``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0`` so that RSS follows the live buffers
-(tensor allocations are not visible to tracemalloc); on CUDA it is ``max_memory_allocated`` above the
-model. Time: median wall time (and process CPU time, robust on a shared machine) of ``--repeats``
-exports. "buffer" is the bucket buffer the sender
-allocates (the largest multi-tensor bucket), "largest" the largest HF tensor; the table shows the max
-over ranks. "msgs" counts the items an inference engine receives.
+Rows: "per-tensor" consumes ``iter_hf_tensors``; "bucketed N" ``iter_weight_buckets`` with
+``bucket_bytes`` N, each bucket split by ``unflatten_bucket``; "cat N" the naive ``torch.cat`` of the
+held tensors' flattened copies. Every row runs in fresh gloo processes (one per TP rank) that build a
+random model, export once as a warm-up, then measure: peak extra memory ``VmHWM - VmRSS`` above the
+model (``MALLOC_MMAP_THRESHOLD_=65536``; CUDA: ``max_memory_allocated``) and median wall (CPU) time
+of ``--repeats`` exports, max over ranks. "buffer": the sender's bucket buffer; "largest": the
+largest HF tensor; "msgs": items received.
 """
 
 from __future__ import annotations

@@ -1,42 +1,20 @@
 """One benchmark measurement in a fresh process: ``python tools/bench_worker.py '<json spec>'``.
 
-``tools/bench.py`` starts this script once per (configuration, implementation, TP rank, mode) and
-reads the last stdout line, a JSON object. The spec holds ``impl`` ("ours" | "naive" | "fused"),
-``config`` (a key of ``CONFIGS``), ``tokens``, ``vocab`` (V_local), ``hidden`` (H), ``dtype``, ``tp``,
-``k``, ``temperature``, ``mode`` ("memory" | "time" | "both": memory then time in one process, used on
-CUDA where the allocator statistics are exact), ``repeats``, ``seed``, ``chunk_size`` (ours) and
-``fused_chunk_size`` (fused; None = default); the rank comes from ``RANK`` / ``WORLD_SIZE`` /
-``MASTER_ADDR`` / ``MASTER_PORT`` in the environment.
+The spec (from ``tools/bench.py``) holds ``impl`` ("ours" | "naive" | "fused"), ``config`` (a key of
+``CONFIGS``), ``tokens``, ``vocab`` (V_local), ``hidden``, ``dtype``, ``tp``, ``k``, ``temperature``,
+``mode`` ("memory" | "time" | "both"), ``repeats``, ``seed``, ``chunk_size``, ``fused_chunk_size``; the
+rank comes from torchrun's environment. The result is the last stdout line, a JSON object.
 
-All implementations see bit-identical inputs (same seeds, ``make_inputs``): hidden states
-``[tokens, H]`` (identical on every rank) and this rank's lm-head shard ``[V_local, H]``; the fused
-path (``mcore_engine.processor.process_lm_head_hidden``) takes those two (requires grad), the logits
-paths take ``logits = hidden @ weight.T`` ``[tokens, V_local]`` (built before the measurement, requires
-grad). Plus global labels ``[tokens]``, teacher top-k ids (distinct, spread over every rank's shard)
-and log-probs ``[tokens, k]``, and one random upstream gradient ``[tokens]`` per differentiable
-output. One step is ``out = f(inputs)`` followed by ``torch.autograd.backward(outputs,
-upstream_grads)``, which leaves ``logits.grad`` (logits paths) or ``hidden.grad`` and ``weight.grad``
-(fused). After the memory step every implementation reports output sums and the norms of the
-hidden / weight gradients (chain rule from ``logits.grad`` for the logits paths), so the three can
-be checked against each other.
+One step: ``torch.autograd.backward(f(inputs), upstream_grads)`` on bit-identical inputs
+(:func:`make_inputs`); output sums and hidden / weight gradient norms then check the three
+implementations against each other.
 
-Memory (``mode`` "memory"; one step):
-  CPU:  the parent starts this process with ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``:
-        every buffer above 64 KiB is then its own mmap, returned to the OS when freed, so RSS tracks
-        live bytes and the high-water mark is the peak of live tensors (pages actually touched), not
-        allocator slack. VmHWM is reset (``echo 5 > /proc/self/clear_refs``) and VmRSS read as the
-        baseline once the inputs are built and touched; peak above inputs = VmHWM after the step -
-        baseline. (Switching the allocator with ``mallopt`` later in a process that already freed
-        large buffers is not the same: large free chunks left in glibc's bins are reused and
-        re-faulted, adding tens of MB of noise; hence a process of its own.)
-  CUDA: ``torch.cuda.max_memory_allocated() - memory_allocated()`` at the baseline (exact whatever ran
-        before, so mode "both" times the same process afterwards). A CUDA out-of-memory error is
-        reported as ``{"oom": message}`` instead of figures.
-Time (``mode`` "time"; on CPU another fresh process, allocator settings as users have them): one warm-up
-step, then the median wall time of ``repeats`` steps (``perf_counter``; CUDA synchronised; ranks
-aligned by a barrier) and the median CPU time of the process (``process_time``: all its threads,
-kernel time such as page faults included; waiting for other ranks or for a core taken by another
-process excluded, so it is the figure to trust on a busy machine).
+Memory (one step): CPU: VmHWM after the step - VmRSS after the inputs (``clear_refs`` reset), in a
+process started with ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0`` so every buffer over
+64 KiB is its own mmap and RSS tracks live tensors; CUDA: ``max_memory_allocated`` above the inputs
+(``{"oom": message}`` on OOM). Time: one warm-up step, then the medians over ``repeats`` steps of
+the wall time (CUDA synchronised, ranks aligned by a barrier) and of the process CPU time
+(``process_time``, robust on a busy machine).
 """
 
 from __future__ import annotations
@@ -82,14 +60,10 @@ def _proc_status_mb(field: str) -> float:
 
 
 def make_inputs(spec: dict, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Seeded inputs of one rank: the fused path's ``hidden`` / ``weight`` (requires grad), else the logits.
-
-    ``hidden [N, H]`` is shared by all ranks (replicated, as in Megatron's column-parallel output
-    layer), ``weight [V_local, H]`` is this rank's shard, scaled so the logits are ~ N(0, 4). The logits
-    paths get ``logits = hidden @ weight.T`` in the compute dtype (built here, outside the measured
-    step; requires grad) and keep ``hidden`` / ``weight`` only for the gradient check after the
-    measurement. Labels, teacher ids / log-probs and upstream gradients are shared by all ranks.
-    """
+    """Seeded inputs of one rank: ``hidden [N, H]`` (replicated) and this rank's ``weight [V_local, H]``
+    (logits ~ N(0, 4)), requiring grad for the fused path; the logits paths get ``logits = hidden @
+    weight.T`` (requiring grad, built outside the measured step). Labels, teacher ids / log-probs
+    ``[N, k]`` and upstream gradients are the same on every rank."""
     n, v_local, k, tp, h = spec["tokens"], spec["vocab"], spec["k"], spec["tp"], spec["hidden"]
     v_global = v_local * tp
     dtype = DTYPES[spec["dtype"]]
@@ -197,11 +171,8 @@ def _head_step(spec: dict, inputs: dict[str, torch.Tensor], group, flags: dict, 
 
 
 def gradient_checks(inputs: dict[str, torch.Tensor], group) -> dict[str, float]:
-    """Norms of the gradients w.r.t. ``hidden`` (summed over the group) and ``weight``.
-
-    The fused path has them directly; the logits paths get them from ``logits.grad`` G by the chain
-    rule, after the measurement: ``grad_hidden = all_reduce(G @ weight)``, ``grad_weight = G.T @ hidden``.
-    """
+    """Norms of the gradients w.r.t. ``hidden`` (summed over the group) and ``weight``; for the
+    logits paths from ``G = logits.grad``: ``all_reduce(G @ weight)``, ``G.T @ hidden``."""
     if "logits" in inputs:
         g = inputs["logits"].grad
         grad_h = g @ inputs["weight"]
