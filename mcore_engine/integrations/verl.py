@@ -1,7 +1,12 @@
 """mcore-engine as a verl training engine (verl 0.9.1 ``BaseEngine``, backend ``"mcore_engine"``).
 
-    import mcore_engine.integrations.verl   # registers the engine with verl's EngineRegistry
+    import mcore_engine.integrations.verl   # registers the engines with verl's EngineRegistry
     # verl config: actor.strategy=mcore_engine, its engine block a McoreEngineVerlConfig
+
+Two registrations: ``model_type="language_model"`` (:class:`McoreEngineVerl`, the lm-head) and
+``"value_model"`` (:class:`McoreEngineVerlValue`, the core's value head: verl's critic, outputs
+``{"values": jagged [B, j]}``). ``engine_config.forward_only`` (a reference policy) builds an engine
+that only infers (:class:`McoreEngineVerl`).
 
 verl's ``TrainingWorker`` builds :class:`McoreEngineVerl` from ``model_config`` (``HFModelConfig``),
 ``engine_config`` (:class:`McoreEngineVerlConfig`: verl's Megatron engine fields), ``optimizer_config``
@@ -65,7 +70,7 @@ from mcore_engine.config import OptimizerConfig as CoreOptimizerConfig
 from mcore_engine.config import ParallelConfig
 
 __all__ = ["BACKEND", "NOT_APPLICABLE", "McoreEngineActorConfig", "McoreEngineVerl", "McoreEngineVerlConfig",
-           "VerlLossBridge", "engine_config_from_verl"]
+           "McoreEngineVerlValue", "VerlLossBridge", "engine_config_from_verl"]
 
 BACKEND = "mcore_engine"
 
@@ -167,8 +172,13 @@ def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_con
     _check(e.micro_batch_size_per_gpu is None or e.micro_batch_size_per_gpu >= 1,
            "engine_config.micro_batch_size_per_gpu", e.micro_batch_size_per_gpu, "must be >= 1")
     # --- model_config
-    _check(getattr(m, "model_type", "language_model") == "language_model", "model_config.model_type",
-           getattr(m, "model_type", None), "only language models (no value head)")
+    model_type = getattr(m, "model_type", "language_model")
+    _check(model_type in ("language_model", "value_model"), "model_config.model_type", model_type,
+           "language models and value models (critics) only")
+    value = model_type == "value_model"
+    for name in ("use_fused_kernels", "logits_chunk_size"):  # lm-head settings: a critic has no lm-head
+        _check(not value or not getattr(e, name, None), f"engine_config.{name}", getattr(e, name, None),
+               "a value model (model_type='value_model') has no lm-head")
     lora = getattr(m, "lora_rank", 0) or getattr(m, "lora", None) or getattr(m, "lora_adapter_path", None)
     _check(not lora, "model_config.lora_rank", getattr(m, "lora_rank", None), "no LoRA")
     for name, why in (("enable_gradient_checkpointing", "no activation recomputation; set it to False"),
@@ -185,8 +195,8 @@ def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_con
     _check(not extra, "model_config.override_config", extra, "the architecture comes from config.json only")
     weights = getattr(m, "local_path", None) or getattr(m, "path", None)
     hf_dir = getattr(m, "local_hf_config_path", None) or weights
-    model = from_hf_config(read_hf_config(hf_dir), hf_path=weights,
-                           fused_lm_head=bool(getattr(e, "use_fused_kernels", False)))
+    model = from_hf_config(read_hf_config(hf_dir), hf_path=weights, head="value" if value else "lm",
+                           fused_lm_head=bool(getattr(e, "use_fused_kernels", False)) and not value)
     # --- optimizer_config
     optimizer = _optimizer_from_verl(o, e)
     # --- checkpoint_config
@@ -289,16 +299,17 @@ class VerlLossBridge:
         return loss / self.dp_size, metrics
 
 
-def verl_results(out: TensorDict, losses: list[float] | None) -> dict[str, Any]:
+def verl_results(out: TensorDict, losses: list[float] | None,
+                 keys: tuple[str, ...] | None = None) -> dict[str, Any]:
     """verl's ``{"model_output": {key: jagged [B, j]}, "loss": [...], "metrics": {key: [...]}}`` from
-    the core's result; ``losses`` None (no loss function): 1.0 per micro-batch, as verl's Megatron
-    engine reports."""
+    the core's result (``keys``: only those outputs); ``losses`` None (no loss function): 1.0 per
+    micro-batch, as verl's Megatron engine reports."""
     per_micro_batch = out.get_non_tensor("micro_batch_metrics")
     metrics: dict[str, list] = {}
     for entry in per_micro_batch:
         append_to_dict(metrics, entry)
-    model_output = {key: out.get(key) for key in out.keys()
-                    if key not in ("loss", "metrics", "micro_batch_metrics")}
+    names = [k for k in out.keys() if k not in ("loss", "metrics", "micro_batch_metrics")]
+    model_output = {key: out.get(key) for key in names if keys is None or key in keys}
     loss = list(losses) if losses is not None else [1.0] * len(per_micro_batch)
     return {"model_output": model_output, "loss": loss, "metrics": metrics}
 
@@ -329,6 +340,8 @@ class _ModeCtx(BaseEngineCtx):
         move(model=param, optimizer=train and optim, grad=train and param)
 
     def __enter__(self):
+        if self.mode == "train":
+            self.engine._refuse_if_forward_only("train_mode()")
         self.engine.mode = self.mode
         self._switch(onload=True)
         for chunk in self.engine.engine.model:
@@ -349,7 +362,15 @@ class McoreEngineVerl(BaseEngine):
     parallel state, since ``TrainingWorker`` asks for the data-parallel rank before ``initialize``.
     Outputs of ``forward_backward_batch`` / ``train_batch`` / ``infer_batch`` are verl's dict on the
     last pipeline stage and ``{}`` on the other stages (verl's Megatron engine's contract).
+
+    ``engine_config.forward_only`` (verl's reference policy): inference only. The core always builds
+    the DDP grad buffers and the optimizer; ``initialize`` offloads both to host memory for good
+    (their device storage released), and every training call (``train_mode``, ``train_batch``,
+    ``forward_backward_batch(forward_only=False)``, ``optimizer_zero_grad`` / ``optimizer_step`` /
+    ``lr_scheduler_step``, checkpoints) raises ``RuntimeError`` naming ``forward_only``.
     """
+
+    head = "lm"  # the core ModelConfig.head this registration builds
 
     def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any,
                  checkpoint_config: Any = None) -> None:
@@ -362,6 +383,11 @@ class McoreEngineVerl(BaseEngine):
         self.checkpoint_config = checkpoint_config
         self.config = engine_config_from_verl(model_config, engine_config, optimizer_config,
                                               checkpoint_config)
+        if self.config.model.head != self.head:
+            model_type = getattr(model_config, "model_type", None)
+            _refuse("model_config.model_type", model_type,
+                    f"{type(self).__name__} builds model.head={self.head!r}; "
+                    f"build it through EngineRegistry with model_type={model_type!r}")
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         self.config.validate_world_size(world)
         apply_cpu_device_layer()
@@ -380,8 +406,18 @@ class McoreEngineVerl(BaseEngine):
             self.engine = MegatronEngine(self.config)
         self.engine.initialize()
         self._initialized = True
-        self.offload_parts(model=self.is_param_offload_enabled, optimizer=self.is_optimizer_offload_enabled,
-                           grad=self.is_param_offload_enabled)
+        param = self.is_param_offload_enabled
+        self.engine.offload(params=param, grads=param or self.forward_only,
+                            optimizer=self.is_optimizer_offload_enabled or self.forward_only)
+
+    @property
+    def forward_only(self) -> bool:
+        return bool(getattr(self.engine_config, "forward_only", False))
+
+    def _refuse_if_forward_only(self, what: str) -> None:
+        if self.forward_only:
+            raise RuntimeError(f"{what}: engine_config.forward_only=True builds an inference-only engine "
+                               "(verl's reference policy); build the engine without forward_only to train")
 
     @property
     def is_param_offload_enabled(self) -> bool:
@@ -402,7 +438,8 @@ class McoreEngineVerl(BaseEngine):
         parts to host memory (``model`` releases the parameters and the grad buffers, as verl's
         Megatron engine does), the engine's device (``"cuda"``; ``"device"`` on any host) onloads them
         (the grad buffers only with ``grad``). ``grad`` needs ``model``. On a CPU host ``"cpu"`` means
-        offload, so onload is spelled ``"device"`` there."""
+        offload, so onload is spelled ``"device"`` there. Under ``forward_only`` only the parameters
+        are ever onloaded."""
         super().to(device=device, model=model, optimizer=optimizer, grad=grad)
         from mcore_engine.platform import get_device
 
@@ -421,8 +458,10 @@ class McoreEngineVerl(BaseEngine):
 
     def onload_parts(self, model: bool, optimizer: bool, grad: bool = True) -> None:
         """``to(device, ...)``: parameters with ``model``, grad buffers with ``model and grad``,
-        optimizer state with ``optimizer``, bit-identical (``engine.onload``)."""
-        self.engine.onload(params=model, grads=model and grad, optimizer=optimizer)
+        optimizer state with ``optimizer``, bit-identical (``engine.onload``); parameters only
+        under ``forward_only``."""
+        train = not self.forward_only
+        self.engine.onload(params=model, grads=model and grad and train, optimizer=optimizer and train)
 
     def _reoffload(self, before: frozenset[str], *, optimizer: bool) -> None:
         """After a checkpoint call: offload what was offloaded before, and what verl's Megatron engine
@@ -456,15 +495,24 @@ class McoreEngineVerl(BaseEngine):
 
     # --- optimizer
     def optimizer_zero_grad(self) -> None:
+        self._refuse_if_forward_only("optimizer_zero_grad()")
         self.engine.zero_grad()
 
     def optimizer_step(self) -> float:
         """The core's step: ``empty_cache()`` first iff the last pass with gradients ran top-k
         distillation; returns the pre-clip grad norm (a non-finite one skips the update)."""
+        self._refuse_if_forward_only("optimizer_step()")
         return self.engine.optimizer_step()
 
     def lr_scheduler_step(self) -> float:
+        self._refuse_if_forward_only("lr_scheduler_step()")
         return self.engine.lr_scheduler_step()
+
+    def train_batch(self, data: TensorDict, loss_function: Callable) -> Any:
+        """verl's ``BaseEngine.train_batch`` (forward-backward, then the optimizer step and its grad
+        norm in the metrics); refused under ``forward_only``."""
+        self._refuse_if_forward_only("train_batch()")
+        return super().train_batch(data, loss_function)
 
     # --- the step
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable | None,
@@ -475,6 +523,8 @@ class McoreEngineVerl(BaseEngine):
         verl's result dict on the last pipeline stage."""
         from megatron.core import parallel_state
 
+        if not forward_only:
+            self._refuse_if_forward_only("forward_backward_batch(forward_only=False)")
         pad_mode = _flag(data, "pad_mode", None)
         if pad_mode is not None and str(getattr(pad_mode, "value", pad_mode)).lower() != "no_padding":
             raise ValueError(f"pad_mode={pad_mode!r}: only verl's no-padding batches are supported")
@@ -501,7 +551,9 @@ class McoreEngineVerl(BaseEngine):
         out = self.engine.forward_backward_batch(data, bridge, forward_only, loss_convention="micro_batch")
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             return {}
-        return verl_results(out, None if bridge is None else bridge.losses)
+        return verl_results(out, None if bridge is None else bridge.losses, keys=self.output_keys)
+
+    output_keys: tuple[str, ...] | None = None  # the per-token outputs returned to verl (None: all)
 
     # --- weights and checkpoints
     def get_per_tensor_param(self, **kwargs) -> tuple[Generator[tuple[str, torch.Tensor], None, None], None]:
@@ -519,9 +571,10 @@ class McoreEngineVerl(BaseEngine):
         ``hf_model``). Offloaded parameters / optimizer state are onloaded for the write and offloaded
         again. Retention as verl's checkpoint managers: of the folders this engine saved, the oldest
         are deleted before the write so that ``max_ckpt_to_keep - 1`` remain (when it is > 1), and
-        after it so that ``max_ckpt_to_keep`` remain. ``hdfs_path`` is refused."""
+        after it so that ``max_ckpt_to_keep`` remain. ``hdfs_path`` and ``forward_only`` are refused."""
         if hdfs_path is not None:
             _refuse("hdfs_path", hdfs_path, "no HDFS client; save to a shared local path")
+        self._refuse_if_forward_only("save_checkpoint()")
         path = os.path.abspath(local_path)
         self._saved = [p for p in self._saved if p != path]
         keep = max_ckpt_to_keep if isinstance(max_ckpt_to_keep, int) and max_ckpt_to_keep > 0 else None
@@ -554,12 +607,30 @@ class McoreEngineVerl(BaseEngine):
         (the core reshards). Offloaded parts are onloaded for the read; afterwards what
         ``param_offload`` / ``optimizer_offload`` name is offloaded (verl's Megatron engine), and what
         was offloaded before. A local checkpoint is never deleted (verl deletes only downloaded
-        copies); ``hdfs_path`` is refused."""
+        copies); ``hdfs_path`` is refused, and so is ``forward_only``."""
         if hdfs_path is not None:
             _refuse("hdfs_path", hdfs_path, "no HDFS client; load from a shared local path")
+        self._refuse_if_forward_only("load_checkpoint()")
         before = self.engine.offloaded
         self.engine.onload(params=True, grads=False, optimizer=True)
         try:
             self.engine.load_checkpoint(local_path)
         finally:
             self._reoffload(before, optimizer=True)
+
+
+@EngineRegistry.register(model_type="value_model", backend=BACKEND, device=["cpu", "cuda"])
+class McoreEngineVerlValue(McoreEngineVerl):
+    """verl's critic (``model_type="value_model"``) on the core's value head (``model.head="value"``:
+    the trunk of ``model_config.path`` with a replicated ``Linear(H, 1)``, freshly initialised from
+    the seed for a causal-LM folder, loaded from a ``*ForTokenClassification`` folder).
+
+    ``model_output`` is ``{"values": jagged [B, j]}`` in the layout of ``input_ids``, unshifted (the
+    value after each token), as verl's Megatron and FSDP critics return it: verl's ``value_loss`` and
+    ``_compute_values`` read the response part with ``no_padding_2_padding`` (positions
+    ``P_i - 1 .. P_i + R_i - 2``). The lm-head settings (``use_fused_kernels``, ``logits_chunk_size``)
+    are refused by name; so are the batch flags that need a vocabulary (``calculate_entropy``,
+    top-k distillation)."""
+
+    head = "value"
+    output_keys = ("values",)

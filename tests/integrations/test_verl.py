@@ -6,8 +6,11 @@ distillation loss with ``distillation_only`` true and false (its ``log_prob_min_
 core as the ``distillation_log_prob_min_clamp`` flag). Each is compared with the native
 mcore-engine API (``MegatronEngine`` + ``mcore_engine.losses.distillation_ppo_loss``) on the same
 Hugging Face weights, fp32, relative error 1e-5: inference outputs, loss and metrics of two training
-steps and all weights afterwards. Spies check the seed behaviours through verl's interface. The
-same launch then runs the lifecycle (:func:`lifecycle`): ``param_offload`` / ``optimizer_offload``
+steps and all weights afterwards. Spies check the seed behaviours through verl's interface. A
+critic (``model_type="value_model"``, verl's ``value_loss``) is compared the same way with
+``head="value"`` + ``mcore_engine.losses.ppo_value_loss`` (:func:`critic`), and an
+``engine_config.forward_only`` worker infers and refuses every training call (:func:`reference_policy`).
+The same launch then runs the lifecycle (:func:`lifecycle`): ``param_offload`` / ``optimizer_offload``
 and ``to(...)`` with the released storages checked, ``save_checkpoint`` / ``load_checkpoint`` with
 verl's signatures (bit-identical resume, ``max_ckpt_to_keep``, a TP=2 -> TP=1 x DP=2 resume). The
 refused config fields are checked in-process (no ranks).
@@ -112,6 +115,9 @@ def native_batch(verl_td, p_len, r_len, flags: dict):
                   loss_mask=per_token(verl_td["response_mask"], torch.float32),
                   old_log_probs=per_token(verl_td["old_log_probs"], torch.float32),
                   advantages=per_token(verl_td["advantages"], torch.float32))
+    for key in ("values", "returns"):  # a critic batch: old values and returns per response token
+        if key in verl_td.keys():
+            fields[key] = per_token(verl_td[key], torch.float32)
     for key in ("teacher_ids", "teacher_logprobs"):
         if key in verl_td.keys():
             fields[key] = verl_td[key]
@@ -339,6 +345,125 @@ def scenario(name: str, hf_dir: str, report: dict) -> dict[str, torch.Tensor]:
     return mine
 
 
+def critic_batch(seed: int):
+    """A PPO critic batch as verl's trainer builds it: the PPO batch plus dense ``values`` (old
+    values, spread so that the 0.2 clip binds on some tokens) and ``returns`` ``[B, R]``."""
+    data, p_len, r_len = make_batch(seed, distill=False)
+    g = torch.Generator().manual_seed(100 + seed)
+    data.set("values", 0.3 * torch.randn(B, R, generator=g))
+    data.set("returns", torch.randn(B, R, generator=g))
+    return data, p_len, r_len
+
+
+def critic(hf_dir: str, report: dict) -> None:
+    """verl's critic: a ``TrainingWorker`` with ``model_type="value_model"`` (a fresh value head on the
+    causal-LM folder) and verl's ``value_loss`` against ``MegatronEngine`` (``head="value"``) with
+    ``mcore_engine.losses.ppo_value_loss`` on the same weights: inferred values, then two steps'
+    loss, grad norm, vf_loss / vf_clipfrac / vpred_mean and all weights afterwards."""
+    from safetensors.torch import load_file
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import McoreCriticConfig, TrainingWorkerConfig
+    from verl.workers.engine_workers import TrainingWorker
+    from verl.workers.utils.losses import value_loss
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from mcore_engine import MegatronEngine
+    from mcore_engine.integrations.verl import McoreEngineVerlValue
+    from mcore_engine.losses import ppo_value_loss
+
+    clip = 0.2
+    model, engine, optim, ckpt = verl_configs(hf_dir)
+    worker = TrainingWorker(TrainingWorkerConfig(model_type="value_model", model_config=model,
+                                                 engine_config=engine, optimizer_config=optim,
+                                                 checkpoint_config=ckpt))
+    worker.device_name, worker.flops_counter = "cpu", None
+    worker.reset()
+    critic_cfg = McoreCriticConfig(ppo_micro_batch_size_per_gpu=2, ppo_mini_batch_size=B,
+                                   cliprange_value=clip)
+    worker.set_loss_fn(partial(value_loss, config=critic_cfg))
+    adapter = worker.engine
+    assert isinstance(adapter, McoreEngineVerlValue) and adapter.config.model.head == "value"
+    native = MegatronEngine(adapter.config)
+    native.initialize()
+
+    # verl's _compute_values: infer with compute_loss=False, then no_padding_2_padding
+    data, p_len, r_len = critic_batch(10)
+    tu.assign_non_tensor(data, compute_loss=False)
+    out = worker.infer_batch(data)
+    ref = native.infer_batch(native_batch(data, p_len, r_len, {}))
+    if out is not None:
+        assert "scores" not in out.keys() and "values" in out.keys()
+        close(tu.get(out, "values"), ref["values"], "critic: infer values", report)
+        vpred = no_padding_2_padding(tu.get(out, "values"), data)
+        assert vpred.shape == (B, R)
+
+    native_loss = ppo_value_loss(cliprange_value=clip)
+    for step in range(2):
+        data, p_len, r_len = critic_batch(20 + step)
+        got = worker.train_batch(data)
+        want = native.train_batch(native_batch(data, p_len, r_len, {}), native_loss)
+        if got is None:
+            continue
+        metrics, wm = tu.get(got, "metrics"), want.get_non_tensor("metrics")
+        close(metrics["loss"], float(want.get_non_tensor("loss")), "critic: loss", report)
+        close(metrics["grad_norm"], wm["grad_norm"], "critic: grad_norm", report)
+        close(metric_value(metrics["critic/vf_loss"]), wm["vf_loss"], "critic: vf_loss", report)
+        # verl's vf_clipfrac / vpred_mean are per-micro-batch masked means (rows 0-1, 2-3): weight
+        # them by each micro-batch's response tokens for the native global token means
+        tokens = [float(data["response_mask"][i:i + 2].sum()) for i in range(0, B, 2)]
+        for key in ("vf_clipfrac", "vpred_mean"):
+            per_mb = numpy.ravel(metrics[f"critic/{key}"]).tolist()
+            assert len(per_mb) == len(tokens), (key, per_mb)
+            weighted = sum(v * n for v, n in zip(per_mb, tokens, strict=True)) / sum(tokens)
+            close(weighted, wm[key], f"critic: {key}", report)
+        assert 0 < wm["vf_clipfrac"] < 1, "the value clip must bind on some tokens, not all"
+        report[f"critic: vf_clipfrac (step {step})"] = float(wm["vf_clipfrac"])
+
+    mine = dict(adapter.get_per_tensor_param()[0])
+    theirs = dict(native.per_tensor_generator())
+    assert mine.keys() == theirs.keys() and "score.weight" in mine
+    errs = {k: rel(mine[k], theirs[k]) for k in mine if not k.endswith("k_proj.bias")}
+    report["critic: weights (worst tensor)"] = max(errs.values())
+    assert max(errs.values()) < TOL, errs
+    initial = load_file(os.path.join(hf_dir, "model.safetensors"))
+    assert max(rel(mine[k], initial[k]) for k in mine if k in initial) > 1e-4, "the trunk must move"
+
+
+def reference_policy(hf_dir: str, report: dict) -> None:
+    """``engine_config.forward_only`` (verl's reference policy): grad buffers and optimizer state are
+    offloaded at initialize and stay so through eval mode, inference matches the native API, and every
+    training call raises naming ``forward_only``."""
+    from verl.utils import tensordict_utils as tu
+
+    from mcore_engine import MegatronEngine
+
+    worker = make_worker(hf_dir, forward_only=True)
+    adapter, core = worker.engine, worker.engine.engine
+    assert {"grads", "optimizer"} <= core.offloaded and "params" not in core.offloaded
+    assert held(core)["grads"] == 0 and held(core)["optimizer"] == 0
+    data, p_len, r_len = make_batch(10, distill=False)
+    tu.assign_non_tensor(data, calculate_entropy=False, compute_loss=False)
+    out = worker.infer_batch(data)
+    assert {"grads", "optimizer"} <= core.offloaded
+    native = MegatronEngine(adapter.config)
+    native.initialize()
+    ref = native.infer_batch(native_batch(data, p_len, r_len, {}))
+    if out is not None:
+        close(tu.get(out, "log_probs"), ref["log_probs"], "forward_only: infer log_probs", report)
+    train = ppo_train_batch(0)
+    calls = {"train_batch": lambda: adapter.train_batch(train, worker.loss_fn),
+             "forward_backward_batch": lambda: adapter.forward_backward_batch(train, worker.loss_fn),
+             "optimizer_step": adapter.optimizer_step, "optimizer_zero_grad": adapter.optimizer_zero_grad,
+             "lr_scheduler_step": adapter.lr_scheduler_step,
+             "train_mode": lambda: adapter.train_mode().__enter__(),
+             "save_checkpoint": lambda: adapter.save_checkpoint("unused")}
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=rf"^{name}\(.*engine_config\.forward_only=True"):
+            call()
+    adapter.to("device", model=True, optimizer=True, grad=True)  # onloads the parameters only
+    assert {"grads", "optimizer"} <= core.offloaded
+
+
 def held(core) -> dict[str, int]:
     """Bytes held by the storages behind the parameters, the DDP grad buffers and the Adam state,
     found from the engine's own objects."""
@@ -430,6 +555,8 @@ def verl_ranks(rank: int, world: int, hf_dir: str, out_dir: str) -> None:
 
     report: dict[str, float] = {}
     weights = {name: scenario(name, hf_dir, report) for name in SCENARIOS}
+    critic(hf_dir, report)
+    reference_policy(hf_dir, report)
     lifecycle(hf_dir, os.path.join(out_dir, "checkpoints"), weights["ppo"], report)
     if rank == 0:
         with open(os.path.join(out_dir, "parity.json"), "w") as f:
@@ -473,7 +600,9 @@ REFUSED = [
     ("model", dict(fused_kernel_options={"impl_backend": "triton"}), "model_config.fused_kernel_options"),
     ("model", dict(tiled_mlp={"enabled": True, "num_shards": 4}), "model_config.tiled_mlp.enabled"),
     ("model", dict(override_config={"num_hidden_layers": 3}), "model_config.override_config"),
-    ("model", dict(model_type="value_model"), "model_config.model_type"),
+    ("model", dict(model_type="reward_model"), "model_config.model_type"),
+    ("value", dict(use_fused_kernels=True), "engine_config.use_fused_kernels"),
+    ("value", dict(logits_chunk_size=64), "engine_config.logits_chunk_size"),
     ("optim", dict(optimizer="sgd"), "optimizer_config.optimizer"),
     ("optim", dict(lr_warmup_init=1e-4), "optimizer_config.lr_warmup_init"),
     ("optim", dict(lr_decay_style="inverse_square_root"), "optimizer_config.lr_decay_style"),
@@ -510,6 +639,8 @@ def build_configs(hf_dir: str, group: str, kw: dict):
 
     kw = dict(kw)
     model = dict(path=hf_dir, load_tokenizer=False, enable_gradient_checkpointing=False)
+    if group == "value":  # a critic's engine block
+        model["model_type"], group = "value_model", "engine"
     engine = dict(dtype="float32", tensor_model_parallel_size=2, use_dynamic_bsz=False)
     optim = dict(lr=1e-3, lr_decay_style="constant")
     if "router_replay" in kw:
@@ -548,6 +679,31 @@ def test_verl_config_mapping(hf_dir):
     for kw in (dict(expert_model_parallel_size=2), dict(expert_tensor_parallel_size=1)):
         with pytest.raises(ValueError, match=rf"engine_config\.{next(iter(kw))}=.*ModelConfig\.moe"):
             engine_config_from_verl(*build_configs(hf_dir, "engine", kw))
+
+
+def test_verl_value_model_registration(hf_dir, monkeypatch):
+    """``model_type="value_model"`` selects :class:`McoreEngineVerlValue` (``head="value"``, no fused
+    lm-head); each class refuses the other's model type by name, before any process-group work."""
+    from verl.workers.engine.base import EngineRegistry
+
+    from mcore_engine.integrations.verl import (
+        BACKEND,
+        McoreEngineVerl,
+        McoreEngineVerlValue,
+        engine_config_from_verl,
+    )
+
+    monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
+    assert EngineRegistry.get_engine_cls("value_model", BACKEND) is McoreEngineVerlValue
+    assert EngineRegistry.get_engine_cls("language_model", BACKEND) is McoreEngineVerl
+    value = build_configs(hf_dir, "value", {})
+    cfg = engine_config_from_verl(*value)
+    assert (cfg.model.head, cfg.model.fused_lm_head, cfg.model.hf_path) == ("value", False, hf_dir)
+    assert engine_config_from_verl(*build_configs(hf_dir, "engine", {})).model.head == "lm"
+    with pytest.raises(ValueError, match=r"model_config\.model_type='value_model'"):
+        McoreEngineVerl(*value)
+    with pytest.raises(ValueError, match=r"model_config\.model_type='language_model'"):
+        McoreEngineVerlValue(*build_configs(hf_dir, "engine", {}))
 
 
 @pytest.mark.parametrize("group, kw, field", REFUSED, ids=[r[2] + ":" + next(iter(r[1])) for r in REFUSED])
