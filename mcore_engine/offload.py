@@ -46,7 +46,6 @@ class HostOffloader:
 
     @property
     def offloaded(self) -> frozenset[str]:
-        """The parts held on the host now."""
         return frozenset(self._host)
 
     # ------------------------------------------------------------------ what each part owns

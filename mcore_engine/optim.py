@@ -138,8 +138,6 @@ def reset_optimizer_state(optimizer: MegatronOptimizer) -> None:
 
 @dataclass(frozen=True)
 class StepResult:
-    """Outcome of one optimizer step."""
-
     grad_norm: float
     """Global L2 norm of the gradients before clipping (nan / inf when the step was skipped)."""
     skipped: bool

@@ -124,8 +124,6 @@ class _NullStream:
 
 
 class _NullEvent:
-    """Stand-in for ``torch.cuda.Event``."""
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 

@@ -41,7 +41,6 @@ class MicroBatch:
     """One micro-batch as the forward step sees it."""
 
     index: int
-    """Position in the step's micro-batch list."""
     data: TensorDictBase
     """The micro-batch's slice of the user's batch."""
     inputs: ModelInputs
@@ -150,10 +149,9 @@ def _pad(t: torch.Tensor, shape: tuple[int, int], fill: float | int = 0) -> torc
 
 
 def pad_inputs(inputs: ModelInputs, shape: tuple[int, int]) -> ModelInputs:
-    """``inputs`` padded to ``shape`` (``[1, T']`` thd, ``[b', S']`` bshd) with slots of ``loss_mask``
-    0, label 0, temperature 1 that leave the real tokens' outputs unchanged: thd grows the last
-    sequence's block to ``T'`` (``cu_seqlens_padded[-1] = T'``), bshd adds masked columns and empty
-    rows. ``attention_mask`` stays None."""
+    """``inputs`` padded to ``shape`` (``[1, T']`` thd, ``[b', S']`` bshd) with ``loss_mask`` 0, label
+    0, temperature 1 slots that leave the real tokens' outputs unchanged: thd grows the last block to
+    ``T'``, bshd adds masked columns and empty rows. ``attention_mask`` stays None."""
     rows, cols = inputs.input_ids.shape
     if (rows, cols) == tuple(shape):
         return inputs

@@ -35,7 +35,6 @@ class BucketMeta:
     names: tuple[str, ...]
     """Hugging Face names, in bucket order, unique."""
     shapes: tuple[tuple[int, ...], ...]
-    """Shape of each tensor."""
     offsets: tuple[int, ...]
     """Element (not byte) offset of each tensor in the bucket; spans increase and do not overlap."""
     dtype: torch.dtype
@@ -71,7 +70,6 @@ class BucketMeta:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the bucket."""
         return self.numel * self.dtype.itemsize
 
 

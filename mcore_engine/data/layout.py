@@ -20,7 +20,6 @@ TEACHER_KEYS = ("teacher_ids", "teacher_logprobs")
 
 
 def is_jagged(t: object) -> bool:
-    """True for a ``torch.jagged`` nested tensor."""
     return isinstance(t, torch.Tensor) and t.is_nested and t.layout == torch.jagged
 
 
