@@ -154,8 +154,8 @@ def fill_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
 def iter_weight_buckets(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, bucket_bytes: int, *,
                         dtype: torch.dtype | None = None) -> Iterator[tuple[torch.Tensor, BucketMeta]]:
     """``iter_hf_tensors(model_chunks, cfg, dtype=dtype)`` packed by ``plan_buckets``. Collective over
-    TP and PP: every rank consumes it to the end and gets the same buckets. Validity and memory as in
-    :func:`fill_buckets`."""
+    TP, PP and, with MoE, EP: every rank consumes it to the end and gets the same buckets. Validity
+    and memory as in :func:`fill_buckets`."""
     from mcore_engine.hf.export import iter_hf_tensors, precision_dtype
     from mcore_engine.hf.mapping import hf_shapes
 
