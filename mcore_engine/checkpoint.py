@@ -6,9 +6,10 @@ Folder ``path/``::
     common.pt, metadata.json          rank 0's plain entries; dist_checkpointing's backend record
     mcore_engine.json                 written last: format, step, layout, precision, config record
 
-Holds each model chunk's ``sharded_state_dict()`` (any TP / PP / VPP cut loads it), the optimizer's
-fp32 main weights and Adam moments (none before the first step; loading that clears Adam state),
-scheduler, step counters and each rank's RNG states (restored for the same layout only).
+Holds each model chunk's ``sharded_state_dict()`` (global layer and expert ids: any TP / PP / VPP /
+EP cut loads it), the optimizer's fp32 main weights and Adam moments (none before the first step;
+loading that clears Adam state), scheduler, step counters and each rank's RNG states (restored for
+the same layout only).
 
 A save writes ``path.tmp/``; rank 0 then writes the marker and swaps it in through ``path.old``, so
 a crash leaves a loadable checkpoint; a folder holding other files is never deleted. A load checks
@@ -21,6 +22,7 @@ Memory: the distributed optimizer's ``fully_reshardable`` form gathers a DP grou
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import queue
@@ -45,12 +47,13 @@ FORMAT = "mcore-engine-dist-v1"
 MARKER = "mcore_engine.json"
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 """Megatron's optimizer ``sharded_state_dict`` metadata: model-space optimizer state (reshardable in
-TP, PP and DP; ``fully_sharded_model_space`` needs the flattened tensors 0.16 no longer supports)."""
+TP, PP, EP and DP; ``fully_sharded_model_space`` needs the flattened tensors 0.16 no longer supports)."""
 
 IGNORED_CONFIG: dict[str, frozenset[str]] = {
     "model": frozenset({"hf_path", "fused_lm_head", "init_method_std", "max_sequence_length"}),
     "parallel": frozenset({"tensor_model_parallel_size", "pipeline_model_parallel_size",
-                           "virtual_pipeline_model_parallel_size", "sequence_parallel", "batch_p2p_comm"}),
+                           "virtual_pipeline_model_parallel_size", "sequence_parallel", "batch_p2p_comm",
+                           "expert_model_parallel_size", "expert_tensor_parallel_size"}),
 }
 """Config fields a load may change: where the initial weights came from, how the lm head computes,
 the longest accepted sequence and the whole parallel layout; every other ``model`` field must match."""
@@ -112,6 +115,7 @@ def checkpoint_layout(config: EngineConfig, world_size: int) -> dict[str, Any]:
     par = config.parallel
     return {"world_size": world_size, "tp": par.tensor_model_parallel_size,
             "pp": par.pipeline_model_parallel_size, "vpp": par.virtual_pipeline_model_parallel_size,
+            "ep": par.expert_model_parallel_size, "etp": par.expert_tensor_size,
             "distributed_optimizer": config.optimizer.use_distributed_optimizer}
 
 
@@ -329,6 +333,53 @@ def _adam_step_kept(optimizer):
                 state["step"] = state["step"].clone()
 
 
+_GROUP_KIND = ("wd_mult", "lr_mult", "is_decoupled_lr")
+
+
+def _fit_optimizer_common(saved: dict, optimizer) -> dict:
+    """The checkpoint's plain optimizer entries (param-group hyperparameters, Adam's step) in this
+    engine's optimizer structure: one Megatron optimizer at EP=1, a dense + expert chain at EP > 1.
+    Each param group takes the saved group of its kind (``_GROUP_KIND``), every other entry the
+    first saved optimizer's (a chain keeps its steps equal)."""
+    from mcore_engine.optim import sub_optimizers
+
+    def split(tree):  # one optimizer's dict, or {index: dict} for a chain
+        return [tree[k] for k in sorted(tree)] if tree and all(isinstance(k, int) for k in tree) else [tree]
+
+    def holder(sub):  # the dict holding "param_groups" (the distributed optimizer nests it)
+        return sub["optimizer"] if "param_groups" not in sub and "optimizer" in sub else sub
+
+    subs, ours = split(saved), sub_optimizers(optimizer)
+    if len(subs) == len(ours) or "param_groups" not in holder(subs[0]):
+        return saved
+    kinds = {tuple(g.get(k) for k in _GROUP_KIND): g for sub in subs for g in holder(sub)["param_groups"]}
+    fitted = []
+    for sub in ours:
+        out = copy.deepcopy(subs[0])
+        groups = []
+        for group in sub.optimizer.param_groups:
+            mine = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**mine, **kinds.get(tuple(mine.get(k) for k in _GROUP_KIND), {}),
+                           "is_expert_parallel": mine.get("is_expert_parallel", False)})
+        holder(out)["param_groups"] = groups
+        fitted.append(out)
+    return fitted[0] if len(fitted) == 1 else dict(enumerate(fitted))
+
+
+def _common_loader(optimizer):
+    """``dist_checkpointing``'s torch common-state loader with :func:`_fit_optimizer_common` applied."""
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class Loader(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir):
+            common = super().load_common(checkpoint_dir)
+            if optimizer is not None and isinstance(common.get("optimizer"), dict):
+                common["optimizer"] = _fit_optimizer_common(common["optimizer"], optimizer)
+            return common
+
+    return Loader()
+
+
 def load_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, *, layout: dict[str, Any],
                            precision: str, config: dict[str, Any]) -> dict[str, Any]:
     """Collective: check ``path`` (module docstring; ``ValueError`` on every rank, nothing changed),
@@ -355,7 +406,7 @@ def load_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, 
     same_layout = marker["layout"] == layout
     if same_layout:
         state["rng"] = _rng_object(layout, None)
-    loaded = dist_checkpointing.load(state, path)
+    loaded = dist_checkpointing.load(state, path, common_strategy=_common_loader(optimizer))
     names = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for chunk, name in zip(chunks, names, strict=True):
         chunk.module.load_state_dict(loaded[name], strict=True)

@@ -13,6 +13,8 @@ every gradient and the weights after two train_batch steps at fp32 relative erro
 also with bshd micro-batches and the fused lm-head. On every layout, router replay of recorded
 routing reproduces infer_batch and the forward-backward's loss and gradients bit for bit; at
 EP=2 x DP=2 and EP=2 x PP=2 a checkpoint saved after the two steps resumes a third step bit for bit.
+Launch 2 also reshards checkpoints EP 2 -> 1 and 1 -> 2 (plain and distributed optimizer): the
+step after the load matches the never-saved engine's at the target layout to 1e-6.
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ MOE = dict(num_experts=E, router_topk=K, ffn_hidden_size=32, aux_loss_coeff=0.01
 
 
 def moe_config(*, ep: int = 1, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, data_format: str = "thd",
-               fused_lm_head: bool = False, **moe):
+               fused_lm_head: bool = False, use_distributed_optimizer: bool = False, seed: int = 1234, **moe):
     from mcore_engine.config import MoEConfig
 
     cfg = tiny_config(tp=tp, pp=pp, micro_batch_size=micro_batch_size, data_format=data_format,
-                      fused_lm_head=fused_lm_head)
+                      fused_lm_head=fused_lm_head, use_distributed_optimizer=use_distributed_optimizer,
+                      seed=seed)
     return dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, moe=MoEConfig(**{**MOE, **moe})),
         parallel=dataclasses.replace(cfg.parallel, expert_model_parallel_size=ep))
@@ -323,6 +326,59 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
         _check_layout_replay(name, engine, mine)
         if name in ("ep2-dp2", "ep2-pp2"):
             _check_resume(engine, mine, os.path.join(os.path.dirname(path), f"ckpt-{name}"))
+        del engine
+        destroy_distributed()
+    if world_size == 2:
+        _check_ep_resharding(ref["full0"], os.path.dirname(path))
+
+
+def _check_ep_resharding(full0, folder: str) -> None:
+    """EP 1 <-> 2 on two ranks (DP=2 both), with and without the distributed optimizer: step 1 from
+    ``full0``, save, step 2 (the never-saved reference); a load of the other EP size's checkpoint,
+    step 2: loss, grad norm and all weights together to 1e-6, each weight to the fp32 budget 1e-5."""
+    from megatron.core import parallel_state
+
+    from mcore_engine.engine import MegatronEngine
+    from mcore_engine.platform import destroy_distributed
+
+    batches = [make_batch(SEED + s, NUM_SEQS, calculate_entropy=True) for s in (0, 3)]
+
+    def step(engine, i: int) -> dict:
+        cut = CUTS[parallel_state.get_data_parallel_world_size()]
+        r = parallel_state.get_data_parallel_rank()
+        out = engine.train_batch(batches[i][torch.arange(cut[r], cut[r + 1])], policy_loss)
+        engine.lr_scheduler_step()
+        return {"loss": out.get_non_tensor("loss").clone(), "params": params(engine),
+                "norm": out.get_non_tensor("metrics")["grad_norm"]}
+
+    def same(got: dict, want: dict, what: str) -> None:
+        assert_rel_close(got["loss"], want["loss"], 1e-6, f"{what}: loss")
+        assert abs(got["norm"] - want["norm"]) <= 1e-6 * want["norm"], f"{what}: grad norm"
+        flat = [torch.cat([p[k].reshape(-1) for k in sorted(p)]) for p in (got["params"], want["params"])]
+        assert_rel_close(*flat, 1e-6, f"{what}: all weights after the step")
+        for key, value in want["params"].items():
+            assert_rel_close(got["params"][key], value, TOL, f"{what}: {key} after the step")
+
+    for do in (False, True):
+        ckpt, want = {ep: os.path.join(folder, f"ckpt-ep{ep}-do{int(do)}") for ep in (1, 2)}, {}
+        for ep in (1, 2):
+            engine = MegatronEngine(moe_config(ep=ep, use_distributed_optimizer=do))
+            engine.initialize()
+            load_reference(engine, full0)
+            step(engine, 0)
+            engine.save_checkpoint(ckpt[ep])
+            want[ep] = step(engine, 1)
+            if ep == 2:  # this engine, two steps on, loads the EP=1 checkpoint
+                engine.load_checkpoint(ckpt[1])
+                assert engine.global_step == 1
+                same(step(engine, 1), want[2], f"EP 1 -> 2, distributed optimizer {do}")
+            del engine
+            destroy_distributed()
+        engine = MegatronEngine(moe_config(ep=1, use_distributed_optimizer=do, seed=99))  # other weights
+        engine.initialize()
+        engine.load_checkpoint(ckpt[2])
+        assert engine.global_step == 1
+        same(step(engine, 1), want[1], f"EP 2 -> 1, distributed optimizer {do}")
         del engine
         destroy_distributed()
 
