@@ -168,8 +168,8 @@ def _in_process_write_results() -> None:
 
 def save_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, common: dict[str, Any], *,
                            layout: dict[str, Any], precision: str, config: dict[str, Any], step: int) -> None:
-    """Collective: write the model chunks, optimizer, ``common`` (plain, identical on every rank)
-    and this rank's RNG states into ``path`` atomically (module docstring)."""
+    """Collective: write the model chunks, optimizer (``None``: none), ``common`` (plain, identical
+    on every rank) and this rank's RNG states into ``path`` atomically (module docstring)."""
     from megatron.core import dist_checkpointing
 
     path = os.path.abspath(path)
@@ -188,7 +188,7 @@ def save_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, 
             error = f"save_checkpoint: cannot create {tmp!r}: {exc}"
     _agree(error, "save_checkpoint")
 
-    stepped = _has_state(optimizer)
+    stepped = optimizer is not None and _has_state(optimizer)
     state = _model_sharded(chunks)
     if stepped:
         state["optimizer"] = optimizer.sharded_state_dict(state, False, metadata=OPTIMIZER_METADATA)
@@ -384,7 +384,8 @@ def load_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, 
                            precision: str, config: dict[str, Any]) -> dict[str, Any]:
     """Collective: check ``path`` (module docstring; ``ValueError`` on every rank, nothing changed),
     then load the model chunks and optimizer in place, restore the RNG states when ``layout`` is the
-    checkpoint's, and return the ``common`` dict the save was given."""
+    checkpoint's, and return the ``common`` dict the save was given. ``optimizer`` None: the model
+    part of any checkpoint."""
     from megatron.core import dist_checkpointing
 
     from mcore_engine.optim import init_optimizer_state, reset_optimizer_state
@@ -400,7 +401,8 @@ def load_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, 
     _agree(error, f"load_checkpoint({path!r})")
 
     state = _model_sharded(chunks)
-    if marker["optimizer_state"]:
+    with_optimizer = optimizer is not None and marker["optimizer_state"]
+    if with_optimizer:
         init_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, True, metadata=OPTIMIZER_METADATA)
     same_layout = marker["layout"] == layout
@@ -410,10 +412,10 @@ def load_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, 
     names = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for chunk, name in zip(chunks, names, strict=True):
         chunk.module.load_state_dict(loaded[name], strict=True)
-    if marker["optimizer_state"]:
+    if with_optimizer:
         with _adam_step_kept(optimizer):
             optimizer.load_state_dict(loaded["optimizer"])
-    else:
+    elif optimizer is not None:
         reset_optimizer_state(optimizer)
     if same_layout:
         set_rng_state(loaded["rng"])

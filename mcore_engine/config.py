@@ -400,6 +400,10 @@ class EngineConfig:
     """``"thd"`` (packed sequences) or ``"bshd"`` (padded)."""
     checkpoint_dir: str | None = None
     """Default folder for ``save_checkpoint`` / ``load_checkpoint``."""
+    forward_only: bool = False
+    """Inference only (a reference policy, a teacher): no DDP grad buffers, optimizer or scheduler
+    (device memory: the parameters); the training calls raise ``RuntimeError``, checkpoints hold
+    the model only and the model of any checkpoint loads."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, ModelConfig), "EngineConfig.model must be a ModelConfig")
@@ -413,6 +417,8 @@ class EngineConfig:
         _require(isinstance(self.seed, int) and self.seed >= 0,
                  f"EngineConfig.seed must be an int >= 0, got {self.seed!r}")
         _positive_int(self, "micro_batch_size")
+        _require(isinstance(self.forward_only, bool),
+                 f"EngineConfig.forward_only must be a bool, got {self.forward_only!r}")
         if self.logits_chunk_size is not None:
             _positive_int(self, "logits_chunk_size")
         m, p = self.model, self.parallel

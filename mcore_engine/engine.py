@@ -15,6 +15,7 @@ the gradient is that of ``sum_{dp, mb} loss_i``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -104,6 +105,31 @@ def _shapes(state: dict[str, Any]) -> dict[str, tuple]:
     return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
+class _ForwardOnlyChunk(torch.nn.Module):
+    """A model chunk of a ``forward_only`` engine: the ``GPTModel`` as ``.module``, as under DDP,
+    without grad buffers or gradient hooks."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def _broadcast_params(chunks: list[torch.nn.Module]) -> None:
+    """DDP's ``broadcast_params`` without DDP: every parameter from the first rank of its
+    data-parallel group (the expert data-parallel group for expert parameters)."""
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if getattr(param, "allreduce", True):
+                group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            else:
+                group = parallel_state.get_expert_data_parallel_group()
+            if dist.get_world_size(group) > 1:
+                dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
+
+
 @dataclass(frozen=True)
 class _Pass:
     """What one forward(-backward) pass over a prepared step needs in the schedule's callbacks."""
@@ -121,7 +147,8 @@ class _Pass:
 class MegatronEngine:
     """Megatron-Core GPT policy engine. After ``initialize()``: ``model`` (DDP-wrapped ``GPTModel``
     chunks, one per virtual pipeline stage), ``optimizer``, ``lr_scheduler``, ``global_step`` (applied
-    updates), ``num_skipped_steps``."""
+    updates), ``num_skipped_steps``. With ``config.forward_only`` the chunks wrap the ``GPTModel``
+    without DDP (``.module``) and ``optimizer`` / ``lr_scheduler`` stay ``None``."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -138,7 +165,8 @@ class MegatronEngine:
     # ------------------------------------------------------------------ set-up
     def initialize(self) -> None:
         """Bring up distributed state, build the DDP-wrapped model chunks (from ``model.hf_path``
-        when set), the optimizer and scheduler. Config errors raise before any process-group work."""
+        when set), the optimizer and scheduler; with ``forward_only`` the chunks alone (no grad
+        buffers: memory is the parameters). Config errors raise before any process-group work."""
         cfg = self.config
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         cfg.validate_world_size(world)
@@ -157,28 +185,41 @@ class MegatronEngine:
             # 1F1B exchanges each micro-batch's shape; the interleaved schedule gets equally
             # shaped micro-batches instead (mcore_engine.step).
             tcfg.variable_seq_lengths = pipelined and not self._interleaved
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
-        self.model = [DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk,
-                                              disable_bucketing=i > 0)
-                      for i, chunk in enumerate(chunks)]
-        for chunk in self.model:
-            chunk.broadcast_params()
-        no_sync = [chunk.no_sync for chunk in self.model]
-        for chunk in chunks:
-            chunk.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        if cfg.forward_only:  # parameters keep requires_grad: Megatron's frozen-weight matmul differs
+            _broadcast_params(chunks)
+            self.model = [_ForwardOnlyChunk(chunk) for chunk in chunks]
+        else:
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
+            self.model = [DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk,
+                                                  disable_bucketing=i > 0)
+                          for i, chunk in enumerate(chunks)]
+            for chunk in self.model:
+                chunk.broadcast_params()
+            no_sync = [chunk.no_sync for chunk in self.model]
+            for chunk in chunks:
+                chunk.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         if cfg.model.fused_lm_head:  # the last stage returns hidden states; see _lm_head_outputs
             for chunk in chunks:
                 if getattr(chunk, "post_process", False):
                     output_hidden_states(chunk)
-        self.optimizer = build_optimizer(cfg, self.model)
-        self.lr_scheduler = build_scheduler(cfg, self.optimizer)
+        if not cfg.forward_only:
+            self.optimizer = build_optimizer(cfg, self.model)
+            self.lr_scheduler = build_scheduler(cfg, self.optimizer)
         self._offloader = HostOffloader(self.model, self.optimizer)
 
     def _require_initialized(self) -> None:
-        if self.optimizer is None:
+        if self.optimizer is None and not self.model:  # a forward_only engine has no optimizer
             raise RuntimeError("MegatronEngine.initialize() must be called first")
+
+    def _require_training(self, what: str) -> None:
+        """``RuntimeError`` for a training call on a ``forward_only`` engine."""
+        self._require_initialized()
+        if self.config.forward_only:
+            raise RuntimeError(f"{what}: the engine was built with EngineConfig.forward_only=True "
+                               "(inference only: no grad buffers, optimizer or scheduler); build it "
+                               "with forward_only=False to train")
 
     def _require_onloaded(self, what: str, *parts: str) -> None:
         offloader = getattr(self, "_offloader", None)  # None before initialize()
@@ -195,7 +236,8 @@ class MegatronEngine:
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
         """Move the chosen parts (parameters, DDP grad buffers, optimizer state) to host memory
         (pinned on CUDA) and free their device storage. Local to this rank. Until :meth:`onload`,
-        calls that need an offloaded part raise ``RuntimeError``."""
+        calls that need an offloaded part raise ``RuntimeError``. A ``forward_only`` engine has only
+        the parameters; the other parts have nothing to move."""
         self._require_initialized()
         self._offloader.offload(name for name, on in
                                 (("params", params), ("grads", grads), ("optimizer", optimizer)) if on)
@@ -392,7 +434,8 @@ class MegatronEngine:
         outputs in the layout of ``input_ids``, non-tensor ``loss`` (global, 0-d) and ``metrics``
         (summed over micro-batches and DP ranks). A loss function that raises or returns anything
         but ``(0-d float loss requiring grad, {name: number or one-element tensor})`` fails the step
-        on every rank after the schedule, with the grad buffers zeroed.
+        on every rank after the schedule, with the grad buffers zeroed. A ``forward_only`` engine
+        takes ``forward_only=True`` only and runs it under ``no_grad``.
 
         ``loss_convention="flat"``: ``loss_function(outputs, data, ctx)``, per-token fields flat
         ``[T]`` in packed order. ``"micro_batch"`` (verl): ``loss_function(model_output=, data=,
@@ -400,15 +443,19 @@ class MegatronEngine:
         slice of ``batch``; its metrics come back unsummed as the non-tensor ``micro_batch_metrics``
         (one entry per micro-batch, this DP rank's) instead of ``metrics``.
         """
+        if not forward_only:
+            self._require_training("forward_backward_batch(forward_only=False)")
         if loss_function is None and not forward_only:
             raise ValueError("forward_backward_batch: loss_function=None needs forward_only=True")
         self._require_onloaded("forward_backward_batch", "params", *(() if forward_only else ("grads",)))
         step = self._prepare(batch, logits_processor_func, loss_convention=loss_convention)
-        return self._run(step, loss_function, forward_only, logits_processor_func,
-                         loss_convention=loss_convention)
+        with torch.no_grad() if self.config.forward_only else contextlib.nullcontext():
+            return self._run(step, loss_function, forward_only, logits_processor_func,
+                             loss_convention=loss_convention)
 
     def zero_grad(self) -> None:
         """Zero the DDP grad buffers and the optimizer's main grads."""
+        self._require_training("zero_grad")
         self._require_onloaded("zero_grad", "grads")
         for chunk in self.model:
             chunk.zero_grad_buffer()
@@ -420,6 +467,7 @@ class MegatronEngine:
         """Validate -> zero_grad -> forward_backward_batch -> optimizer_step. A bad batch raises
         ``ValueError`` before anything changes. The metrics gain ``grad_norm``, ``update_skipped``
         (1.0 when non-finite gradients skipped the update) and ``lr``."""
+        self._require_training("train_batch")
         self._require_onloaded("train_batch", "params", "grads", "optimizer")
         step = self._prepare(batch, logits_processor_func, loss_convention=loss_convention)
         for chunk in self.model:
@@ -463,7 +511,7 @@ class MegatronEngine:
         """Clip to ``optimizer.clip_grad`` and step; returns the pre-clip global grad norm. Non-finite
         gradients skip the update (counted in ``num_skipped_steps``). ``empty_cache()`` first iff the
         last ``forward_backward_batch`` ran with ``distillation_use_topk``."""
-        self._require_initialized()
+        self._require_training("optimizer_step")
         self._require_onloaded("optimizer_step", "params", "grads", "optimizer")
         if self._last_distillation_use_topk:
             get_device().empty_cache()
@@ -476,7 +524,7 @@ class MegatronEngine:
 
     def lr_scheduler_step(self) -> float:
         """Advance the learning-rate schedule by one step; returns the new learning rate."""
-        self._require_initialized()
+        self._require_training("lr_scheduler_step")
         self.lr_scheduler.step(1)
         return float(self.optimizer.param_groups[0]["lr"])
 
@@ -510,22 +558,21 @@ class MegatronEngine:
     # ------------------------------------------------------------------ state and checkpoints
     def state_dict(self) -> dict[str, Any]:
         """This rank's state in memory for this parallel layout (resharding: :meth:`save_checkpoint`):
-        model chunks, optimizer, scheduler, step counters, RNG states. Memory: one copy of the
-        optimizer's main parameters; the rest references live tensors."""
+        model chunks, optimizer, scheduler (not under ``forward_only``), step counters, RNG states.
+        Memory: one copy of the optimizer's main parameters; the rest references live tensors."""
         self._require_initialized()
         self._require_onloaded("state_dict", "params", "optimizer")
-        return {
-            "model": [chunk.module.state_dict() for chunk in self.model],
-            "optimizer": optimizer_state_dict(self.optimizer),
-            "scheduler": self.lr_scheduler.state_dict(),
-            "global_step": self.global_step,
-            "num_skipped_steps": self.num_skipped_steps,
-            "rng": rng_state(),
-        }
+        state = {"model": [chunk.module.state_dict() for chunk in self.model]}
+        if self.optimizer is not None:
+            state["optimizer"] = optimizer_state_dict(self.optimizer)
+            state["scheduler"] = self.lr_scheduler.state_dict()
+        state.update(global_step=self.global_step, num_skipped_steps=self.num_skipped_steps, rng=rng_state())
+        return state
 
     def check_state_dict(self, state: dict[str, Any]) -> None:
         """``ValueError`` unless ``state`` (from :meth:`state_dict`) fits this engine exactly: the
-        model chunks' parameter names and shapes, the optimizer's stepped parameter shapes."""
+        model chunks' parameter names and shapes, the optimizer's stepped parameter shapes (a
+        ``forward_only`` engine checks the model only)."""
         if len(state["model"]) != len(self.model):
             raise ValueError(f"load_state_dict: checkpoint holds {len(state['model'])} model chunks, "
                              f"engine has {len(self.model)}")
@@ -535,6 +582,10 @@ class MegatronEngine:
                 diff = sorted(set(ours.items()) ^ set(theirs.items()))[:4]
                 raise ValueError(f"load_state_dict: model chunk {i} differs from the checkpoint's "
                                  f"(parameter names / shapes, first differences: {diff})")
+        if self.optimizer is None:
+            return
+        if "optimizer" not in state:
+            raise ValueError("load_state_dict: the state holds no optimizer (a forward_only engine's)")
         shapes = optimizer_param_shapes(self.optimizer)
         if len(shapes) != len(state["optimizer"]):
             raise ValueError(f"load_state_dict: checkpoint holds {len(state['optimizer'])} optimizers, "
@@ -545,15 +596,17 @@ class MegatronEngine:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (checked by :meth:`check_state_dict` first),
-        including the process-global RNG states."""
+        including the process-global RNG states; a ``forward_only`` engine ignores the optimizer
+        and scheduler entries."""
         self._require_initialized()
         self._require_onloaded("load_state_dict", "params", "optimizer")
         self.check_state_dict(state)
         for chunk, chunk_state in zip(self.model, state["model"], strict=True):
             chunk.module.load_state_dict(chunk_state, strict=True)
-        load_optimizer_state_dict(self.optimizer, state["optimizer"])
-        self.lr_scheduler.num_steps = 0  # load_state_dict adds the saved step count
-        self.lr_scheduler.load_state_dict(state["scheduler"])
+        if self.optimizer is not None:
+            load_optimizer_state_dict(self.optimizer, state["optimizer"])
+            self.lr_scheduler.num_steps = 0  # load_state_dict adds the saved step count
+            self.lr_scheduler.load_state_dict(state["scheduler"])
         self.global_step = state["global_step"]
         self.num_skipped_steps = state["num_skipped_steps"]
         set_rng_state(state["rng"])
@@ -569,11 +622,13 @@ class MegatronEngine:
 
     def save_checkpoint(self, path: str | None = None) -> None:
         """Collective: write model, optimizer, scheduler, step counters and RNG atomically to ``path``
-        (default ``config.checkpoint_dir``, shared by all ranks) in the reshardable ``torch_dist`` format."""
+        (default ``config.checkpoint_dir``, shared by all ranks) in the reshardable ``torch_dist`` format.
+        A ``forward_only`` engine writes no optimizer or scheduler."""
         self._require_initialized()
         self._require_onloaded("save_checkpoint", "params", "optimizer")
-        common = {"scheduler": self.lr_scheduler.state_dict(), "global_step": self.global_step,
-                  "num_skipped_steps": self.num_skipped_steps}
+        common = {"global_step": self.global_step, "num_skipped_steps": self.num_skipped_steps}
+        if self.lr_scheduler is not None:
+            common["scheduler"] = self.lr_scheduler.state_dict()
         save_engine_checkpoint(self._checkpoint_path(path), self.model, self.optimizer, common,
                                layout=self._checkpoint_layout(), precision=self.config.precision,
                                config=config_record(self.config), step=self.global_step)
@@ -581,13 +636,16 @@ class MegatronEngine:
     def load_checkpoint(self, path: str | None = None) -> None:
         """Collective: restore what ``save_checkpoint`` wrote, at this engine's layout (TP / PP / DP
         may differ; RNG states are restored only for the same layout). A torn checkpoint or one of
-        another model raises ``ValueError`` on every rank and leaves the engine untouched."""
+        another model raises ``ValueError`` on every rank and leaves the engine untouched. A
+        ``forward_only`` engine loads the model of any checkpoint; a training engine given a
+        ``forward_only`` engine's starts its optimizer afresh and keeps its schedule."""
         self._require_initialized()
         self._require_onloaded("load_checkpoint", "params", "optimizer")
         common = load_engine_checkpoint(self._checkpoint_path(path), self.model, self.optimizer,
                                         layout=self._checkpoint_layout(), precision=self.config.precision,
                                         config=config_record(self.config))
-        self.lr_scheduler.num_steps = 0  # load_state_dict adds the saved step count
-        self.lr_scheduler.load_state_dict(common["scheduler"])
+        if self.lr_scheduler is not None and "scheduler" in common:
+            self.lr_scheduler.num_steps = 0  # load_state_dict adds the saved step count
+            self.lr_scheduler.load_state_dict(common["scheduler"])
         self.global_step = common["global_step"]
         self.num_skipped_steps = common["num_skipped_steps"]

@@ -5,6 +5,8 @@
     grads      every DDP bucket's ``grad_data`` (holds the ``main_grad`` views)
     optimizer  Adam state and the fp32 main weights it steps, less what the parts above own
 
+A forward-only engine (no optimizer, chunks without DDP) has the params part only.
+
 Offload copies each storage into a host buffer (pinned on CUDA) and resizes it to 0 bytes; onload
 resizes and copies back, so every view keeps its metadata and comes back bit-identical. Memory: the
 host copy holds the offloaded bytes; the peak is one storage on both sides at a time.
@@ -37,11 +39,13 @@ def _unique(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
 
 class HostOffloader:
     """Moves the parts of ``model_chunks`` (Megatron DDP wrappers) and ``optimizer`` (a Megatron
-    optimizer) to host memory and back; tracks which parts are offloaded."""
+    optimizer) to host memory and back; tracks which parts are offloaded. ``optimizer`` None: the
+    chunks are forward-only (``.module``, no grad buffers) and ``params`` is the only part."""
 
     def __init__(self, model_chunks: list[torch.nn.Module], optimizer) -> None:
         self._chunks = model_chunks
         self._optimizer = optimizer
+        self.parts = PARTS if optimizer is not None else ("params",)
         self._host: dict[str, list[tuple[torch.UntypedStorage, torch.Tensor]]] = {}
 
     @property
@@ -54,13 +58,13 @@ class HostOffloader:
             yield from chunk.module.parameters()
 
     def _grads(self) -> Iterator[torch.Tensor]:
-        for chunk in self._chunks:
+        for chunk in self._chunks if self._optimizer is not None else ():
             for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
                 if buffer.grad_data is not None:
                     yield buffer.grad_data
 
     def _optimizer_tensors(self) -> Iterator[torch.Tensor]:
-        for sub in sub_optimizers(self._optimizer):
+        for sub in sub_optimizers(self._optimizer) if self._optimizer is not None else ():
             inner = sub.optimizer
             if inner is None:
                 continue
@@ -97,7 +101,7 @@ class HostOffloader:
         """Copy each part's storages to the host and free them on the device (already offloaded
         parts are left alone)."""
         pin, parts = torch.cuda.is_available(), set(parts)
-        todo = [p for p in PARTS if p in parts and p not in self._host]
+        todo = [p for p in self.parts if p in parts and p not in self._host]
         for part in todo:
             saved = []
             for storage in self.storages(part).values():

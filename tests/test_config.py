@@ -66,6 +66,7 @@ def _engine(model=None, parallel=None, optimizer=None, **kw) -> EngineConfig:
     (dict(data_format="sbhd"), ["data_format"]),
     (dict(micro_batch_size=0), ["micro_batch_size"]),
     (dict(logits_chunk_size=-4), ["logits_chunk_size"]),
+    (dict(forward_only="yes"), ["forward_only"]),
 ])
 def test_invalid_combinations_name_their_fields(kwargs, fields):
     with pytest.raises(ValueError) as err:

@@ -7,14 +7,24 @@ then everything (every parameter, grad-buffer and optimizer-state storage is 0 b
 that need a part raise ``RuntimeError`` naming it; with only the parameters back, inference runs
 and training is still refused), onloads, and both take a second step: losses, grad norms,
 parameters, main weights and Adam state are bit-identical to the engine that never offloaded.
+
+Then a ``forward_only`` engine per layout loads the trained engine's checkpoint (bf16: its
+``state_dict``): no DDP wrapper,
+optimizer or gradient storage, ``infer_batch`` and ``forward_backward_batch(forward_only=True)``
+outputs bit-identical to the trained engine's, every training call refused naming ``forward_only``.
+At TP=2 also: its weight stream equals the trained engine's, offload / onload move the parameters
+only, and its model-only checkpoint loads back into a training engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import pytest
 import torch
 
-from tests.engine_setup import make_batch, policy_loss, tiny_config
+from tests.engine_setup import flat_values, make_batch, policy_loss, tiny_config
 from tests.utils import run_distributed
 
 LAYOUTS = {"tp2": dict(tp=2), "tp2-bf16": dict(tp=2, precision="bf16"),
@@ -69,7 +79,63 @@ def _refused(call, *args, needs: str) -> None:
         call(*args)
 
 
-def _offload_layouts(rank: int, world_size: int) -> None:
+def _outputs(out) -> list[torch.Tensor]:
+    return [flat_values(out[key]) for key in ("log_probs", "entropy")]
+
+
+def _forward_only(name: str, kwargs: dict, trained, other, path: str) -> None:
+    """A ``forward_only`` engine from ``trained``'s checkpoint against ``trained`` (module docstring);
+    ``other`` (a training engine of the same layout) loads the forward-only engine's checkpoint."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    from mcore_engine.engine import MegatronEngine
+
+    engine = MegatronEngine(dataclasses.replace(tiny_config(**kwargs), forward_only=True))
+    engine.initialize()
+    if kwargs.get("precision") == "bf16":  # a bf16 save without the distributed optimizer fails in
+        engine.load_state_dict(trained.state_dict())  # Megatron's param-id map: the in-memory route
+    else:
+        trained.save_checkpoint(os.path.join(path, name))
+        engine.load_checkpoint(os.path.join(path, name))
+    params = [p for chunk in engine.model for p in chunk.module.parameters()]
+    assert engine.optimizer is None and engine.lr_scheduler is None, name
+    assert not any(isinstance(chunk, DistributedDataParallel) for chunk in engine.model), name
+    assert not any(p.grad is not None or hasattr(p, "main_grad") for p in params), name
+    _same(params, [p for chunk in trained.model for p in chunk.module.parameters()], f"{name}: weights")
+
+    batch = make_batch(3, 5, calculate_entropy=True)
+    want = _outputs(trained.infer_batch(batch))
+    _same(_outputs(engine.infer_batch(batch)), want, f"{name}: forward_only infer_batch")
+    _same(_outputs(engine.forward_backward_batch(batch, None, forward_only=True)), want,
+          f"{name}: forward_only forward_backward_batch")
+    calls = {"train_batch": (engine.train_batch, batch, policy_loss),
+             r"forward_backward_batch\(forward_only=False\)": (engine.forward_backward_batch, batch,
+                                                               policy_loss),
+             "zero_grad": (engine.zero_grad,), "optimizer_step": (engine.optimizer_step,),
+             "lr_scheduler_step": (engine.lr_scheduler_step,)}
+    for what, (call, *args) in calls.items():
+        _refused(call, *args, needs=rf"^{what}: .*forward_only=True")
+    if name != "tp2":
+        return
+
+    ours, theirs = list(engine.per_tensor_generator()), list(trained.per_tensor_generator())
+    assert [k for k, _ in ours] == [k for k, _ in theirs], name
+    _same([t for _, t in ours], [t for _, t in theirs], f"{name}: forward_only per_tensor_generator")
+    engine.offload()
+    assert engine.offloaded == {"params"} and all(p.untyped_storage().size() == 0 for p in params), name
+    assert engine._offloader.device_bytes() == {"params": 0, "grads": 0, "optimizer": 0}, name
+    _refused(engine.infer_batch, batch, needs=r"infer_batch needs \['params'\]")
+    engine.onload()
+    assert engine.offloaded == frozenset(), name
+    _same(_outputs(engine.infer_batch(batch)), want, f"{name}: forward_only infer after onload")
+
+    engine.save_checkpoint(os.path.join(path, "forward-only"))  # model only, into a training engine
+    other.load_checkpoint(os.path.join(path, "forward-only"))
+    _same(_outputs(other.infer_batch(batch)), want, f"{name}: training engine on the model-only checkpoint")
+    other.train_batch(batch, policy_loss)
+
+
+def _offload_layouts(rank: int, world_size: int, path: str) -> None:
     from mcore_engine.engine import MegatronEngine
     from mcore_engine.platform import destroy_distributed
 
@@ -114,7 +180,8 @@ def _offload_layouts(rank: int, world_size: int) -> None:
 
         assert _step(moved, 2) == _step(ref, 2), f"{name}: loss / grad norm after onload"
         _same(_snapshot(moved), _snapshot(ref), f"{name}: state after the next step")
+        _forward_only(name, kwargs, ref, moved, path)
 
 
-def test_offload_onload_is_bit_identical_and_releases_storage():
-    run_distributed(_offload_layouts, 2)
+def test_offload_onload_is_bit_identical_and_releases_storage(tmp_path):
+    run_distributed(_offload_layouts, 2, str(tmp_path))

@@ -5,8 +5,8 @@
 
 Two registrations: ``model_type="language_model"`` (:class:`McoreEngineVerl`, the lm-head) and
 ``"value_model"`` (:class:`McoreEngineVerlValue`, the core's value head: verl's critic, outputs
-``{"values": jagged [B, j]}``). ``engine_config.forward_only`` (a reference policy) builds an engine
-that only infers (:class:`McoreEngineVerl`).
+``{"values": jagged [B, j]}``). ``engine_config.forward_only`` (a reference policy) is the core's
+``EngineConfig.forward_only``: an engine that only infers, without grad buffers or optimizer.
 
 verl's ``TrainingWorker`` builds :class:`McoreEngineVerl` from ``model_config`` (``HFModelConfig``),
 ``engine_config`` (:class:`McoreEngineVerlConfig`: verl's Megatron engine fields), ``optimizer_config``
@@ -197,8 +197,9 @@ def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_con
     hf_dir = getattr(m, "local_hf_config_path", None) or weights
     model = from_hf_config(read_hf_config(hf_dir), hf_path=weights, head="value" if value else "lm",
                            fused_lm_head=bool(getattr(e, "use_fused_kernels", False)) and not value)
-    # --- optimizer_config
-    optimizer = _optimizer_from_verl(o, e)
+    # --- optimizer_config (a reference policy may have none)
+    forward_only = bool(getattr(e, "forward_only", False))
+    optimizer = CoreOptimizerConfig() if forward_only and o is None else _optimizer_from_verl(o, e)
     # --- checkpoint_config
     if checkpoint_config is not None:
         c = checkpoint_config
@@ -214,7 +215,8 @@ def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_con
         return EngineConfig(model=model, parallel=layout, optimizer=optimizer, precision=_DTYPES[e.dtype],
                             seed=int(e.seed), micro_batch_size=int(e.micro_batch_size_per_gpu or 1),
                             logits_chunk_size=getattr(e, "logits_chunk_size", None),
-                            data_format="thd" if e.use_remove_padding else "bshd")
+                            data_format="thd" if e.use_remove_padding else "bshd",
+                            forward_only=forward_only)
     except ValueError as exc:  # the core's layout checks name ParallelConfig fields: name verl's too
         named = [n for n in _PARALLEL_FIELDS if re.search(rf"(?<![A-Za-z_]){n}", str(exc))]
         named = [n for n in named if parallel[n] not in (None, 1)] or named
@@ -363,11 +365,11 @@ class McoreEngineVerl(BaseEngine):
     Outputs of ``forward_backward_batch`` / ``train_batch`` / ``infer_batch`` are verl's dict on the
     last pipeline stage and ``{}`` on the other stages (verl's Megatron engine's contract).
 
-    ``engine_config.forward_only`` (verl's reference policy): inference only. The core always builds
-    the DDP grad buffers and the optimizer; ``initialize`` offloads both to host memory for good
-    (their device storage released), and every training call (``train_mode``, ``train_batch``,
-    ``forward_backward_batch(forward_only=False)``, ``optimizer_zero_grad`` / ``optimizer_step`` /
-    ``lr_scheduler_step``, checkpoints) raises ``RuntimeError`` naming ``forward_only``.
+    ``engine_config.forward_only`` (verl's reference policy): the core's inference-only engine (no
+    grad buffers, optimizer or scheduler). ``train_mode``, ``train_batch`` and
+    ``forward_backward_batch(forward_only=False)`` raise ``RuntimeError`` naming ``forward_only``
+    here, the optimizer calls in the core; checkpoints save the model only and load the model
+    part of any checkpoint (a reference policy from the actor's).
     """
 
     head = "lm"  # the core ModelConfig.head this registration builds
@@ -407,12 +409,11 @@ class McoreEngineVerl(BaseEngine):
         self.engine.initialize()
         self._initialized = True
         param = self.is_param_offload_enabled
-        self.engine.offload(params=param, grads=param or self.forward_only,
-                            optimizer=self.is_optimizer_offload_enabled or self.forward_only)
+        self.engine.offload(params=param, grads=param, optimizer=self.is_optimizer_offload_enabled)
 
     @property
     def forward_only(self) -> bool:
-        return bool(getattr(self.engine_config, "forward_only", False))
+        return self.config.forward_only
 
     def _refuse_if_forward_only(self, what: str) -> None:
         if self.forward_only:
@@ -438,8 +439,8 @@ class McoreEngineVerl(BaseEngine):
         parts to host memory (``model`` releases the parameters and the grad buffers, as verl's
         Megatron engine does), the engine's device (``"cuda"``; ``"device"`` on any host) onloads them
         (the grad buffers only with ``grad``). ``grad`` needs ``model``. On a CPU host ``"cpu"`` means
-        offload, so onload is spelled ``"device"`` there. Under ``forward_only`` only the parameters
-        are ever onloaded."""
+        offload, so onload is spelled ``"device"`` there. A ``forward_only`` engine has only the
+        parameters to move."""
         super().to(device=device, model=model, optimizer=optimizer, grad=grad)
         from mcore_engine.platform import get_device
 
@@ -458,10 +459,8 @@ class McoreEngineVerl(BaseEngine):
 
     def onload_parts(self, model: bool, optimizer: bool, grad: bool = True) -> None:
         """``to(device, ...)``: parameters with ``model``, grad buffers with ``model and grad``,
-        optimizer state with ``optimizer``, bit-identical (``engine.onload``); parameters only
-        under ``forward_only``."""
-        train = not self.forward_only
-        self.engine.onload(params=model, grads=model and grad and train, optimizer=optimizer and train)
+        optimizer state with ``optimizer``, bit-identical (``engine.onload``)."""
+        self.engine.onload(params=model, grads=model and grad, optimizer=optimizer)
 
     def _reoffload(self, before: frozenset[str], *, optimizer: bool) -> None:
         """After a checkpoint call: offload what was offloaded before, and what verl's Megatron engine
@@ -495,17 +494,14 @@ class McoreEngineVerl(BaseEngine):
 
     # --- optimizer
     def optimizer_zero_grad(self) -> None:
-        self._refuse_if_forward_only("optimizer_zero_grad()")
         self.engine.zero_grad()
 
     def optimizer_step(self) -> float:
         """The core's step: ``empty_cache()`` first iff the last pass with gradients ran top-k
         distillation; returns the pre-clip grad norm (a non-finite one skips the update)."""
-        self._refuse_if_forward_only("optimizer_step()")
         return self.engine.optimizer_step()
 
     def lr_scheduler_step(self) -> float:
-        self._refuse_if_forward_only("lr_scheduler_step()")
         return self.engine.lr_scheduler_step()
 
     def train_batch(self, data: TensorDict, loss_function: Callable) -> Any:
@@ -523,7 +519,7 @@ class McoreEngineVerl(BaseEngine):
         verl's result dict on the last pipeline stage."""
         from megatron.core import parallel_state
 
-        if not forward_only:
+        if not forward_only:  # before the token count's all-reduce
             self._refuse_if_forward_only("forward_backward_batch(forward_only=False)")
         pad_mode = _flag(data, "pad_mode", None)
         if pad_mode is not None and str(getattr(pad_mode, "value", pad_mode)).lower() != "no_padding":
@@ -571,10 +567,10 @@ class McoreEngineVerl(BaseEngine):
         ``hf_model``). Offloaded parameters / optimizer state are onloaded for the write and offloaded
         again. Retention as verl's checkpoint managers: of the folders this engine saved, the oldest
         are deleted before the write so that ``max_ckpt_to_keep - 1`` remain (when it is > 1), and
-        after it so that ``max_ckpt_to_keep`` remain. ``hdfs_path`` and ``forward_only`` are refused."""
+        after it so that ``max_ckpt_to_keep`` remain. ``hdfs_path`` is refused; under ``forward_only``
+        the model only is saved."""
         if hdfs_path is not None:
             _refuse("hdfs_path", hdfs_path, "no HDFS client; save to a shared local path")
-        self._refuse_if_forward_only("save_checkpoint()")
         path = os.path.abspath(local_path)
         self._saved = [p for p in self._saved if p != path]
         keep = max_ckpt_to_keep if isinstance(max_ckpt_to_keep, int) and max_ckpt_to_keep > 0 else None
@@ -607,10 +603,10 @@ class McoreEngineVerl(BaseEngine):
         (the core reshards). Offloaded parts are onloaded for the read; afterwards what
         ``param_offload`` / ``optimizer_offload`` name is offloaded (verl's Megatron engine), and what
         was offloaded before. A local checkpoint is never deleted (verl deletes only downloaded
-        copies); ``hdfs_path`` is refused, and so is ``forward_only``."""
+        copies); ``hdfs_path`` is refused. Under ``forward_only`` the model part of any checkpoint
+        (the actor's, for a reference policy) is loaded."""
         if hdfs_path is not None:
             _refuse("hdfs_path", hdfs_path, "no HDFS client; load from a shared local path")
-        self._refuse_if_forward_only("load_checkpoint()")
         before = self.engine.offloaded
         self.engine.onload(params=True, grads=False, optimizer=True)
         try:

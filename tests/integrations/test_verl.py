@@ -9,7 +9,8 @@ Hugging Face weights, fp32, relative error 1e-5: inference outputs, loss and met
 steps and all weights afterwards. Spies check the seed behaviours through verl's interface. A
 critic (``model_type="value_model"``, verl's ``value_loss``) is compared the same way with
 ``head="value"`` + ``mcore_engine.losses.ppo_value_loss`` (:func:`critic`), and an
-``engine_config.forward_only`` worker infers and refuses every training call (:func:`reference_policy`).
+``engine_config.forward_only`` worker infers, refuses every training call and loads an actor's checkpoint
+(:func:`reference_policy`).
 The same launch then runs the lifecycle (:func:`lifecycle`): ``param_offload`` / ``optimizer_offload``
 and ``to(...)`` with the released storages checked, ``save_checkpoint`` / ``load_checkpoint`` with
 verl's signatures (bit-identical resume, ``max_ckpt_to_keep``, a TP=2 -> TP=1 x DP=2 resume). The
@@ -429,39 +430,54 @@ def critic(hf_dir: str, report: dict) -> None:
     assert max(rel(mine[k], initial[k]) for k in mine if k in initial) > 1e-4, "the trunk must move"
 
 
-def reference_policy(hf_dir: str, report: dict) -> None:
-    """``engine_config.forward_only`` (verl's reference policy): grad buffers and optimizer state are
-    offloaded at initialize and stay so through eval mode, inference matches the native API, and every
-    training call raises naming ``forward_only``."""
+def reference_policy(hf_dir: str, ckpt_dir: str, report: dict) -> None:
+    """``engine_config.forward_only`` (verl's reference policy) is the core's ``forward_only``
+    engine: no DDP wrapper, optimizer or gradient storage; inference matches the native API; every
+    training call raises naming ``forward_only``; an actor's checkpoint loads into it."""
+    import dataclasses
+
+    from megatron.core.distributed import DistributedDataParallel
     from verl.utils import tensordict_utils as tu
 
     from mcore_engine import MegatronEngine
+    from mcore_engine.losses import distillation_ppo_loss
 
     worker = make_worker(hf_dir, forward_only=True)
     adapter, core = worker.engine, worker.engine.engine
-    assert {"grads", "optimizer"} <= core.offloaded and "params" not in core.offloaded
-    assert held(core)["grads"] == 0 and held(core)["optimizer"] == 0
+    assert core.config.forward_only and core.optimizer is None and core.offloaded == frozenset()
+    assert not any(isinstance(c, DistributedDataParallel) for c in core.model)
+    assert not any(hasattr(p, "main_grad") for c in core.model for p in c.module.parameters())
     data, p_len, r_len = make_batch(10, distill=False)
     tu.assign_non_tensor(data, calculate_entropy=False, compute_loss=False)
-    out = worker.infer_batch(data)
-    assert {"grads", "optimizer"} <= core.offloaded
-    native = MegatronEngine(adapter.config)
+    native = MegatronEngine(dataclasses.replace(adapter.config, forward_only=False))  # the actor
     native.initialize()
+    out = worker.infer_batch(data)
     ref = native.infer_batch(native_batch(data, p_len, r_len, {}))
     if out is not None:
         close(tu.get(out, "log_probs"), ref["log_probs"], "forward_only: infer log_probs", report)
     train = ppo_train_batch(0)
-    calls = {"train_batch": lambda: adapter.train_batch(train, worker.loss_fn),
-             "forward_backward_batch": lambda: adapter.forward_backward_batch(train, worker.loss_fn),
-             "optimizer_step": adapter.optimizer_step, "optimizer_zero_grad": adapter.optimizer_zero_grad,
-             "lr_scheduler_step": adapter.lr_scheduler_step,
-             "train_mode": lambda: adapter.train_mode().__enter__(),
-             "save_checkpoint": lambda: adapter.save_checkpoint("unused")}
-    for name, call in calls.items():
+    adapter_calls = {"train_batch": lambda: adapter.train_batch(train, worker.loss_fn),
+                     "forward_backward_batch": lambda: adapter.forward_backward_batch(train, worker.loss_fn),
+                     "train_mode": lambda: adapter.train_mode().__enter__()}
+    for name, call in adapter_calls.items():
         with pytest.raises(RuntimeError, match=rf"^{name}\(.*engine_config\.forward_only=True"):
             call()
-    adapter.to("device", model=True, optimizer=True, grad=True)  # onloads the parameters only
-    assert {"grads", "optimizer"} <= core.offloaded
+    core_calls = {"optimizer_step": adapter.optimizer_step, "zero_grad": adapter.optimizer_zero_grad,
+                  "lr_scheduler_step": adapter.lr_scheduler_step}
+    for name, call in core_calls.items():
+        with pytest.raises(RuntimeError, match=rf"^{name}: .*EngineConfig\.forward_only=True"):
+            call()
+    adapter.to("device", model=True, optimizer=True, grad=True)  # the parameters are all there is
+
+    # a reference policy started from the actor's checkpoint (after one actor step)
+    native.train_batch(native_batch(*make_batch(20, distill=False), {}), distillation_ppo_loss())
+    native.save_checkpoint(ckpt_dir)
+    adapter.load_checkpoint(ckpt_dir, None, False)
+    out = worker.infer_batch(data)
+    ref = native.infer_batch(native_batch(data, p_len, r_len, {}))
+    if out is not None:
+        close(tu.get(out, "log_probs"), ref["log_probs"], "forward_only: infer after the actor's checkpoint",
+              report)
 
 
 def held(core) -> dict[str, int]:
@@ -556,7 +572,7 @@ def verl_ranks(rank: int, world: int, hf_dir: str, out_dir: str) -> None:
     report: dict[str, float] = {}
     weights = {name: scenario(name, hf_dir, report) for name in SCENARIOS}
     critic(hf_dir, report)
-    reference_policy(hf_dir, report)
+    reference_policy(hf_dir, os.path.join(out_dir, "reference"), report)
     lifecycle(hf_dir, os.path.join(out_dir, "checkpoints"), weights["ppo"], report)
     if rank == 0:
         with open(os.path.join(out_dir, "parity.json"), "w") as f:
