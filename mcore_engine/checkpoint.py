@@ -277,9 +277,24 @@ def _check_files(path: str) -> dict[str, Any]:
     return tensors
 
 
+def _same_but_vocab_rows(sh, saved_shape: tuple[int, ...]) -> bool:
+    """True when ``sh`` is vocab-padded (``allow_shape_mismatch``) and ``saved_shape`` differs from its
+    global shape in the vocab rows only (the tensor's first axis). The padded vocab is a multiple of
+    ``make_vocab_size_divisible_by * TP``, so it changes with TP while ``vocab_size`` (checked with the
+    config) does not. Megatron's loader then zeroes the local shard and reads the saved rows that
+    overlap it: rows ``[0, vocab_size)`` always, saved padding rows where both have them, zeros
+    beyond the saved rows (their logits are masked and their gradients 0). No extra memory: each
+    rank reads only the saved rows overlapping its own (the model's and Adam's) shards."""
+    axis, want = sh.prepend_axis_num, tuple(sh.global_shape)
+    return (bool(getattr(sh, "allow_shape_mismatch", False)) and len(saved_shape) == len(want)
+            and saved_shape[:axis] + saved_shape[axis + 1:] == want[:axis] + want[axis + 1:])
+
+
 def _check_tensors(path: str, wanted: dict[str, Any], saved: dict[str, Any], stepped: bool) -> None:
     """Every sharded tensor of ``wanted`` (the engine's model state) is in ``saved`` with the same
-    global shape and dtype, and so are its Adam moments when the checkpoint holds optimizer state."""
+    global shape and dtype, and so are its Adam moments when the checkpoint holds optimizer state.
+    Vocab-padded tensors (Megatron's ``allow_shape_mismatch``: word embeddings, output layer) may
+    differ in their vocab rows only (:func:`_same_but_vocab_rows`)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
@@ -294,7 +309,8 @@ def _check_tensors(path: str, wanted: dict[str, Any], saved: dict[str, Any], ste
             have = saved.get(key)
             if have is None:
                 problems.append(f"{key} missing")
-            elif tuple(have.global_shape) != tuple(sh.global_shape):
+            elif tuple(have.global_shape) != tuple(sh.global_shape) and not _same_but_vocab_rows(
+                    sh, tuple(have.global_shape)):
                 problems.append(f"{key} shape {tuple(have.global_shape)} vs {tuple(sh.global_shape)}")
             elif key == sh.key and have.dtype != sh.dtype:
                 problems.append(f"{key} dtype {have.dtype} vs {sh.dtype}")

@@ -7,6 +7,8 @@ step 2 matches it to 1e-6 (fp32: loss, grad norm, every parameter after the step
 the layout is unchanged (and the RNG streams are restored then). "To 1e-6" is the relative norm
 error over all parameters together; each tensor alone stays within the fp32 budget 1e-5 (small
 tensors such as the QKV bias carry step 1's layout-dependent rounding, ~2e-6, through Adam).
+The vocab (250) is padded to a multiple of ``VOCAB_MULTIPLE`` x TP: 300 rows at TP=1, 400 at TP=2,
+so every TP change also changes the padded vocab (W0's padding rows are zero beyond TP=1's 300).
 
 - two ranks: DP=2 -> TP=2 (TP 1 -> 2), DP=2 -> PP=2 (PP 1 -> 2), DP=2 distributed optimizer ->
   TP=2 distributed optimizer; same layout bit-identical (TP=2; DP=2 with the distributed optimizer);
@@ -16,6 +18,7 @@ tensors such as the QKV bias carry step 1's layout-dependent rounding, ~2e-6, th
   first step resets the Adam state; the folder protocol (overwrite leaves one folder, a folder that
   is not a checkpoint is never replaced, a crashed save's leftovers are ignored, a save that crashed
   between its renames loads the previous checkpoint with a warning).
+- no launch: only the vocab rows of vocab-padded tensors may differ from the checkpoint's.
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from tests.engine_setup import full_state, load_full_state, make_batch, policy_loss, tiny_config
+from tests.engine_setup import VOCAB, full_state, load_full_state, make_batch, policy_loss, tiny_config
 from tests.utils import REL_TOL, assert_rel_close, run_distributed
 
 TOL = 1e-6
 ROWS = 6
+VOCAB_MULTIPLE = 100
+VOCAB_PADDED = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def _batch(seed: int) -> TensorDict:
@@ -50,11 +55,19 @@ def _batch(seed: int) -> TensorDict:
 
 
 def _engine(weights, seed: int = 1234, **kwargs):
+    """An engine of ``tiny_config(**kwargs)`` padding the vocab to ``VOCAB_MULTIPLE`` x TP, holding
+    ``weights`` (TP=1, their vocab rows zero-padded to this TP's size) when given."""
     from mcore_engine.engine import MegatronEngine
+    from mcore_engine.model import padded_vocab_size
 
-    engine = MegatronEngine(tiny_config(seed=seed, **kwargs))
+    config = tiny_config(seed=seed, **kwargs)
+    config.model.make_vocab_size_divisible_by = VOCAB_MULTIPLE
+    engine = MegatronEngine(config)
     engine.initialize()
     if weights is not None:
+        rows = padded_vocab_size(VOCAB, VOCAB_MULTIPLE, kwargs.get("tp", 1))
+        weights = {k: torch.cat([w, w.new_zeros(rows - len(w), *w.shape[1:])]) if k in VOCAB_PADDED else w
+                   for k, w in weights.items()}
         load_full_state(engine, weights)
     return engine
 
@@ -153,12 +166,14 @@ def _two_ranks(rank: int, world_size: int, tmp: str) -> None:
 
     # --- refused: another model of the same shapes, no marker, storage missing or truncated ---
     if rank == 0:
-        for name in ("no_marker", "missing", "truncated"):
+        for name in ("no_marker", "missing", "truncated", "torn_common"):
             shutil.copytree(f"{tmp}/tp2", f"{tmp}/{name}")
         os.remove(f"{tmp}/no_marker/mcore_engine.json")
         os.remove(f"{tmp}/missing/__1_0.distcp")
         with open(f"{tmp}/truncated/__0_0.distcp", "r+b") as f:
             f.truncate(100)
+        with open(f"{tmp}/torn_common/common.pt", "r+b") as f:
+            f.truncate(os.path.getsize(f"{tmp}/torn_common/common.pt") // 2)
     dist.barrier()
     other = _engine(None, seed=99, tp=2)
     other.config.model.rotary_base = 5000
@@ -168,6 +183,8 @@ def _two_ranks(rank: int, world_size: int, tmp: str) -> None:
     _refused(other, f"{tmp}/missing", r"torn: storage file __1_0.distcp missing")
     _refused(other, f"{tmp}/truncated", r"torn: storage file __0_0.distcp")
     _refused(other, f"{tmp}/nothing", "not a checkpoint folder")
+    _refused(other, f"{tmp}/torn_common", "torn: unreadable metadata")
+    _refused(other, f"{tmp}/dp2-do", "use_distributed_optimizer=True")  # optimizer kinds differ
 
     # --- PP=2 target ---
     destroy_distributed()
@@ -217,3 +234,24 @@ def _one_rank(rank: int, world_size: int, tmp: str) -> None:
 def test_resharded_resume_and_bad_checkpoints(tmp_path):
     run_distributed(_two_ranks, 2, str(tmp_path))
     run_distributed(_one_rank, 1, str(tmp_path))
+
+
+def test_only_vocab_rows_may_differ():
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from mcore_engine.checkpoint import _check_tensors
+
+    def tensors(rows: int, cols: int = 8, other: int = 8) -> dict:
+        out = {}
+        for name, shape, vocab in (("emb", (rows, cols), True), ("w", (other, cols), False)):
+            for key in (name, f"optimizer.state.exp_avg.{name}", f"optimizer.state.exp_avg_sq.{name}"):
+                out[key] = ShardedTensor.from_rank_offsets(key, torch.zeros(shape), replica_id=0)
+                out[key].allow_shape_mismatch = vocab
+        return out
+
+    saved = tensors(300)
+    _check_tensors("ckpt", {k: tensors(400)[k] for k in ("emb", "w")}, saved, True)
+    with pytest.raises(ValueError, match=r"3 tensors; first: \['emb shape \(300, 8\) vs \(400, 4\)"):
+        _check_tensors("ckpt", {k: tensors(400, cols=4)[k] for k in ("emb",)}, saved, True)
+    with pytest.raises(ValueError, match=r"w shape \(8, 8\) vs \(9, 8\)"):
+        _check_tensors("ckpt", {k: tensors(300, other=9)[k] for k in ("w",)}, saved, False)
