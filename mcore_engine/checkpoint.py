@@ -14,7 +14,9 @@ the same layout only).
 A save writes ``path.tmp/``; rank 0 then writes the marker and swaps it in through ``path.old``, so
 a crash leaves a loadable checkpoint; a folder holding other files is never deleted. A load checks
 on every rank the marker, the config (:data:`IGNORED_CONFIG` aside), the storage files and every
-tensor's global shape and dtype before changing anything (``ValueError``). Shared filesystem assumed.
+tensor's global shape and dtype before changing anything (``ValueError``); the vocab rows of the
+embeddings and output layer may differ, since their padding changes with TP (rows past the saved
+ones load as zeros). Shared filesystem assumed.
 Memory: the distributed optimizer's ``fully_reshardable`` form gathers a DP group's optimizer state
 (once the model's fp32 state) on each of its ranks.
 """
