@@ -38,6 +38,7 @@ def _positive_int(obj: Any, *names: str) -> None:
 
 
 _MOE_DISPATCHERS = ("alltoall", "allgather")
+_RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
 _MOE_AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
 
@@ -404,6 +405,23 @@ class EngineConfig:
     """Inference only (a reference policy, a teacher): no DDP grad buffers, optimizer or scheduler
     (device memory: the parameters); the training calls raise ``RuntimeError``, checkpoints hold
     the model only and the model of any checkpoint loads."""
+    recompute_granularity: str | None = None
+    """Activation recompute in training passes (Megatron's): ``None`` keeps every activation;
+    ``"full"`` keeps only the input ``[s, b, h]`` of each unit of layers and reruns the unit's forward
+    in the backward (about one extra forward of the transformer layers; activation memory: one
+    ``[s, b, h]`` per unit plus one unit's activations); ``"selective"`` reruns only
+    ``recompute_modules``."""
+    recompute_method: str | None = None
+    """With ``"full"``: ``"uniform"`` (every model chunk in units of ``recompute_num_layers``
+    consecutive layers) or ``"block"`` (the first ``recompute_num_layers`` layers of each chunk, one
+    per unit; the others keep their activations); ``None`` means ``"uniform"``. ``None`` otherwise."""
+    recompute_num_layers: int | None = None
+    """With ``"full"``: layers per unit (uniform; divides the layers of a model chunk) or recomputed
+    layers per chunk (block; at most the layers of a chunk); ``None`` means 1. ``None`` otherwise."""
+    recompute_modules: list[str] | None = None
+    """With ``"selective"``: a non-empty subset of ``("core_attn", "layernorm", "mlp")`` (the
+    attention core ``softmax(q k^T) v``, the two norms of each layer, the dense MLP); ``None`` means
+    ``["core_attn"]``. ``None`` otherwise."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, ModelConfig), "EngineConfig.model must be a ModelConfig")
@@ -438,6 +456,44 @@ class EngineConfig:
                  f"ParallelConfig.pipeline_model_parallel_size ({pp}) x "
                  f"ParallelConfig.virtual_pipeline_model_parallel_size ({vpp})")
         _validate_moe_layout(m, p)
+        self._validate_recompute(m.num_layers // (pp * vpp))
+
+    def _validate_recompute(self, chunk_layers: int) -> None:
+        """Recompute fields (``ValueError`` naming them); fills the ``None`` defaults of ``"full"``."""
+        gran, method, n, modules = (self.recompute_granularity, self.recompute_method,
+                                    self.recompute_num_layers, self.recompute_modules)
+        _require(gran in (None, "full", "selective"),
+                 f"EngineConfig.recompute_granularity must be None, 'full' or 'selective', got {gran!r}")
+        if gran != "full":
+            for name in ("recompute_method", "recompute_num_layers"):
+                _require(getattr(self, name) is None,
+                         f"EngineConfig.{name} needs EngineConfig.recompute_granularity='full', got "
+                         f"{name}={getattr(self, name)!r} with recompute_granularity={gran!r}")
+        if gran != "selective":
+            _require(modules is None,
+                     f"EngineConfig.recompute_modules needs EngineConfig.recompute_granularity="
+                     f"'selective', got {modules!r} with recompute_granularity={gran!r}")
+        if gran is None:
+            return
+        _require(self.model.moe is None,
+                 f"EngineConfig.recompute_granularity={gran!r} with ModelConfig.moe: MoE layers are not "
+                 "recomputed here (routing replay follows one forward per micro-batch)")
+        if gran == "selective":
+            _require(modules is None or (isinstance(modules, list) and modules
+                                         and set(modules) <= set(_RECOMPUTE_MODULES)),
+                     f"EngineConfig.recompute_modules must be None or a non-empty list of "
+                     f"{_RECOMPUTE_MODULES}, got {modules!r}")
+            return
+        self.recompute_method = method = "uniform" if method is None else method
+        _require(method in ("uniform", "block"),
+                 f"EngineConfig.recompute_method must be None, 'uniform' or 'block', got {method!r}")
+        self.recompute_num_layers = n = 1 if n is None else n
+        _positive_int(self, "recompute_num_layers")
+        _require(chunk_layers % n == 0 if method == "uniform" else n <= chunk_layers,
+                 f"EngineConfig.recompute_num_layers ({n}) must "
+                 f"{'divide' if method == 'uniform' else 'be at most'} the layers of one model chunk "
+                 f"({chunk_layers}: ModelConfig.num_layers / (pipeline_model_parallel_size x "
+                 f"virtual_pipeline_model_parallel_size)) with recompute_method={method!r}")
 
     def validate_world_size(self, world_size: int) -> int:
         """Check ``world_size % (tp * pp) == 0`` (``ValueError`` naming the fields); return the DP size."""

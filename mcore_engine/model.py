@@ -81,14 +81,17 @@ class PackedDotProductAttention(DotProductAttention):
 
 
 def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
-    """Megatron-Core ``TransformerConfig`` for ``cfg`` (no dropout, no bias but QKV's, RoPE);
-    ``sequence_parallel`` without Transformer Engine is a ValueError.
+    """Megatron-Core ``TransformerConfig`` for ``cfg`` (no dropout, no bias but QKV's, RoPE, the
+    recompute fields); ``sequence_parallel`` without Transformer Engine is a ValueError.
     """
     m, p = cfg.model, cfg.parallel
     on_gpu = torch.cuda.is_available()
     if p.sequence_parallel and not has_te():
         raise ValueError("ParallelConfig.sequence_parallel needs Transformer Engine (GPU); the local layer "
                          "spec's torch norms do not support it")
+    if "layernorm" in (cfg.recompute_modules or ()) and not has_te():
+        raise ValueError("EngineConfig.recompute_modules 'layernorm' needs Transformer Engine (GPU): "
+                         "Megatron's norm recompute reads its FP8 state; use 'core_attn' / 'mlp'")
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     return TransformerConfig(
         num_layers=m.num_layers,
@@ -121,6 +124,10 @@ def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
         expert_model_parallel_size=p.expert_model_parallel_size,
         expert_tensor_parallel_size=p.expert_tensor_size,
         **_moe_config_kwargs(cfg),
+        recompute_granularity=cfg.recompute_granularity,  # EngineConfig has resolved "full"'s defaults
+        recompute_method=cfg.recompute_method,
+        recompute_num_layers=cfg.recompute_num_layers,
+        recompute_modules=list(cfg.recompute_modules or ["core_attn"]),
         bf16=cfg.precision == "bf16",
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -242,10 +249,20 @@ def build_model_chunks(cfg: EngineConfig) -> list[GPTModel]:
         )
         if cfg.model.head == "value" and model.post_process:
             attach_value_head(model, cfg)  # mcore_engine.value_head: replicated Linear(H, 1)
+        _cast_params(model, config.params_dtype)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def _cast_params(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every floating-point parameter in ``dtype``: the local spec's torch norms ignore
+    ``params_dtype`` (fp32 under bf16), and Megatron's optimizers index state through the float16
+    params only when all of them are float16 (what ``Float16Module`` would otherwise ensure)."""
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

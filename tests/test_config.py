@@ -67,6 +67,22 @@ def _engine(model=None, parallel=None, optimizer=None, **kw) -> EngineConfig:
     (dict(micro_batch_size=0), ["micro_batch_size"]),
     (dict(logits_chunk_size=-4), ["logits_chunk_size"]),
     (dict(forward_only="yes"), ["forward_only"]),
+    (dict(recompute_granularity="all"), ["recompute_granularity"]),
+    (dict(recompute_method="uniform"), ["recompute_method", "recompute_granularity"]),
+    (dict(recompute_granularity="selective", recompute_num_layers=1),
+     ["recompute_num_layers", "recompute_granularity"]),
+    (dict(recompute_granularity="full", recompute_modules=["mlp"]),
+     ["recompute_modules", "recompute_granularity"]),
+    (dict(recompute_granularity="selective", recompute_modules=["moe_act"]), ["recompute_modules"]),
+    (dict(recompute_granularity="selective", recompute_modules=[]), ["recompute_modules"]),
+    (dict(recompute_granularity="full", recompute_method="chunk"), ["recompute_method"]),
+    (dict(recompute_granularity="full", recompute_num_layers=0), ["recompute_num_layers"]),
+    (dict(recompute_granularity="full", recompute_num_layers=3), ["recompute_num_layers", "num_layers"]),
+    (dict(parallel=dict(pipeline_model_parallel_size=2), recompute_granularity="full",
+          recompute_method="block", recompute_num_layers=3),
+     ["recompute_num_layers", "pipeline_model_parallel_size"]),
+    (dict(model=dict(moe=dict(num_experts=2)), recompute_granularity="full"),
+     ["recompute_granularity", "moe"]),
 ])
 def test_invalid_combinations_name_their_fields(kwargs, fields):
     with pytest.raises(ValueError) as err:
@@ -82,6 +98,23 @@ def test_kv_channels_and_rope_scaling_reach_the_transformer_config():
     assert build_transformer_config(cfg).kv_channels == 32
     assert build_transformer_config(_engine()).kv_channels == 16  # None: hidden // heads
     assert EngineConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_recompute_reaches_the_transformer_config():
+    from mcore_engine.model import build_transformer_config, has_te
+
+    cfg = _engine(recompute_granularity="full")  # uniform, 1 layer per unit
+    assert (cfg.recompute_method, cfg.recompute_num_layers) == ("uniform", 1)
+    assert EngineConfig.from_dict(cfg.to_dict()) == cfg
+    tc = build_transformer_config(cfg)
+    assert (tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers) == ("full", "uniform", 1)
+    tc = build_transformer_config(_engine(recompute_granularity="selective", recompute_modules=["mlp"]))
+    assert tc.recompute_granularity == "selective" and tc.recompute_modules == ["mlp"]
+    assert build_transformer_config(_engine()).recompute_granularity is None
+    if not has_te():
+        with pytest.raises(ValueError, match="recompute_modules 'layernorm'"):
+            build_transformer_config(_engine(recompute_granularity="selective",
+                                             recompute_modules=["layernorm"]))
 
 
 def test_world_size_checked_without_process_groups():

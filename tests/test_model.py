@@ -1,6 +1,6 @@
 """GPTModel from config: Megatron's padded-vocab rule, TP=2 vs TP=1 on identical weights (values and
-gradients, fp32 and bf16, several architecture options), packed ``thd`` vs padded ``bshd``, and the
-fused lm-head surgery (hidden states + the lm-head weight) vs the logits."""
+gradients, fp32 and bf16, several architecture options), packed ``thd`` vs padded ``bshd``, activation
+recompute vs none, and the fused lm-head surgery (hidden states + the lm-head weight) vs the logits."""
 
 from __future__ import annotations
 
@@ -175,10 +175,52 @@ def _compare_thd_bshd(rank: int, world: int) -> None:
     destroy_distributed()
 
 
+RECOMPUTE = {"full": dict(recompute_granularity="full"),  # uniform, 1 layer per unit
+             "full_block": dict(recompute_granularity="full", recompute_method="block",
+                                recompute_num_layers=1),
+             "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])}
+
+
+def _compare_recompute(rank: int, world: int) -> None:
+    """Activation recompute (packed thd, TP=2, fp32) gives bit-identical logits and gradients; full
+    recompute reruns every layer's forward in the backward."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from mcore_engine.config import EngineConfig, ModelConfig, ParallelConfig
+    from mcore_engine.model import build_model_chunks
+    from mcore_engine.platform import destroy_distributed, init_distributed
+
+    lengths = [7, 12, 1]
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 250, (1, sum(lengths)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    w = torch.randn(1, sum(lengths), 256, generator=g)[..., rank * 256 // world:(rank + 1) * 256 // world]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=12,
+                             max_seqlen_kv=12)
+    results = {}
+    for name, recompute in {"none": {}, **RECOMPUTE}.items():
+        parallel = ParallelConfig(tensor_model_parallel_size=world)
+        cfg = EngineConfig(model=ModelConfig(**BASE), parallel=parallel, **recompute)
+        init_distributed(cfg.parallel, cfg.seed)
+        (model,) = build_model_chunks(cfg)
+        calls: list[int] = []
+        model.decoder.layers[0].register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
+        results[name] = _run(model, ids, pos, w, packed=packed)
+        assert len(calls) == (2 if name.startswith("full") else 1), f"{name}: {len(calls)} layer-0 forwards"
+        destroy_distributed()
+    ref_logits, ref_grads = results.pop("none")
+    for name, (logits, grads) in results.items():
+        assert torch.equal(logits, ref_logits), f"recompute {name}: logits differ"
+        for pname, grad in grads.items():
+            assert torch.equal(grad, ref_grads[pname]), f"recompute {name}: grad {pname} differs"
+
+
 def _model_checks(rank: int, world: int) -> None:
     for name, (kwargs, precision) in VARIANTS.items():
         _compare_tp(rank, world, name, kwargs, precision)
     _compare_thd_bshd(rank, world)
+    _compare_recompute(rank, world)
 
 
 @pytest.mark.slow

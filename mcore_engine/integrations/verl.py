@@ -124,6 +124,13 @@ class McoreEngineActorConfig(McoreActorConfig):
     megatron: McoreEngineVerlConfig = field(default_factory=McoreEngineVerlConfig)
 
 
+def _device_type(device: str) -> str | None:
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError):
+        return None
+
+
 def _refuse(field: str, value: Any, why: str) -> None:
     raise ValueError(f"{field}={value!r} is not supported by the mcore_engine backend: {why}")
 
@@ -161,9 +168,17 @@ def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_con
     for name in ("max_seqlen_per_dp_cp_rank", "dist_checkpointing_path"):
         _check(getattr(e, name, None) is None, f"engine_config.{name}", getattr(e, name, None),
                "no context parallelism / dist-checkpoint weight import")
-    for name in ("override_ddp_config", "override_transformer_config", "override_mcore_model_config"):
+    for name in ("override_ddp_config", "override_mcore_model_config"):
         _check(not getattr(e, name, None), f"engine_config.{name}", getattr(e, name, None),
                "the model and DDP are built from the HF config and EngineConfig only")
+    extra = sorted(set(getattr(e, "override_transformer_config", None) or {}) - set(_RECOMPUTE_KEYS))
+    _check(not extra, "engine_config.override_transformer_config", extra,
+           f"only {list(_RECOMPUTE_KEYS)} are mapped; the model is built from the HF config and EngineConfig")
+    if e.sequence_parallel:
+        from mcore_engine.model import has_te
+
+        _check(has_te(), "engine_config.sequence_parallel", True,
+               "needs Transformer Engine (GPU); the local layer spec's torch norms do not support it")
     mode = e.router_replay.mode if getattr(e, "router_replay", None) is not None else "disabled"
     _check(mode == "disabled", "engine_config.router_replay.mode", mode, "dense models only")
     qat = getattr(e, "qat", None)
@@ -181,8 +196,7 @@ def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_con
                "a value model (model_type='value_model') has no lm-head")
     lora = getattr(m, "lora_rank", 0) or getattr(m, "lora", None) or getattr(m, "lora_adapter_path", None)
     _check(not lora, "model_config.lora_rank", getattr(m, "lora_rank", None), "no LoRA")
-    for name, why in (("enable_gradient_checkpointing", "no activation recomputation; set it to False"),
-                      ("enable_activation_offload", "no activation offload"),
+    for name, why in (("enable_activation_offload", "no activation offload"),
                       ("use_liger", "Liger kernels are for the FSDP backend")):
         _check(not getattr(m, name, False), f"model_config.{name}", getattr(m, name, None), why)
     _check(not getattr(m, "fused_kernel_options", None), "model_config.fused_kernel_options",
@@ -210,14 +224,18 @@ def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_con
                    "model, optimizer and extra are always saved and loaded together (+ optional hf_model)")
         _check(not getattr(c, "async_save", False), "checkpoint_config.async_save", True, "no async save")
     parallel = {name: getattr(e, name) for name in _PARALLEL_FIELDS}
+    recompute, recompute_source = _recompute_from_verl(m, e)
     try:
         layout = ParallelConfig(**parallel, sequence_parallel=bool(e.sequence_parallel))
         return EngineConfig(model=model, parallel=layout, optimizer=optimizer, precision=_DTYPES[e.dtype],
                             seed=int(e.seed), micro_batch_size=int(e.micro_batch_size_per_gpu or 1),
                             logits_chunk_size=getattr(e, "logits_chunk_size", None),
                             data_format="thd" if e.use_remove_padding else "bshd",
-                            forward_only=forward_only)
-    except ValueError as exc:  # the core's layout checks name ParallelConfig fields: name verl's too
+                            forward_only=forward_only, **recompute)
+    except ValueError as exc:  # the core's checks name its own fields: name verl's too
+        if "EngineConfig.recompute_" in str(exc):
+            raise ValueError(f"{recompute_source} is not supported by the mcore_engine backend: "
+                             f"{exc}") from exc
         named = [n for n in _PARALLEL_FIELDS if re.search(rf"(?<![A-Za-z_]){n}", str(exc))]
         named = [n for n in named if parallel[n] not in (None, 1)] or named
         if not named:
@@ -229,6 +247,37 @@ def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_con
 _PARALLEL_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                     "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
                     "expert_tensor_parallel_size")
+_RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
+
+
+def _recompute_from_verl(m: Any, e: Any) -> tuple[dict[str, Any], str]:
+    """The core's recompute fields and the verl fields they come from (for error messages).
+
+    ``engine_config.override_transformer_config.recompute_granularity`` (verl's Megatron engine's
+    switch) wins, with its ``recompute_method`` / ``recompute_num_layers`` for ``"full"`` and
+    ``recompute_modules`` for ``"selective"``; when it is null, ``model_config.
+    enable_gradient_checkpointing=True`` means full recompute (by default uniform, one layer per
+    unit: every layer keeps only its input ``[s, b, h]``)."""
+    otc = dict(getattr(e, "override_transformer_config", None) or {})
+    granularity = otc.get("recompute_granularity")
+    if granularity is None:
+        if not getattr(m, "enable_gradient_checkpointing", False):
+            return {}, "model_config.enable_gradient_checkpointing"
+        granularity, source = "full", "model_config.enable_gradient_checkpointing=True"
+    else:
+        source = f"engine_config.override_transformer_config.recompute_granularity={granularity!r}"
+    out = {"recompute_granularity": granularity}
+    keys = ("recompute_method", "recompute_num_layers") if granularity == "full" else ("recompute_modules",)
+    for key in keys:
+        if otc.get(key) is not None:
+            out[key] = list(otc[key]) if key == "recompute_modules" else otc[key]
+            source += f", engine_config.override_transformer_config.{key}={otc[key]!r}"
+    if "layernorm" in (out.get("recompute_modules") or ()):
+        from mcore_engine.model import has_te
+
+        _check(has_te(), "engine_config.override_transformer_config.recompute_modules",
+               out["recompute_modules"], "'layernorm' needs Transformer Engine (GPU); use core_attn / mlp")
+    return out, source
 
 
 def _optimizer_from_verl(o: Any, e: Any) -> CoreOptimizerConfig:
@@ -328,9 +377,8 @@ def _topk_clamp(loss_function: Callable | None) -> float | None:
 class _ModeCtx(BaseEngineCtx):
     """verl's train / eval context: onload on entry and offload on exit what the offload flags name
     (eval: the parameters; train: parameters + grad buffers and the optimizer state), module modes;
-    the train context zeroes gradients on exit. The moves call :meth:`McoreEngineVerl.onload_parts` /
-    ``offload_parts`` directly rather than ``to(get_device_name())`` / ``to("cpu")``, which name the
-    same device on a CPU host."""
+    the train context zeroes gradients on exit (moves by :meth:`McoreEngineVerl.onload_parts` /
+    ``offload_parts``)."""
 
     def _switch(self, onload: bool) -> None:
         engine = self.engine
@@ -437,20 +485,25 @@ class McoreEngineVerl(BaseEngine):
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
         """verl's manual load / offload, whatever the offload flags: ``"cpu"`` offloads the named
         parts to host memory (``model`` releases the parameters and the grad buffers, as verl's
-        Megatron engine does), the engine's device (``"cuda"``; ``"device"`` on any host) onloads them
-        (the grad buffers only with ``grad``). ``grad`` needs ``model``. On a CPU host ``"cpu"`` means
-        offload, so onload is spelled ``"device"`` there. A ``forward_only`` engine has only the
-        parameters to move."""
+        Megatron engine does; on a CPU host too); ``"device"``, verl's device name
+        (``verl.utils.device.get_device_name()``: ``"cuda"`` on a CPU-only host as well, which is what
+        ``TrainingWorker.to("device")`` passes) and the engine's own device (``"cuda"``, ``"cuda:0"``)
+        onload them to the engine's device (the grad buffers only with ``grad``). ``grad`` needs
+        ``model``. A ``forward_only`` engine has only the parameters to move."""
         super().to(device=device, model=model, optimizer=optimizer, grad=grad)
+        from verl.utils.device import get_device_name
+
         from mcore_engine.platform import get_device
 
+        own = get_device().type
         if device == "cpu":
             self.offload_parts(model=model, optimizer=optimizer, grad=grad)
-        elif device == "device" or torch.device(device).type == get_device().type:
+        elif device in ("device", get_device_name()) or _device_type(device) == own:
             self.onload_parts(model=model, optimizer=optimizer, grad=grad)
         else:
-            raise ValueError(f"McoreEngineVerl.to: device={device!r}; expected 'cpu', 'device' or "
-                             f"{get_device().type!r}")
+            onload = sorted({"device", get_device_name(), own} - {"cpu"})
+            raise ValueError(f"McoreEngineVerl.to: device={device!r}; expected 'cpu' (offload to host "
+                             f"memory) or one of {onload} (onload to the engine's device {own!r})")
 
     def offload_parts(self, model: bool, optimizer: bool, grad: bool = True) -> None:
         """``to("cpu", ...)``: parameters and grad buffers with ``model``, optimizer state with

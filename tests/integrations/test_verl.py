@@ -533,11 +533,11 @@ def lifecycle(hf_dir: str, root: str, reference: dict, report: dict) -> None:
         released(f"after train_batch {step}")
         worker.save_checkpoint(ckpt[step + 1], None, step + 1, 2)
         released(f"after save_checkpoint {step + 1}")
-    adapter.to("device", model=True, optimizer=False, grad=False)  # verl's manual onload of the weights
+    worker.to("device", model=True, optimizer=False, grad=False)  # to(get_device_name()): "cuda" on CPU
     assert core.offloaded == {"grads", "optimizer"} and held(core)["params"] > 0
     mine = hf_weights(worker)
     same_weights(mine, reference, "param_offload + optimizer_offload vs none")
-    adapter.to("cpu", model=True, optimizer=False, grad=False)
+    worker.to("cpu", model=True, optimizer=False, grad=False)
     released("after to('cpu')")
 
     # resume at the same layout: bit-identical
@@ -603,14 +603,19 @@ REFUSED = [
     ("engine", dict(max_seqlen_per_dp_cp_rank=8), "engine_config.max_seqlen_per_dp_cp_rank"),
     ("engine", dict(dist_checkpointing_path="ckpt"), "engine_config.dist_checkpointing_path"),
     ("engine", dict(override_ddp_config={"bucket_size": 1}), "engine_config.override_ddp_config"),
-    ("engine", dict(override_transformer_config={"recompute_granularity": "full"}),
+    ("engine", dict(override_transformer_config={"attention_backend": "flash"}),
      "engine_config.override_transformer_config"),
+    ("engine", dict(override_transformer_config=dict(recompute_granularity="full", recompute_method="chunk")),
+     "engine_config.override_transformer_config.recompute_method='chunk'"),
+    ("engine", dict(override_transformer_config=dict(recompute_granularity="full", recompute_num_layers=3)),
+     "engine_config.override_transformer_config.recompute_num_layers=3"),
+    ("engine", dict(override_transformer_config={"recompute_granularity": "all"}),
+     "engine_config.override_transformer_config.recompute_granularity='all'"),
     ("engine", dict(override_mcore_model_config={"x": 1}), "engine_config.override_mcore_model_config"),
     ("engine", dict(router_replay="R2"), "engine_config.router_replay.mode"),
     ("engine", dict(qat=True), "engine_config.qat.enable"),
     ("engine", dict(strategy="megatron"), "engine_config.strategy"),
     ("model", dict(lora_rank=8), "model_config.lora_rank"),
-    ("model", dict(enable_gradient_checkpointing=True), "model_config.enable_gradient_checkpointing"),
     ("model", dict(enable_activation_offload=True), "model_config.enable_activation_offload"),
     ("model", dict(use_liger=True), "model_config.use_liger"),
     ("model", dict(fused_kernel_options={"impl_backend": "triton"}), "model_config.fused_kernel_options"),
@@ -728,6 +733,77 @@ def test_verl_refused_field(hf_dir, group, kw, field):
 
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         engine_config_from_verl(*build_configs(hf_dir, group, kw))
+
+
+def test_verl_recompute_mapping(hf_dir):
+    """verl's ``enable_gradient_checkpointing`` (default True) is full recompute, uniform, one layer
+    per unit; ``override_transformer_config``'s recompute keys (verl's Megatron engine's) win."""
+    from mcore_engine.integrations.verl import engine_config_from_verl
+
+    def recompute(model=None, otc=None):
+        model_config = build_configs(hf_dir, "model", model or {})[0]
+        rest = build_configs(hf_dir, "engine", dict(override_transformer_config=otc or {}))[1:]
+        cfg = engine_config_from_verl(model_config, *rest)
+        return (cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers,
+                cfg.recompute_modules)
+
+    verl_default = dict(recompute_granularity=None, recompute_modules=["core_attn"], recompute_method=None,
+                        recompute_num_layers=None)  # verl's megatron.yaml
+    assert recompute() == recompute(otc=verl_default) == (None, None, None, None)
+    assert recompute(dict(enable_gradient_checkpointing=True)) == ("full", "uniform", 1, None)
+    assert recompute(dict(enable_gradient_checkpointing=True), verl_default) == ("full", "uniform", 1, None)
+    assert recompute(otc=dict(verl_default, recompute_granularity="full", recompute_method="block",
+                              recompute_num_layers=2)) == ("full", "block", 2, None)
+    assert recompute(dict(enable_gradient_checkpointing=True),
+                     dict(verl_default, recompute_granularity="selective")) == (
+        "selective", None, None, ["core_attn"])
+    with pytest.raises(ValueError, match=r"^model_config\.enable_gradient_checkpointing=True, engine_config"
+                                         r"\.override_transformer_config\.recompute_num_layers=3 .*"
+                                         r"EngineConfig\.recompute_num_layers"):
+        recompute(dict(enable_gradient_checkpointing=True), dict(recompute_num_layers=3))
+
+
+def test_verl_refused_without_transformer_engine(hf_dir):
+    from mcore_engine.integrations.verl import engine_config_from_verl
+    from mcore_engine.model import has_te
+
+    if has_te():
+        pytest.skip("Transformer Engine imports here")
+    with pytest.raises(ValueError, match=r"^engine_config\.sequence_parallel=True .*Transformer Engine"):
+        engine_config_from_verl(*build_configs(hf_dir, "engine", dict(sequence_parallel=True)))
+    otc = dict(recompute_granularity="selective", recompute_modules=["layernorm"])
+    with pytest.raises(ValueError, match=r"^engine_config\.override_transformer_config\.recompute_modules="):
+        engine_config_from_verl(*build_configs(hf_dir, "engine", dict(override_transformer_config=otc)))
+
+
+def test_verl_to_device_names():
+    """``to("cpu")`` offloads; ``"device"``, verl's device name (``"cuda"`` on a CPU-only host too) and
+    the engine's own device onload; anything else is a ValueError naming both meanings."""
+    from verl.utils.device import get_device_name
+
+    from mcore_engine.integrations.verl import McoreEngineVerl
+    from mcore_engine.platform import get_device
+
+    class Core:
+        def __init__(self):
+            self.calls = []
+
+        def offload(self, **parts):
+            self.calls.append(("offload", parts))
+
+        def onload(self, **parts):
+            self.calls.append(("onload", parts))
+
+    adapter = object.__new__(McoreEngineVerl)
+    adapter.engine = core = Core()
+    for device in ("device", get_device_name(), get_device().type, f"{get_device().type}:0"):
+        if device != "cpu":
+            adapter.to(device, model=True, optimizer=False, grad=False)
+            assert core.calls.pop() == ("onload", dict(params=True, grads=False, optimizer=False)), device
+    adapter.to("cpu", model=False, optimizer=True, grad=False)
+    assert core.calls.pop() == ("offload", dict(params=False, grads=False, optimizer=True))
+    with pytest.raises(ValueError, match=r"device='xpu'; expected 'cpu' \(offload.*'device'"):
+        adapter.to("xpu", model=True)
 
 
 def test_verl_refused_hdfs_path():
