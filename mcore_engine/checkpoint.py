@@ -264,7 +264,7 @@ def _check_files(path: str) -> dict[str, Any]:
     try:
         storage = FileSystemReader(path).read_metadata().storage_data
         tensors = dist_checkpointing.load_tensors_metadata(path)
-        open(os.path.join(path, "common.pt"), "rb").close()
+        torch.load(os.path.join(path, "common.pt"), map_location="cpu", weights_only=False)
     except Exception as exc:  # missing / truncated metadata raise anything from pickle or the reader
         raise ValueError(f"load_checkpoint: {path!r} is torn: unreadable metadata ({exc})") from exc
     ends: dict[str, int] = {}
@@ -412,6 +412,11 @@ def load_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, 
     marker, error = None, None
     try:
         marker = _read_marker(path, config, precision)
+        saved_dist, dist_opt = marker["layout"].get("distributed_optimizer"), layout["distributed_optimizer"]
+        if optimizer is not None and marker["optimizer_state"] and saved_dist != dist_opt:
+            raise ValueError(f"load_checkpoint: {path!r} holds the optimizer state of "
+                             f"optimizer.use_distributed_optimizer={saved_dist}, this engine has "
+                             f"{dist_opt}: load it with the same setting")
         saved = _check_files(path)
         _check_tensors(path, _model_sharded(chunks), saved, marker["optimizer_state"])
     except ValueError as exc:

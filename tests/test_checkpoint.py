@@ -12,6 +12,10 @@ so every TP change also changes the padded vocab (W0's padding rows are zero bey
 
 - two ranks: DP=2 -> TP=2 (TP 1 -> 2), DP=2 -> PP=2 (PP 1 -> 2), DP=2 distributed optimizer ->
   TP=2 distributed optimizer; same layout bit-identical (TP=2; DP=2 with the distributed optimizer);
+  bf16 (fp32 main weights): TP=2 same layout bit-identical; DP=2 -> TP=2 with the distributed
+  optimizer loads the saved bf16 weights re-cut bit for bit, and its step 2 matches (loss, grad norm,
+  all parameters together) to the bf16 budget ``REL_TOL[bfloat16]``, not per tensor (the zero-initialised
+  QKV biases are two Adam updates whose near-zero gradients follow step 1's bf16 rounding: ~3e-2);
   a checkpoint of another model of the same shapes (``model.rotary_base`` named), one without its
   marker, with a storage file missing or truncated: ``ValueError`` on both ranks, engine untouched.
 - one rank: TP=2 -> TP=1, DP=2 -> DP=1 with the distributed optimizer; a checkpoint saved before the
@@ -30,7 +34,16 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from tests.engine_setup import VOCAB, full_state, load_full_state, make_batch, policy_loss, tiny_config
+from tests.engine_setup import (
+    VOCAB,
+    full_state,
+    load_full_state,
+    local_params,
+    local_reference,
+    make_batch,
+    policy_loss,
+    tiny_config,
+)
 from tests.utils import REL_TOL, assert_rel_close, run_distributed
 
 TOL = 1e-6
@@ -58,18 +71,23 @@ def _engine(weights, seed: int = 1234, **kwargs):
     """An engine of ``tiny_config(**kwargs)`` padding the vocab to ``VOCAB_MULTIPLE`` x TP, holding
     ``weights`` (TP=1, their vocab rows zero-padded to this TP's size) when given."""
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.model import padded_vocab_size
 
     config = tiny_config(seed=seed, **kwargs)
     config.model.make_vocab_size_divisible_by = VOCAB_MULTIPLE
     engine = MegatronEngine(config)
     engine.initialize()
     if weights is not None:
-        rows = padded_vocab_size(VOCAB, VOCAB_MULTIPLE, kwargs.get("tp", 1))
-        weights = {k: torch.cat([w, w.new_zeros(rows - len(w), *w.shape[1:])]) if k in VOCAB_PADDED else w
-                   for k, w in weights.items()}
-        load_full_state(engine, weights)
+        load_full_state(engine, _padded(weights, kwargs.get("tp", 1)))
     return engine
+
+
+def _padded(weights: dict, tp: int) -> dict:
+    """TP=1 ``weights`` with their vocab rows zero-padded to TP's padded vocab."""
+    from mcore_engine.model import padded_vocab_size
+
+    rows = padded_vocab_size(VOCAB, VOCAB_MULTIPLE, tp)
+    return {k: torch.cat([w, w.new_zeros(rows - len(w), *w.shape[1:])]) if k in VOCAB_PADDED else w
+            for k, w in weights.items()}
 
 
 def _step(engine, seed: int) -> dict:
@@ -94,18 +112,24 @@ def _identical(a: list[torch.Tensor], b: list[torch.Tensor], what: str) -> None:
     assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), what
 
 
-def _same_step(got: dict, want: dict, what: str, exact: bool = False) -> None:
+def _same_step(got: dict, want: dict, what: str, exact: bool = False,
+               dtype: torch.dtype = torch.float32) -> None:
+    """``want``'s loss, grad norm and parameters after the step: bit for bit (``exact``), else all
+    together to ``TOL`` and each tensor to ``REL_TOL[dtype]`` (bf16: everything to the bf16 budget)."""
     if exact:
         assert (got["loss"], got["norm"]) == (want["loss"], want["norm"]), f"{what}: loss / grad norm"
         _identical(got["params"], want["params"], f"{what}: parameters not bit-identical")
         return
-    assert_rel_close(got["loss"], want["loss"], TOL, f"{what}: loss")
-    assert abs(got["norm"] - want["norm"]) <= TOL * want["norm"], \
+    tol = TOL if dtype == torch.float32 else REL_TOL[dtype]
+    assert_rel_close(got["loss"], want["loss"], tol, f"{what}: loss")
+    assert abs(got["norm"] - want["norm"]) <= tol * want["norm"], \
         f"{what}: grad norm {got['norm']} vs {want['norm']}"
-    flat = [torch.cat([t.reshape(-1) for t in step["params"]]) for step in (got, want)]
-    assert_rel_close(*flat, TOL, f"{what}: all parameters after the step")
+    flat = [torch.cat([t.float().reshape(-1) for t in step["params"]]) for step in (got, want)]
+    assert_rel_close(*flat, tol, f"{what}: all parameters after the step")
+    if dtype != torch.float32:
+        return
     for i, (x, y) in enumerate(zip(got["params"], want["params"], strict=True)):
-        assert_rel_close(x, y, REL_TOL[torch.float32], f"{what}: parameter {i} after the step")
+        assert_rel_close(x, y, REL_TOL[dtype], f"{what}: parameter {i} after the step")
 
 
 def _reference(weights, **kwargs) -> dict:
@@ -151,6 +175,10 @@ def _two_ranks(rank: int, world_size: int, tmp: str) -> None:
     fresh.load_checkpoint(f"{tmp}/dp2-do")
     assert torch.equal(torch.rand(4), draw), "RNG not restored at an unchanged layout"
     _same_step(_step(fresh, 2), want, "DP=2 distributed optimizer, same layout", exact=True)
+    src_bf16 = _engine(weights, precision="bf16", use_distributed_optimizer=True)
+    _step(src_bf16, 1)
+    src_bf16.save_checkpoint(f"{tmp}/dp2-do-bf16")
+    saved_bf16 = full_state(src_bf16)
 
     # --- TP=2 targets ---
     destroy_distributed()
@@ -163,6 +191,17 @@ def _two_ranks(rank: int, world_size: int, tmp: str) -> None:
     _same_step(_resumed(f"{tmp}/dp2-do", tp=2, use_distributed_optimizer=True),
                _reference(weights, tp=2, use_distributed_optimizer=True),
                "DP 2 -> 1 distributed optimizer, TP 1 -> 2")
+    bf16 = dict(tp=2, precision="bf16")
+    ref_bf16 = _engine(weights, **bf16)
+    _step(ref_bf16, 1)
+    ref_bf16.save_checkpoint(f"{tmp}/tp2-bf16")
+    _same_step(_resumed(f"{tmp}/tp2-bf16", **bf16), _step(ref_bf16, 2), "bf16 TP=2, same layout", exact=True)
+    resumed = _engine(None, seed=99, **bf16, use_distributed_optimizer=True)
+    resumed.load_checkpoint(f"{tmp}/dp2-do-bf16")
+    (got,), (cut,) = local_params(resumed), local_reference(resumed, _padded(saved_bf16, 2))
+    _identical(list(got.values()), [cut[k] for k in got], "bf16 TP 1 -> 2: weights not re-cut exactly")
+    _same_step(_step(resumed, 2), _reference(weights, **bf16, use_distributed_optimizer=True),
+               "bf16 DP 2 -> 1 distributed optimizer, TP 1 -> 2", dtype=torch.bfloat16)
 
     # --- refused: another model of the same shapes, no marker, storage missing or truncated ---
     if rank == 0:

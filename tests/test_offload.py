@@ -8,8 +8,7 @@ that need a part raise ``RuntimeError`` naming it; with only the parameters back
 and training is still refused), onloads, and both take a second step: losses, grad norms,
 parameters, main weights and Adam state are bit-identical to the engine that never offloaded.
 
-Then a ``forward_only`` engine per layout loads the trained engine's checkpoint (bf16: its
-``state_dict``): no DDP wrapper,
+Then a ``forward_only`` engine per layout loads the trained engine's checkpoint: no DDP wrapper,
 optimizer or gradient storage, ``infer_batch`` and ``forward_backward_batch(forward_only=True)``
 outputs bit-identical to the trained engine's, every training call refused naming ``forward_only``.
 At TP=2 also: its weight stream equals the trained engine's, offload / onload move the parameters
@@ -92,11 +91,8 @@ def _forward_only(name: str, kwargs: dict, trained, other, path: str) -> None:
 
     engine = MegatronEngine(dataclasses.replace(tiny_config(**kwargs), forward_only=True))
     engine.initialize()
-    if kwargs.get("precision") == "bf16":  # a bf16 save without the distributed optimizer fails in
-        engine.load_state_dict(trained.state_dict())  # Megatron's param-id map: the in-memory route
-    else:
-        trained.save_checkpoint(os.path.join(path, name))
-        engine.load_checkpoint(os.path.join(path, name))
+    trained.save_checkpoint(os.path.join(path, name))
+    engine.load_checkpoint(os.path.join(path, name))
     params = [p for chunk in engine.model for p in chunk.module.parameters()]
     assert engine.optimizer is None and engine.lr_scheduler is None, name
     assert not any(isinstance(chunk, DistributedDataParallel) for chunk in engine.model), name
