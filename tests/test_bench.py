@@ -16,6 +16,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tools"))
 
 import bench  # noqa: E402
+import bench_common  # noqa: E402
 
 
 def test_parse_args_rejects_bad_input():
@@ -68,7 +69,7 @@ def test_table_formats_targets_and_ratios():
                            "3.00 (2.00)", "FAIL", "-", "FAIL", "FAIL", "9e-02", "1e-01"]
     assert rows[1][5:] == ["0.25", "OOM", "OOM", "1 (1)", "4 (4)", "OOM", "0.25 (0.25)", "-", "PASS", "PASS",
                            "PASS", "FAIL", "0e+00", "-"]
-    md = bench.format_table(rows, markdown=True).splitlines()
+    md = bench_common.format_table(bench.COLUMNS, rows, markdown=True).splitlines()
     assert md[0].startswith("| cfg |") and md[1].startswith("|---") and len(md) == 4
 
 

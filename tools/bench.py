@@ -24,16 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
-from importlib import metadata
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
+from bench_common import format_table, machine_header, usable_cores  # noqa: E402
 from bench_worker import CONFIGS  # noqa: E402
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -218,33 +217,13 @@ def agreement(ours: list[dict], naive: list[dict]) -> float:
     return worst
 
 
-def _proc_field(path: str, key: str) -> str | None:
-    """The value of the first ``key: value`` line of a /proc file, or None."""
-    try:
-        with open(path) as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(key)), None)
-    except OSError:
-        return None
-
-
 def header(args: argparse.Namespace, load: tuple[float, float]) -> list[str]:
-    import torch
-
-    cpu = _proc_field("/proc/cpuinfo", "model name") or platform.processor() or "unknown"
-    mem_kb = _proc_field("/proc/meminfo", "MemTotal")
-    mem_gib = int(mem_kb.split()[0]) / 2**20 if mem_kb else float("nan")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    gpu = f", GPU {torch.cuda.get_device_name(0)}" if args.device == "cuda" else ""
-    try:
-        mcore = metadata.version("megatron-core")
-    except metadata.PackageNotFoundError:
-        mcore = "not installed"
+    cores = usable_cores()
     sizes = "; ".join(
         f"TP={tp}: V_local={vocab_local(args, tp)}, logits {logits_mb(args, tp):.0f} MB (1 xL), fused grads "
         f"{grads_mb(args, tp):.0f} MB ({grads_mb(args, tp) / logits_mb(args, tp):.3f} xL)" for tp in args.tp)
     return [
-        f"machine: {cores} cores ({cpu}), {mem_gib:.1f} GiB RAM{gpu}; device {args.device}",
-        f"versions: python {platform.python_version()}, torch {torch.__version__}, megatron-core {mcore}",
+        *machine_header(extra=f"; device {args.device}"),
         f"size per rank: N={args.tokens} tokens, H={args.hidden}, {args.dtype}; {sizes}; "
         f"T={args.temperature}, k={args.k}, repeats={args.repeats}; "
         + ("one thread per rank; " if args.device == "cpu" else "")
@@ -323,16 +302,6 @@ COLUMNS = ["cfg", "outputs", "TP", "ours peak MB (xL)", "naive peak MB (xL)", "m
            f"fused (i)<{FUSED_TARGET_X_LOGITS}xL", "agree ours", "agree fused"]
 
 
-def format_table(rows: list[list[str]], markdown: bool) -> str:
-    if markdown:
-        lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
-        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([fmt.format(*COLUMNS), fmt.format(*("-" * w for w in widths))]
-                     + [fmt.format(*r) for r in rows])
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     load_start = os.getloadavg()[0]
@@ -352,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         prefix = "" if not args.markdown else "- "
         print("\n".join(prefix + line for line in header(args, (load_start, os.getloadavg()[0]))))
         print()
-        print(bench_selected.format_table(
-            bench_selected.table_rows(args, results, logits_mb, grads_mb, _mb), args.markdown))
+        print(format_table(bench_selected.COLUMNS,
+                           bench_selected.table_rows(args, results, logits_mb, grads_mb, _mb), args.markdown))
         return 0
     results = {}
     for tp in args.tp:
@@ -364,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     prefix = "" if not args.markdown else "- "
     print("\n".join(prefix + line for line in header(args, (load_start, os.getloadavg()[0]))))
     print()
-    print(format_table(table_rows(args, results), args.markdown))
+    print(format_table(COLUMNS, table_rows(args, results), args.markdown))
     return 0
 
 

@@ -25,12 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
-from importlib import metadata
+
+from bench_common import format_table, machine_header
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("dense", "moe-ep1", "moe-ep2")
@@ -121,22 +121,6 @@ def worker(kind: str, args: argparse.Namespace) -> dict | None:
             "device": "cuda" if cuda else "cpu"}
 
 
-def header() -> list[str]:
-    import torch
-
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return [f"machine: {platform.node()}, {os.cpu_count()} CPUs ({cpu}), GPU: {gpu}, load avg {load:.1f}",
-            f"versions: python {platform.python_version()}, torch {torch.__version__}, "
-            f"megatron-core {metadata.version('megatron-core')}"]
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
@@ -186,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         results[kind] = json.loads(line[len("RESULT "):])
     base = results["dense"]
-    rows = [["config", "params/rank", "active FFN params", "tokens/step", "step s (wall)", "step s (cpu)",
-             "tokens/s", "x dense", "peak MB", "x dense"]]
+    columns = ["config", "params/rank", "active FFN params", "tokens/step", "step s (wall)", "step s (cpu)",
+               "tokens/s", "x dense", "peak MB", "x dense"]
+    rows = []
     for kind, r in results.items():
         tps = r["tokens"] / r["wall_s"]
         rows.append([kind, f"{r['params_rank'] / 1e6:.2f}M", f"{r['active_ffn'] / 1e6:.2f}M",
@@ -195,16 +180,13 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['wall_s']:.3f}", f"{r['cpu_s']:.3f}", f"{tps:.0f}",
                      f"{tps / (base['tokens'] / base['wall_s']):.2f}", f"{r['peak_mb']:.1f}",
                      f"{r['peak_mb'] / max(base['peak_mb'], 1e-9):.2f}"])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    print("\n".join(header()))
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print("\n".join(machine_header(extra=f", load avg {load:.1f}")))
     print(f"device: {base['device']}, {base['world']} ranks; model: {args.layers} layers, "
           f"hidden {args.hidden}, vocab {args.vocab}, {args.precision}; MoE: E={args.experts}, "
           f"top-{args.topk}, expert FFN {args.expert_ffn} (dense FFN {args.topk * args.expert_ffn}); "
           f"{args.seqs} x {args.seq_len} tokens per rank; median of {args.repeats} steps")
-    for i, row in enumerate(rows):
-        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print(format_table(columns, rows, right=True))
     return 0
 
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
-from importlib import metadata
+
+from bench_common import format_table, machine_header
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,21 +90,6 @@ def worker(name: str, precision: str, repeats: int) -> dict:
             "onload_s": statistics.median(onload_s), "device": "cuda" if cuda else "cpu"}
 
 
-def header() -> list[str]:
-    import torch
-
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    return [f"machine: {platform.node()}, {os.cpu_count()} CPUs ({cpu}), GPU: {gpu}",
-            f"versions: python {platform.python_version()}, torch {torch.__version__}, "
-            f"megatron-core {metadata.version('megatron-core')}"]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -129,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             results.append(json.loads(line[len("RESULT "):]))
     mb = 2.0 ** 20
-    rows = [["config", "prec", "params", "params MB", "grads MB", "optim MB", "held before MB",
-             "held after MB", "released", "offload s", "onload s", "GB/s (off+on)"]]
+    columns = ["config", "prec", "params", "params MB", "grads MB", "optim MB", "held before MB",
+               "held after MB", "released", "offload s", "onload s", "GB/s (off+on)"]
+    rows = []
     for r in results:
         moved = sum(r["parts"].values())
         rows.append([r["config"], r["precision"], f"{r['params'] / 1e6:.1f}M",
@@ -139,14 +125,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"{1 - r['after'] / r['before']:.1%}" if r["before"] else "-",
                      f"{r['offload_s']:.4f}", f"{r['onload_s']:.4f}",
                      f"{2 * moved / 1e9 / (r['offload_s'] + r['onload_s']):.2f}"])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    print("\n".join(header()))
+    print("\n".join(machine_header()))
     print(f"device: {results[0]['device']}; bytes on CUDA: memory_allocated, "
           "on CPU: the parts' storage sizes")
-    for i, row in enumerate(rows):
-        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print(format_table(columns, rows, right=True))
     return 0
 
 

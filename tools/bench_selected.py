@@ -61,13 +61,3 @@ def table_rows(args, results: dict, logits_mb, grads_mb, describe) -> list[list[
                         "PASS" if max(mem, cpu) <= TARGET_SLACK * f else "FAIL",
                         f"{_agree(full['checks'], sel['checks'], f):.0e}"])
     return rows
-
-
-def format_table(rows: list[list[str]], markdown: bool) -> str:
-    if markdown:
-        lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
-        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([fmt.format(*COLUMNS), fmt.format(*("-" * w for w in widths))]
-                     + [fmt.format(*r) for r in rows])

@@ -19,13 +19,13 @@ import argparse
 import gc
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
 import sys
 import time
-from importlib import metadata
+
+from bench_common import machine_header, proc_status_mib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 2**20
@@ -37,14 +37,6 @@ def _model_dict(args: argparse.Namespace) -> dict:
                 num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                 max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
                 tie_word_embeddings=False, torch_dtype="float32")
-
-
-def _status_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _export(chunks, cfg, mode: str, bucket_bytes: int) -> int:
@@ -108,9 +100,9 @@ def worker(spec: dict) -> dict:
     else:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        base = _status_mib("VmRSS")
+        base = proc_status_mib("VmRSS")
         msgs = _export(chunks, cfg, mode, bucket_bytes)
-        peak = _status_mib("VmHWM") - base
+        peak = proc_status_mib("VmHWM") - base
     times, cpu_times = [], []
     for _ in range(spec["repeats"]):
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -154,17 +146,8 @@ def run(spec: dict, timeout: int) -> dict:
 def header(args: argparse.Namespace) -> list[str]:
     import torch
 
-    cpu = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    cores = len(os.sched_getaffinity(0))
-    device = f"CUDA {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "CPU (gloo)"
-    return [f"machine: {platform.node()}, {cores} cores ({cpu}); device {device}",
-            f"versions: python {platform.python_version()}, torch {torch.__version__}, megatron-core "
-            f"{metadata.version('megatron-core')}, transformers {metadata.version('transformers')}",
+    device = "CUDA" if torch.cuda.is_available() else "CPU (gloo)"
+    return [*machine_header(extra=f"; device {device}", packages=("transformers",)),
             f"model: Llama H={args.hidden}, {args.layers} layers, ffn {args.ffn}, heads {args.heads}/"
             f"{args.kv_heads}, vocab {args.vocab}, untied, fp32; repeats {args.repeats}; "
             "peak = VmHWM - VmRSS above the model (malloc mmap threshold 64 KiB)"]

@@ -29,6 +29,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from bench_common import proc_status_mib
 
 CONFIGS: dict[str, dict] = {
     "A": dict(desc="log-probs", calculate_entropy=False, calculate_sum_pi_squared=False,
@@ -49,14 +50,6 @@ GRAD_KEYS = ("log_probs", "entropy", "sum_pi_squared", "distillation_losses")
 HEAD_IMPLS = ("head", "fused-head")
 RESPONSE_BLOCK = 512
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _proc_status_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024.0
-    raise RuntimeError(f"{field} not found in /proc/self/status")
 
 
 def make_inputs(spec: dict, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -209,9 +202,9 @@ def measure_memory(step, inputs: dict, device: torch.device) -> dict:
     else:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        base = _proc_status_mb("VmRSS")
+        base = proc_status_mib("VmRSS")
         out = step()
-        peak_mb = _proc_status_mb("VmHWM") - base
+        peak_mb = proc_status_mib("VmHWM") - base
     if "masks" in inputs:  # per response fraction: output sums over its rows
         checks = {f"{key}@{f}": float(val.detach().double()[m].sum()) for key, val in out.items()
                   for f, m in inputs["masks"].items()}

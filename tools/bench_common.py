@@ -1,0 +1,68 @@
+"""What the benchmark scripts in tools/ share: the machine / versions header, the result table and
+/proc/self/status memory figures.
+
+The scripts run from tools/ (``python tools/bench_moe.py``), so they import this module by its bare name.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from importlib import metadata
+
+
+def _proc_field(path: str, key: str) -> str | None:
+    """The value of the first ``key: value`` line of a /proc file, or None."""
+    try:
+        with open(path) as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(key)), None)
+    except OSError:
+        return None
+
+
+def proc_status_mib(field: str) -> float:
+    """A ``kB`` field of /proc/self/status (``VmRSS``, ``VmHWM``) in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the platform has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def machine_header(extra: str = "", packages: tuple[str, ...] = ()) -> list[str]:
+    """Two lines: ``machine:`` (host, usable cores, CPU model, RAM, GPU, then ``extra``) and ``versions:``
+    (python, torch, megatron-core, then each of ``packages``)."""
+    import torch
+
+    cpu = _proc_field("/proc/cpuinfo", "model name") or platform.processor() or "unknown"
+    mem_kb = _proc_field("/proc/meminfo", "MemTotal")
+    mem = f", {int(mem_kb.split()[0]) / 2**20:.1f} GiB RAM" if mem_kb else ""
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    versions = ", ".join(f"{p} {_version(p)}" for p in ("megatron-core", *packages))
+    return [f"machine: {platform.node()}, {usable_cores()} cores ({cpu}){mem}, GPU: {gpu}{extra}",
+            f"versions: python {platform.python_version()}, torch {torch.__version__}, {versions}"]
+
+
+def format_table(columns: list[str], rows: list[list[str]], markdown: bool = False, *,
+                 right: bool = False) -> str:
+    """``rows`` under the header ``columns``: a markdown table, or columns padded to their widest cell
+    (left-aligned, or right-aligned with ``right``), two spaces apart, a dashed line under the header."""
+    if markdown:
+        lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+    widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(columns)]
+    fmt = "  ".join(f"{{:{'>' if right else '<'}{w}}}" for w in widths)
+    return "\n".join([fmt.format(*columns), fmt.format(*("-" * w for w in widths))]
+                     + [fmt.format(*r) for r in rows])
