@@ -166,3 +166,18 @@ def load_full_state(engine, full: dict[str, torch.Tensor]) -> None:
 def local_params(engine) -> list[dict[str, torch.Tensor]]:
     """This rank's parameters, one dict per model chunk."""
     return [{k: v.detach().clone() for k, v in chunk.module.named_parameters()} for chunk in engine.model]
+
+
+def engine_snapshot(engine, *, counters: bool = False) -> list[torch.Tensor]:
+    """Clones of this rank's parameters, the optimizer's main params and its tensor state (sorted keys),
+    with ``counters`` then ``[global_step, lr_scheduler.num_steps]``; compare with ``assert_identical``."""
+    from mcore_engine.optim import sub_optimizers
+
+    out = [p.detach().clone() for chunk in engine.model for p in chunk.module.parameters()]
+    for sub in sub_optimizers(engine.optimizer):
+        out += [p.detach().clone() for g in sub.optimizer.param_groups for p in g["params"]]
+        out += [s[k].clone() for s in sub.optimizer.state.values() for k in sorted(s)
+                if torch.is_tensor(s[k])]
+    if counters:
+        out.append(torch.tensor([engine.global_step, engine.lr_scheduler.num_steps]))
+    return out

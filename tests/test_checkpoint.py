@@ -36,6 +36,7 @@ from tensordict import TensorDict
 
 from tests.engine_setup import (
     VOCAB,
+    engine_snapshot,
     full_state,
     load_full_state,
     local_params,
@@ -44,7 +45,7 @@ from tests.engine_setup import (
     policy_loss,
     tiny_config,
 )
-from tests.utils import REL_TOL, assert_rel_close, run_distributed
+from tests.utils import REL_TOL, assert_identical, assert_rel_close, run_distributed
 
 TOL = 1e-6
 ROWS = 6
@@ -97,28 +98,13 @@ def _step(engine, seed: int) -> dict:
             "params": [p.detach().clone() for chunk in engine.model for p in chunk.module.parameters()]}
 
 
-def _snapshot(engine) -> list[torch.Tensor]:
-    from mcore_engine.optim import sub_optimizers
-
-    out = [p.detach().clone() for chunk in engine.model for p in chunk.module.parameters()]
-    for sub in sub_optimizers(engine.optimizer):
-        out += [p.detach().clone() for g in sub.optimizer.param_groups for p in g["params"]]
-        out += [s[k].clone() for s in sub.optimizer.state.values() for k in sorted(s)
-                if torch.is_tensor(s[k])]
-    return out + [torch.tensor([engine.global_step, engine.lr_scheduler.num_steps])]
-
-
-def _identical(a: list[torch.Tensor], b: list[torch.Tensor], what: str) -> None:
-    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), what
-
-
 def _same_step(got: dict, want: dict, what: str, exact: bool = False,
                dtype: torch.dtype = torch.float32) -> None:
     """``want``'s loss, grad norm and parameters after the step: bit for bit (``exact``), else all
     together to ``TOL`` and each tensor to ``REL_TOL[dtype]`` (bf16: everything to the bf16 budget)."""
     if exact:
         assert (got["loss"], got["norm"]) == (want["loss"], want["norm"]), f"{what}: loss / grad norm"
-        _identical(got["params"], want["params"], f"{what}: parameters not bit-identical")
+        assert_identical(got["params"], want["params"], f"{what}: parameters not bit-identical")
         return
     tol = TOL if dtype == torch.float32 else REL_TOL[dtype]
     assert_rel_close(got["loss"], want["loss"], tol, f"{what}: loss")
@@ -147,10 +133,10 @@ def _resumed(path: str, **kwargs) -> dict:
 
 
 def _refused(engine, path: str, needle: str) -> None:
-    before = _snapshot(engine)
+    before = engine_snapshot(engine, counters=True)
     with pytest.raises(ValueError, match=needle):
         engine.load_checkpoint(path)
-    _identical(_snapshot(engine), before, f"refused {path}: engine changed")
+    assert_identical(engine_snapshot(engine, counters=True), before, f"refused {path}: engine changed")
 
 
 # ------------------------------------------------------------------ two ranks
@@ -199,7 +185,7 @@ def _two_ranks(rank: int, world_size: int, tmp: str) -> None:
     resumed = _engine(None, seed=99, **bf16, use_distributed_optimizer=True)
     resumed.load_checkpoint(f"{tmp}/dp2-do-bf16")
     (got,), (cut,) = local_params(resumed), local_reference(resumed, _padded(saved_bf16, 2))
-    _identical(list(got.values()), [cut[k] for k in got], "bf16 TP 1 -> 2: weights not re-cut exactly")
+    assert_identical(list(got.values()), [cut[k] for k in got], "bf16 TP 1 -> 2: weights not re-cut exactly")
     _same_step(_step(resumed, 2), _reference(weights, **bf16, use_distributed_optimizer=True),
                "bf16 DP 2 -> 1 distributed optimizer, TP 1 -> 2", dtype=torch.bfloat16)
 
@@ -247,14 +233,14 @@ def _one_rank(rank: int, world_size: int, tmp: str) -> None:
     _same_step(_step(engine, 1), first, "resume from a never-stepped checkpoint", exact=True)
 
     # the folder protocol
-    state = _snapshot(engine)
+    state = engine_snapshot(engine, counters=True)
     engine.save_checkpoint(path)  # overwrite
     assert sorted(os.listdir(f"{tmp}/proto")) == ["ckpt"], "temporary or old folders left behind"
     os.makedirs(path + ".tmp")  # a save that died before its rename: ignored, then cleaned up
     open(path + ".tmp/__0_0.distcp", "w").close()
     _step(engine, 2)
     engine.load_checkpoint(path)
-    _identical(_snapshot(engine), state, "reload over a crashed save's leftovers")
+    assert_identical(engine_snapshot(engine, counters=True), state, "reload over a crashed save's leftovers")
     os.rename(path, path + ".old")  # a save that crashed between its two renames
     with pytest.warns(RuntimeWarning, match="interrupted between its renames"):
         engine.load_checkpoint(path)

@@ -23,8 +23,8 @@ import os
 import pytest
 import torch
 
-from tests.engine_setup import flat_values, make_batch, policy_loss, tiny_config
-from tests.utils import run_distributed
+from tests.engine_setup import engine_snapshot, flat_values, make_batch, policy_loss, tiny_config
+from tests.utils import assert_identical, run_distributed
 
 LAYOUTS = {"tp2": dict(tp=2), "tp2-bf16": dict(tp=2, precision="bf16"),
            "dp2-distributed-optimizer": dict(use_distributed_optimizer=True), "pp2": dict(pp=2)}
@@ -51,21 +51,6 @@ def _part_tensors(engine) -> dict[str, list[torch.Tensor]]:
 
 def _sizes(engine) -> dict[str, list[int]]:
     return {part: [t.untyped_storage().size() for t in ts] for part, ts in _part_tensors(engine).items()}
-
-
-def _snapshot(engine) -> list[torch.Tensor]:
-    from mcore_engine.optim import sub_optimizers
-
-    out = [p.detach().clone() for chunk in engine.model for p in chunk.module.parameters()]
-    for sub in sub_optimizers(engine.optimizer):
-        out += [p.detach().clone() for g in sub.optimizer.param_groups for p in g["params"]]
-        out += [s[k].clone() for s in sub.optimizer.state.values() for k in sorted(s)
-                if torch.is_tensor(s[k])]
-    return out
-
-
-def _same(a: list[torch.Tensor], b: list[torch.Tensor], what: str) -> None:
-    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), what
 
 
 def _step(engine, seed: int):
@@ -97,13 +82,14 @@ def _forward_only(name: str, kwargs: dict, trained, other, path: str) -> None:
     assert engine.optimizer is None and engine.lr_scheduler is None, name
     assert not any(isinstance(chunk, DistributedDataParallel) for chunk in engine.model), name
     assert not any(p.grad is not None or hasattr(p, "main_grad") for p in params), name
-    _same(params, [p for chunk in trained.model for p in chunk.module.parameters()], f"{name}: weights")
+    assert_identical(params, [p for chunk in trained.model for p in chunk.module.parameters()],
+                     f"{name}: weights")
 
     batch = make_batch(3, 5, calculate_entropy=True)
     want = _outputs(trained.infer_batch(batch))
-    _same(_outputs(engine.infer_batch(batch)), want, f"{name}: forward_only infer_batch")
-    _same(_outputs(engine.forward_backward_batch(batch, None, forward_only=True)), want,
-          f"{name}: forward_only forward_backward_batch")
+    assert_identical(_outputs(engine.infer_batch(batch)), want, f"{name}: forward_only infer_batch")
+    assert_identical(_outputs(engine.forward_backward_batch(batch, None, forward_only=True)), want,
+                     f"{name}: forward_only forward_backward_batch")
     calls = {"train_batch": (engine.train_batch, batch, policy_loss),
              r"forward_backward_batch\(forward_only=False\)": (engine.forward_backward_batch, batch,
                                                                policy_loss),
@@ -116,18 +102,20 @@ def _forward_only(name: str, kwargs: dict, trained, other, path: str) -> None:
 
     ours, theirs = list(engine.per_tensor_generator()), list(trained.per_tensor_generator())
     assert [k for k, _ in ours] == [k for k, _ in theirs], name
-    _same([t for _, t in ours], [t for _, t in theirs], f"{name}: forward_only per_tensor_generator")
+    assert_identical([t for _, t in ours], [t for _, t in theirs],
+                     f"{name}: forward_only per_tensor_generator")
     engine.offload()
     assert engine.offloaded == {"params"} and all(p.untyped_storage().size() == 0 for p in params), name
     assert engine._offloader.device_bytes() == {"params": 0, "grads": 0, "optimizer": 0}, name
     _refused(engine.infer_batch, batch, needs=r"infer_batch needs \['params'\]")
     engine.onload()
     assert engine.offloaded == frozenset(), name
-    _same(_outputs(engine.infer_batch(batch)), want, f"{name}: forward_only infer after onload")
+    assert_identical(_outputs(engine.infer_batch(batch)), want, f"{name}: forward_only infer after onload")
 
     engine.save_checkpoint(os.path.join(path, "forward-only"))  # model only, into a training engine
     other.load_checkpoint(os.path.join(path, "forward-only"))
-    _same(_outputs(other.infer_batch(batch)), want, f"{name}: training engine on the model-only checkpoint")
+    assert_identical(_outputs(other.infer_batch(batch)), want,
+                     f"{name}: training engine on the model-only checkpoint")
     other.train_batch(batch, policy_loss)
 
 
@@ -141,10 +129,11 @@ def _offload_layouts(rank: int, world_size: int, path: str) -> None:
         for engine in engines:
             engine.initialize()
         ref, moved = engines
-        _same(_snapshot(ref), _snapshot(moved), f"{name}: engines differ before the test")
+        assert_identical(engine_snapshot(ref), engine_snapshot(moved),
+                         f"{name}: engines differ before the test")
         _step(ref, 1)
         _step(moved, 1)
-        before, full = _snapshot(moved), _sizes(moved)
+        before, full = engine_snapshot(moved), _sizes(moved)
         assert all(n > 0 for sizes in full.values() for n in sizes) and full["optimizer"], name
 
         for part in ("params", "grads", "optimizer"):  # each part alone
@@ -156,7 +145,7 @@ def _offload_layouts(rank: int, world_size: int, path: str) -> None:
                 assert sizes[other] == full[other], f"{name}: offloading {part} touched {other}"
             moved.onload()
             assert moved.offloaded == frozenset() and _sizes(moved) == full, f"{name}: {part} onload"
-            _same(_snapshot(moved), before, f"{name}: {part} not bit-identical after onload")
+            assert_identical(engine_snapshot(moved), before, f"{name}: {part} not bit-identical after onload")
 
         moved.offload()
         moved.offload(grads=True)  # already offloaded: nothing happens
@@ -172,10 +161,10 @@ def _offload_layouts(rank: int, world_size: int, path: str) -> None:
         moved.infer_batch(batch)
         _refused(moved.train_batch, batch, policy_loss, needs=r"\['grads', 'optimizer'\]")
         moved.onload()
-        _same(_snapshot(moved), before, f"{name}: not bit-identical after the full offload")
+        assert_identical(engine_snapshot(moved), before, f"{name}: not bit-identical after the full offload")
 
         assert _step(moved, 2) == _step(ref, 2), f"{name}: loss / grad norm after onload"
-        _same(_snapshot(moved), _snapshot(ref), f"{name}: state after the next step")
+        assert_identical(engine_snapshot(moved), engine_snapshot(ref), f"{name}: state after the next step")
         _forward_only(name, kwargs, ref, moved, path)
 
 

@@ -42,6 +42,12 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, w
         )
 
 
+def assert_identical(actual: list[torch.Tensor], expected: list[torch.Tensor], what: str) -> None:
+    """The two lists have the same length and are equal tensor by tensor, bit for bit."""
+    assert len(actual) == len(expected) and all(
+        torch.equal(x, y) for x, y in zip(actual, expected, strict=True)), what
+
+
 def _worker(rank: int, world_size: int, store: str, env: dict, fn: Callable, args: tuple, err_q) -> None:
     os.environ.clear()
     os.environ.update(env)  # the caller's environment, not the one the fork server started with
