@@ -1,5 +1,5 @@
 """Shared pieces of the engine tests (a helper, not collected): a tiny config, batches, losses, and
-one TP=1 / PP=1 state dict moved onto any TP / PP / VPP layout, so layouts compare on identical
+one TP=1 / PP=1 state dict moved onto any TP / PP / VPP / EP layout, so layouts compare on identical
 weights.
 
 Megatron's CPU initialisation makes TP shards contiguous slices of one master weight, which is not
@@ -125,33 +125,41 @@ def full_state(engine) -> dict[str, torch.Tensor]:
 
 
 def _global_key(module, key: str) -> str:
+    """Local parameter name -> the TP=1 / PP=1 / EP=1 name (global layer and expert indices)."""
     parts = key.split(".")
     if parts[:2] == ["decoder", "layers"]:
         parts[2] = str(module.decoder.layers[int(parts[2])].layer_number - 1)
+    if "local_experts" in parts:
+        from megatron.core import parallel_state
+
+        i = parts.index("local_experts") + 1
+        per_rank = module.config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+        parts[i] = str(int(parts[i]) + parallel_state.get_expert_model_parallel_rank() * per_rank)
     return ".".join(parts)
 
 
-def _shard(full: torch.Tensor, key: str, param, tp_rank: int, tp: int) -> torch.Tensor:
-    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
+def _shard(full: torch.Tensor, key: str, param) -> torch.Tensor:
+    """This rank's TP slice of ``full`` (an expert's weights: its expert-TP slice)."""
+    from megatron.core import parallel_state
+
+    if not getattr(param, "tensor_model_parallel", False):
         return full
-    if key.endswith("mlp.linear_fc1.weight"):  # SwiGLU: [gate; up] -> [gate_r; up_r]
-        return torch.cat([half.chunk(tp, 0)[tp_rank] for half in full.chunk(2, 0)])
-    return full.chunk(tp, param.partition_dim)[tp_rank]
+    expert = "local_experts" in key
+    size = (parallel_state.get_expert_tensor_parallel_world_size() if expert
+            else parallel_state.get_tensor_model_parallel_world_size())
+    if size == 1:
+        return full
+    rank = (parallel_state.get_expert_tensor_parallel_rank() if expert
+            else parallel_state.get_tensor_model_parallel_rank())
+    if key.endswith("linear_fc1.weight"):  # SwiGLU: [gate; up] -> [gate_r; up_r]
+        return torch.cat([half.chunk(size, 0)[rank] for half in full.chunk(2, 0)])
+    return full.chunk(size, param.partition_dim)[rank]
 
 
 def local_reference(engine, full: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     """``full`` cut to this rank's layout: one dict per model chunk, keyed like its state dict."""
-    from megatron.core import parallel_state
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    out = []
-    for chunk in engine.model:
-        module = chunk.module
-        params = dict(module.named_parameters())
-        out.append({key: _shard(full[_global_key(module, key)], key, params[key], tp_rank, tp)
-                    for key in params})
-    return out
+    return [{key: _shard(full[_global_key(chunk.module, key)], key, p)
+             for key, p in chunk.module.named_parameters()} for chunk in engine.model]
 
 
 def load_full_state(engine, full: dict[str, torch.Tensor]) -> None:

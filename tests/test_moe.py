@@ -25,7 +25,14 @@ import os
 import pytest
 import torch
 
-from tests.engine_setup import flat_values, make_batch, policy_loss, tiny_config
+from tests.engine_setup import (
+    flat_values,
+    load_full_state,
+    local_reference,
+    make_batch,
+    policy_loss,
+    tiny_config,
+)
 from tests.utils import REL_TOL, assert_rel_close, run_distributed
 
 TOL = REL_TOL[torch.float32]
@@ -46,56 +53,6 @@ def moe_config(*, ep: int = 1, tp: int = 1, pp: int = 1, micro_batch_size: int =
     return dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, moe=MoEConfig(**{**MOE, **moe})),
         parallel=dataclasses.replace(cfg.parallel, expert_model_parallel_size=ep))
-
-
-# ----------------------------------------------------------------------------- weights across EP layouts
-def _global_expert_key(module, key: str) -> str:
-    """Local parameter name -> the EP=1 / PP=1 name (global layer and expert indices)."""
-    from megatron.core import parallel_state
-
-    parts = key.split(".")
-    if parts[:2] == ["decoder", "layers"]:
-        parts[2] = str(module.decoder.layers[int(parts[2])].layer_number - 1)
-    if "local_experts" in parts:
-        i = parts.index("local_experts") + 1
-        per_rank = E // parallel_state.get_expert_model_parallel_world_size()
-        parts[i] = str(int(parts[i]) + parallel_state.get_expert_model_parallel_rank() * per_rank)
-    return ".".join(parts)
-
-
-def _shard(full: torch.Tensor, key: str, param) -> torch.Tensor:
-    from megatron.core import parallel_state
-
-    if not getattr(param, "tensor_model_parallel", False):
-        return full
-    expert = "local_experts" in key
-    size = (parallel_state.get_expert_tensor_parallel_world_size() if expert
-            else parallel_state.get_tensor_model_parallel_world_size())
-    rank = (parallel_state.get_expert_tensor_parallel_rank() if expert
-            else parallel_state.get_tensor_model_parallel_rank())
-    if size == 1:
-        return full
-    if key.endswith("linear_fc1.weight"):  # SwiGLU: [gate; up] -> [gate_r; up_r]
-        return torch.cat([half.chunk(size, 0)[rank] for half in full.chunk(2, 0)])
-    return full.chunk(size, param.partition_dim)[rank]
-
-
-def local_reference(engine, full: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """``full`` (EP=1, TP=1, PP=1 names) cut to this rank's layout, one dict per model chunk."""
-    out = []
-    for chunk in engine.model:
-        module = chunk.module
-        out.append({key: _shard(full[_global_expert_key(module, key)], key, p)
-                    for key, p in module.named_parameters()})
-    return out
-
-
-def load_reference(engine, full: dict[str, torch.Tensor]) -> None:
-    for chunk, local in zip(engine.model, local_reference(engine, full), strict=True):
-        state = chunk.module.state_dict()
-        state.update({k: v.to(state[k].dtype) for k, v in local.items()})
-        chunk.module.load_state_dict(state, strict=True)
-    engine.optimizer.reload_model_params()
 
 
 def params(engine) -> dict[str, torch.Tensor]:
@@ -158,7 +115,7 @@ def _check_aux_normalisation(engine, full) -> None:
     twice.set_non_tensor("micro_batch_size_per_gpu", 3)
     results = []
     for batch in (one, twice):
-        load_reference(engine, full)
+        load_full_state(engine, full)
         engine.zero_grad()
         out = engine.forward_backward_batch(batch, _zero_main_loss)
         results.append((grads(engine), out.get_non_tensor("metrics")["moe/aux_loss"]))
@@ -175,7 +132,7 @@ def _check_aux_normalisation(engine, full) -> None:
 
     z_engine = MegatronEngine(moe_config(aux_loss_coeff=0.0, z_loss_coeff=0.05))
     z_engine.initialize()
-    load_reference(z_engine, full)
+    load_full_state(z_engine, full)
     z_engine.zero_grad()
     out = z_engine.forward_backward_batch(one, _zero_main_loss)
     g = grads(z_engine)[router]
@@ -186,7 +143,7 @@ def _check_aux_normalisation(engine, full) -> None:
     for sign in (1.0, -1.0):
         state = copy.copy(full)
         state[router] = full[router] + sign * eps * direction
-        load_reference(z_engine, state)
+        load_full_state(z_engine, state)
         out = z_engine.forward_backward_batch(one, _zero_main_loss)
         values.append(out.get_non_tensor("metrics")["moe/aux_loss"])
     fd = (values[0] - values[1]) / (2 * eps)
@@ -204,7 +161,7 @@ def _check_replay(engine, full) -> None:
         "router replay instances not scoped to the engine"
 
     batch = make_batch(SEED + 2, 4, calculate_entropy=True)
-    load_reference(engine, full)
+    load_full_state(engine, full)
     rec = engine.infer_batch(batch)
     routed = rec["routed_experts"]
     assert routed.dtype == torch.int64 and flat_values(routed).shape[1:] == (3, K)
@@ -220,7 +177,7 @@ def _check_replay(engine, full) -> None:
     for layer in (1, 2, 3):
         key = f"decoder.layers.{layer}.mlp.router.weight"
         changed[key] = torch.randn_like(full[key])
-    load_reference(engine, changed)
+    load_full_state(engine, changed)
     fresh = engine.infer_batch(batch)
     assert not torch.equal(flat_values(fresh["routed_experts"]), flat_values(routed)), "routing unchanged"
     replayed = engine.infer_batch(replay)
@@ -316,7 +273,7 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
         engine = MegatronEngine(moe_config(**kwargs))
         engine.initialize()
         assert parallel_state.get_expert_model_parallel_world_size() == kwargs["ep"]
-        load_reference(engine, ref["full0"])
+        load_full_state(engine, ref["full0"])
         dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         cut = CUTS[dp]
         rows = slice(cut[dp_rank], cut[dp_rank + 1])
@@ -364,7 +321,7 @@ def _check_ep_resharding(full0, folder: str) -> None:
         for ep in (1, 2):
             engine = MegatronEngine(moe_config(ep=ep, use_distributed_optimizer=do))
             engine.initialize()
-            load_reference(engine, full0)
+            load_full_state(engine, full0)
             step(engine, 0)
             engine.save_checkpoint(ckpt[ep])
             want[ep] = step(engine, 1)
