@@ -44,8 +44,10 @@ _OWNS_DEFAULT_GROUP = False
 # torch fallbacks are the intended CPU path), on every TransformerConfig that its default CUDA-graph
 # scope "full" is deprecated, and on the first TP linear that CUDA_DEVICE_MAX_CONNECTIONS=1 speeds
 # up async all-reduces (a CUDA stream setting); torch.fx logs an is_fx_tracing deprecation hint from
-# Megatron's forward. Filtered once per process, before megatron.core is imported (mcore_engine's
-# package import calls quiet_cpu_warnings), and only without CUDA: GPU runs keep every warning.
+# Megatron's forward; torch 2.13 deprecates ``all_gather_into_tensor``, which Megatron's MoE
+# dispatcher and distributed optimizer call (a FutureWarning for Megatron, not for our users).
+# Filtered once per process, before megatron.core is imported (mcore_engine's package import calls
+# quiet_cpu_warnings), and only without CUDA: GPU runs keep every warning.
 _CPU_NOISE = (
     r"Transformer Engine and Apex are not installed",
     r"Apex is not installed",
@@ -63,6 +65,8 @@ def quiet_cpu_warnings() -> None:
         return
     for message in _CPU_NOISE:
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    warnings.filterwarnings("ignore", message=r"`torch.distributed.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     _QUIETED = True
 

@@ -50,12 +50,14 @@ def test_cpu_only_third_party_hints_are_quiet():
         TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
         warnings.warn("When using async grad allreduce it is recommended to set the environment "
                       "variable CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup")
+        warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
+                      "`torch.distributed.all_gather_single` instead.", FutureWarning)
         warnings.warn("an unrelated warning stays")
     """)
     out = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    for noise in ("not installed", "full scope", "CUDA_DEVICE_MAX_CONNECTIONS"):
+    for noise in ("not installed", "full scope", "CUDA_DEVICE_MAX_CONNECTIONS", "all_gather_into_tensor"):
         assert noise not in out.stderr, out.stderr[-3000:]
     assert "an unrelated warning stays" in out.stderr
     code = textwrap.dedent("""
