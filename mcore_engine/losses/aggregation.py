@@ -80,3 +80,13 @@ def token_mean_metric(values: torch.Tensor, loss_mask: torch.Tensor, ctx: LossCo
     """Detached float32 ``(values * m).sum() / N``: a metric contribution that sums to the global mean."""
     values = values.detach().float()
     return _masked(values, loss_mask.to(values.dtype)).sum() / ctx.global_num_tokens.float()
+
+
+def constants_like(ref: torch.Tensor, ref_name: str, **tensors: torch.Tensor) -> list[torch.Tensor]:
+    """``tensors`` detached and cast to ``ref.dtype`` (loss inputs that get no gradient); ValueError
+    naming the first whose shape is not ``ref``'s."""
+    for name, t in tensors.items():
+        if t.shape != ref.shape:
+            raise ValueError(f"{name} must have the shape of {ref_name} {tuple(ref.shape)}, "
+                             f"got {tuple(t.shape)}")
+    return [t.detach().to(ref.dtype) for t in tensors.values()]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mcore_engine.losses.aggregation import agg_loss, token_mean_metric
+from mcore_engine.losses.aggregation import agg_loss, constants_like, token_mean_metric
 from mcore_engine.losses.context import LossContext
 
 LOG_RATIO_CLAMP = 20.0
@@ -36,12 +36,8 @@ def ppo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advant
                     loss_agg_mode: str = "token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(loss, metrics)`` of one micro-batch (module docstring), inputs ``[T]``; old log-probs constant."""
     check_clip_ratios(clip_ratio_low, clip_ratio_high, clip_ratio_c)
-    for name, t in (("old_log_probs", old_log_probs), ("advantages", advantages)):
-        if t.shape != log_probs.shape:
-            raise ValueError(f"{name} must have the shape of log_probs {tuple(log_probs.shape)}, "
-                             f"got {tuple(t.shape)}")
-    old_log_probs = old_log_probs.detach().to(log_probs.dtype)
-    advantages = advantages.detach().to(log_probs.dtype)
+    old_log_probs, advantages = constants_like(log_probs, "log_probs", old_log_probs=old_log_probs,
+                                               advantages=advantages)
 
     log_ratio = (log_probs - old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from mcore_engine.losses.aggregation import AGG_MODES, agg_loss, token_mean_metric
+from mcore_engine.losses.aggregation import AGG_MODES, agg_loss, constants_like, token_mean_metric
 from mcore_engine.losses.context import LossContext
 
 __all__ = ["ppo_value_loss", "value_loss"]
@@ -39,12 +39,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     ``old_values`` and ``returns`` are constants; the loss is 0-d of ``values.dtype``.
     """
     _check_cliprange(cliprange_value)
-    for name, t in (("old_values", old_values), ("returns", returns)):
-        if t.shape != values.shape:
-            raise ValueError(f"{name} must have the shape of values {tuple(values.shape)}, "
-                             f"got {tuple(t.shape)}")
-    old_values = old_values.detach().to(values.dtype)
-    returns = returns.detach().to(values.dtype)
+    old_values, returns = constants_like(values, "values", old_values=old_values, returns=returns)
     clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     l1, l2 = (values - returns) ** 2, (clipped - returns) ** 2
     loss = 0.5 * agg_loss(torch.maximum(l1, l2), loss_mask, seq_ids, loss_agg_mode, ctx)
