@@ -5,8 +5,8 @@ reads its slices); ``iter_hf_tensors`` streams ``(name, full tensor)``; ``export
 """
 
 from mcore_engine.hf.export import export_hf, iter_hf_tensors
+from mcore_engine.hf.hf_config import from_hf_config, read_hf_config, to_hf_config
 from mcore_engine.hf.load import load_hf_weights
-from mcore_engine.hf.mapping import from_hf_config, read_hf_config, to_hf_config
 
 __all__ = ["export_hf", "from_hf_config", "iter_hf_tensors", "load_hf_weights", "read_hf_config",
            "to_hf_config"]

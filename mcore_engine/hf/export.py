@@ -23,15 +23,9 @@ from megatron.core import parallel_state
 
 from mcore_engine.config import EngineConfig
 from mcore_engine.hf.checkpoint_io import ShardedSafetensorsWriter
+from mcore_engine.hf.hf_config import read_hf_config, to_hf_config
 from mcore_engine.hf.layout import hf_from_gathered
-from mcore_engine.hf.mapping import (
-    hf_shapes,
-    iter_units,
-    model_units,
-    read_hf_config,
-    to_hf_config,
-    unit_rule,
-)
+from mcore_engine.hf.mapping import hf_shapes, iter_units, model_units, unit_rule
 
 
 def precision_dtype(cfg: EngineConfig) -> torch.dtype:

@@ -17,15 +17,9 @@ from megatron.core import parallel_state
 
 from mcore_engine.config import EngineConfig, ModelConfig
 from mcore_engine.hf.checkpoint_io import HFCheckpointReader
+from mcore_engine.hf.hf_config import from_hf_config, is_token_classification, read_hf_config
 from mcore_engine.hf.layout import shard_from_hf
-from mcore_engine.hf.mapping import (
-    check_hf_names,
-    from_hf_config,
-    hf_shapes,
-    is_token_classification,
-    iter_units,
-    read_hf_config,
-)
+from mcore_engine.hf.mapping import check_hf_names, hf_shapes, iter_units
 
 # Fields that must agree between the engine config and the checkpoint's config.json (the others,
 # e.g. max_sequence_length or init_method_std, may differ on purpose), compared by their resolved

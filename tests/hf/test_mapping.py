@@ -10,15 +10,14 @@ from safetensors.torch import load_file, save_file
 
 from mcore_engine.config import ModelConfig
 from mcore_engine.hf.checkpoint_io import HFCheckpointReader, ShardedSafetensorsWriter
+from mcore_engine.hf.hf_config import from_hf_config, to_hf_config
 from mcore_engine.hf.layout import hf_from_gathered, shard_from_hf
 from mcore_engine.hf.mapping import (
     canonical_unit,
     check_hf_names,
-    from_hf_config,
     hf_shapes,
     iter_units,
     model_units,
-    to_hf_config,
     unit_rule,
 )
 from tests.hf.models import FAMILIES, hf_config_dict
