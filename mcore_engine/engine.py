@@ -43,14 +43,9 @@ from mcore_engine.checkpoint import (
 )
 from mcore_engine.config import EngineConfig
 from mcore_engine.hf import export_hf, iter_hf_tensors, load_hf_weights
+from mcore_engine.lm_head_outputs import check_head_flags, lm_head_outputs, merge_logits_func
 from mcore_engine.loss_guard import LossGuard
-from mcore_engine.model import (
-    apply_output_layer,
-    build_model_chunks,
-    is_last_stage_chunk,
-    lm_head_weight,
-    output_hidden_states,
-)
+from mcore_engine.model import build_model_chunks, is_last_stage_chunk, output_hidden_states
 from mcore_engine.moe import MoERuntime
 from mcore_engine.offload import HostOffloader
 from mcore_engine.ops import scale_logits_by_temperature
@@ -63,7 +58,7 @@ from mcore_engine.optim import (
     step_optimizer,
 )
 from mcore_engine.platform import apply_cpu_device_layer, get_device, init_distributed
-from mcore_engine.processor import RowSelection, process_lm_head_hidden, process_lm_head_logits
+from mcore_engine.processor import process_lm_head_logits
 from mcore_engine.step import (
     LOSS_CONVENTIONS,
     MicroBatch,
@@ -89,16 +84,6 @@ LossFunction = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 def _finalize_grads_without_token_rescale(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
     """``finalize_model_grads`` with ``num_tokens=None``: the loss is already globally normalised."""
     finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
-
-
-def _merge_logits_func(outputs: dict[str, torch.Tensor], extra: dict[str, torch.Tensor]
-                       ) -> dict[str, torch.Tensor]:
-    """``outputs`` plus a ``logits_func``'s outputs; ``ValueError`` on a key both produce."""
-    clash = sorted(outputs.keys() & extra.keys())
-    if clash:
-        raise ValueError(f"logits_func returned {clash}, which the built-in outputs already hold; "
-                         "rename them or pass builtin_outputs=False")
-    return {**outputs, **extra}
 
 
 def _shapes(state: dict[str, Any]) -> dict[str, tuple]:
@@ -267,28 +252,11 @@ class MegatronEngine:
     def _lm_head_outputs(self, model: torch.nn.Module, output: torch.Tensor, label: torch.Tensor | None,
                          temperature, *, select: torch.Tensor | None = None,
                          **kwargs) -> dict[str, torch.Tensor]:
-        """Per-token outputs ``[b, s]`` from logits ``[b, s, V/tp]``, hidden states ``[b, s, H]``
-        (``fused_lm_head``) or values ``[b, s, 1]`` (``head: value``). With ``select``
-        (``outputs_on_loss_mask_only``) only the ``n`` rows with ``select != 0`` go through the output
-        layer and the processor, as ``[1, n, ...]``; the rest get outputs and gradients 0. One host sync."""
-        cfg = self.config.model
-        rows = None
-        if select is not None:
-            rows = RowSelection(select)
-            output, label, temperature = rows.take(output), rows.take(label), rows.take(temperature)
-            if kwargs.get("batch") is not None:
-                kwargs["batch"] = {k: rows.take(v) for k, v in kwargs["batch"].items()}
-        if cfg.head == "value":
-            values = apply_output_layer(model, output) if rows is not None else output
-            out = {"values": values[..., 0]}
-        elif cfg.fused_lm_head:
-            out = process_lm_head_hidden(output, lm_head_weight(model), label, temperature,
-                                         vocab_size=cfg.vocab_size, chunk_size=self.config.logits_chunk_size,
-                                         **kwargs)
-        else:
-            logits = apply_output_layer(model, output) if rows is not None else output
-            out = self._lm_head_logits_processor(logits, label, temperature, **kwargs)
-        return out if rows is None else {k: rows.put(v) for k, v in out.items()}
+        """Per-token outputs of the output head, on every row or the ``select`` ones only
+        (:func:`mcore_engine.lm_head_outputs.lm_head_outputs`; logits through
+        :meth:`_lm_head_logits_processor`)."""
+        return lm_head_outputs(self.config, model, output, label, temperature,
+                               logits_processor=self._lm_head_logits_processor, select=select, **kwargs)
 
     # ------------------------------------------------------------------ one pass of the schedule
     def _prepare(self, batch: TensorDictBase, logits_processor_func: Callable | None,
@@ -316,20 +284,7 @@ class MegatronEngine:
     def _check_head_flags(self, flags, logits_processor_func: Callable | None,
                           logits_func: Callable | None) -> None:
         """``ValueError`` for step flags the output head cannot serve (same on every rank)."""
-        if self.config.model.head == "value":
-            asked = [name for name in ("calculate_entropy", "calculate_sum_pi_squared",
-                                       "distillation_use_topk") if getattr(flags, name)]
-            asked += [name for name, func in (("logits_processor_func", logits_processor_func),
-                                              ("logits_func", logits_func)) if func is not None]
-            if asked:
-                raise ValueError(f"model.head='value' has no vocabulary: {asked} need model.head='lm'")
-        if flags.outputs_on_loss_mask_only:
-            if logits_func is not None:
-                raise ValueError("outputs_on_loss_mask_only=True: logits_func needs the logits of every row; "
-                                 "drop the flag for sampling / scoring passes")
-            if self.config.parallel.sequence_parallel:
-                raise ValueError("outputs_on_loss_mask_only=True is not supported with "
-                                 "parallel.sequence_parallel=True (hidden states are sequence-sharded)")
+        check_head_flags(self.config, flags, logits_processor_func, logits_func)
 
     def _outputs_and_loss(self, run: _Pass, mb: MicroBatch, model: torch.nn.Module, output: torch.Tensor):
         """``(loss_function's result, (detached outputs, micro_batch metrics or None))``."""
@@ -345,7 +300,7 @@ class MegatronEngine:
                 select=inp.loss_mask if flags.outputs_on_loss_mask_only else None,
                 log_prob_min_clamp=flags.distillation_log_prob_min_clamp)
         if run.logits_func is not None:
-            outputs = _merge_logits_func(outputs, run.logits_func(
+            outputs = merge_logits_func(outputs, run.logits_func(
                 student_logits=scale_logits_by_temperature(output, inp.temperature), data=teacher,
                 data_format=fmt))
         kept = {k: v.detach() for k, v in outputs.items()}
