@@ -41,12 +41,9 @@ flag ``distillation_log_prob_min_clamp``.
 
 from __future__ import annotations
 
-import functools
 import os
-import re
 import shutil
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,73 +52,24 @@ from tensordict import TensorDict
 
 try:
     from verl.utils import tensordict_utils as tu
-    from verl.utils.py_functional import append_to_dict
-    from verl.workers.config.actor import McoreActorConfig
-    from verl.workers.config.engine import EngineConfig as _VerlEngineConfig
-    from verl.workers.config.engine import McoreEngineConfig as _VerlMcoreEngineConfig
-    from verl.workers.config.optimizer import McoreOptimizerConfig, OptimizerConfig
     from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 except ImportError as exc:  # pragma: no cover - exercised only without verl
     raise ImportError("mcore_engine.integrations.verl needs verl: pip install --no-deps verl==0.9.1 "
                       "plus its light dependencies (`pip install -e '.[verl]' -c constraints.txt`)") from exc
 
-from mcore_engine import EngineConfig, MegatronEngine
-from mcore_engine.config import OptimizerConfig as CoreOptimizerConfig
-from mcore_engine.config import ParallelConfig
+from mcore_engine import MegatronEngine
+from mcore_engine.integrations.verl_config import (
+    BACKEND,
+    NOT_APPLICABLE,
+    McoreEngineActorConfig,
+    McoreEngineVerlConfig,
+    _refuse,
+    engine_config_from_verl,
+)
+from mcore_engine.integrations.verl_loss import VerlLossBridge, _topk_clamp, verl_results
 
 __all__ = ["BACKEND", "NOT_APPLICABLE", "McoreEngineActorConfig", "McoreEngineVerl", "McoreEngineVerlConfig",
            "McoreEngineVerlValue", "VerlLossBridge", "engine_config_from_verl"]
-
-BACKEND = "mcore_engine"
-
-NOT_APPLICABLE: dict[str, str] = {
-    "engine_config.use_mbridge": "HF weights are imported by mcore_engine.hf, not by mbridge",
-    "engine_config.vanilla_mbridge": "HF weights are imported by mcore_engine.hf, not by mbridge",
-    "engine_config.pad_bshd_to_minibatch_max": "a cuDNN plan-reuse knob; the core pads per micro-batch",
-    "engine_config.entropy_from_logits_with_chunking": "entropy is always computed chunk by chunk",
-    "engine_config.dist_ckpt_optim_fully_reshardable": "checkpoints are always reshardable",
-    "engine_config.infer_max_token_len_per_gpu / infer_micro_batch_size_per_gpu":
-        "TrainingWorker puts them on each inference batch, where the core reads them",
-    "model_config.trust_remote_code / external_lib / tokenizer / custom_chat_template":
-        "tokenizer-side settings; the engine sees token ids",
-    "checkpoint_config.strict / save_lora_only": "no LoRA adapters; HF export is always complete",
-    "optimizer_config.use_checkpoint_opt_param_scheduler":
-        "the scheduler state is always restored with the checkpoint",
-}
-
-_DTYPES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16"}
-_CKPT_CONTENTS = {"model", "optimizer", "extra"}
-
-
-@dataclass
-class McoreEngineVerlConfig(_VerlMcoreEngineConfig):
-    """verl's Megatron engine config, selecting this backend (``strategy="mcore_engine"``).
-
-    Same fields and YAML keys as verl's ``McoreEngineConfig`` (``tensor_model_parallel_size`` ...),
-    plus ``logits_chunk_size`` (tokens per chunk of the lm-head pass; None: the ops' default).
-    ``dtype`` may also be ``"float32"``; ``sequence_parallel`` defaults to False (CPU machines cannot
-    run it)."""
-
-    strategy: str = BACKEND
-    dtype: str = "bfloat16"
-    sequence_parallel: bool = False
-    logits_chunk_size: int | None = None
-
-    def __post_init__(self) -> None:
-        _VerlEngineConfig.__post_init__(self)  # not verl's Megatron checks: strategy / bf16 only
-        if self.strategy != BACKEND:
-            raise ValueError(f"engine_config.strategy must be {BACKEND!r}, got {self.strategy!r}")
-        if self.tensor_model_parallel_size == 1:
-            self.sequence_parallel = False
-
-
-@dataclass
-class McoreEngineActorConfig(McoreActorConfig):
-    """verl's Megatron actor config with ``strategy="mcore_engine"`` and the engine block
-    (``megatron:``) a :class:`McoreEngineVerlConfig`."""
-
-    strategy: str = BACKEND
-    megatron: McoreEngineVerlConfig = field(default_factory=McoreEngineVerlConfig)
 
 
 def _device_type(device: str) -> str | None:
@@ -131,246 +79,8 @@ def _device_type(device: str) -> str | None:
         return None
 
 
-def _refuse(field: str, value: Any, why: str) -> None:
-    raise ValueError(f"{field}={value!r} is not supported by the mcore_engine backend: {why}")
-
-
-def _check(ok: bool, field: str, value: Any, why: str) -> None:
-    if not ok:
-        _refuse(field, value, why)
-
-
-# ------------------------------------------------------------------------------------------- config
-def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_config: Any,
-                            checkpoint_config: Any = None) -> EngineConfig:
-    """The core :class:`EngineConfig` for verl's four config objects; ``ValueError`` naming the
-    first field that cannot be honoured. Architecture from the HF ``config.json``
-    (``mcore_engine.hf.from_hf_config``), weights from ``model_config.local_path``."""
-    from mcore_engine.hf import from_hf_config, read_hf_config
-
-    e, m, o = engine_config, model_config, optimizer_config
-    _check(getattr(e, "strategy", None) == BACKEND, "engine_config.strategy", getattr(e, "strategy", None),
-           f"build the engine block as McoreEngineVerlConfig (strategy={BACKEND!r})")
-    # --- engine_config
-    _check(e.dtype in _DTYPES, "engine_config.dtype", e.dtype, "use float32 or bfloat16")
-    _check(e.context_parallel_size == 1, "engine_config.context_parallel_size", e.context_parallel_size,
-           "only TP / PP / VPP / EP / DP")
-    flags_off = {
-        "dynamic_context_parallel": "no context parallelism",
-        "full_determinism": "no deterministic-kernel mode",
-        "pad_to_length": "micro-batches are packed to their own length",
-        "use_dist_checkpointing": "initial weights come from model_config.path (HF)",
-        "use_megatron_fsdp": "Megatron DDP / distributed optimizer only",
-        "distrib_optim_fully_reshardable_mem_efficient": "not implemented",
-    }
-    for name, why in flags_off.items():
-        _check(not getattr(e, name, False), f"engine_config.{name}", getattr(e, name, None), why)
-    for name in ("max_seqlen_per_dp_cp_rank", "dist_checkpointing_path"):
-        _check(getattr(e, name, None) is None, f"engine_config.{name}", getattr(e, name, None),
-               "no context parallelism / dist-checkpoint weight import")
-    for name in ("override_ddp_config", "override_mcore_model_config"):
-        _check(not getattr(e, name, None), f"engine_config.{name}", getattr(e, name, None),
-               "the model and DDP are built from the HF config and EngineConfig only")
-    extra = sorted(set(getattr(e, "override_transformer_config", None) or {}) - set(_RECOMPUTE_KEYS))
-    _check(not extra, "engine_config.override_transformer_config", extra,
-           f"only {list(_RECOMPUTE_KEYS)} are mapped; the model is built from the HF config and EngineConfig")
-    if e.sequence_parallel:
-        from mcore_engine.model import has_te
-
-        _check(has_te(), "engine_config.sequence_parallel", True,
-               "needs Transformer Engine (GPU); the local layer spec's torch norms do not support it")
-    mode = e.router_replay.mode if getattr(e, "router_replay", None) is not None else "disabled"
-    _check(mode == "disabled", "engine_config.router_replay.mode", mode, "dense models only")
-    qat = getattr(e, "qat", None)
-    _check(not getattr(qat, "enable", False), "engine_config.qat.enable", True,
-           "no quantisation-aware training")
-    _check(e.micro_batch_size_per_gpu is None or e.micro_batch_size_per_gpu >= 1,
-           "engine_config.micro_batch_size_per_gpu", e.micro_batch_size_per_gpu, "must be >= 1")
-    # --- model_config
-    model_type = getattr(m, "model_type", "language_model")
-    _check(model_type in ("language_model", "value_model"), "model_config.model_type", model_type,
-           "language models and value models (critics) only")
-    value = model_type == "value_model"
-    for name in ("use_fused_kernels", "logits_chunk_size"):  # lm-head settings: a critic has no lm-head
-        _check(not value or not getattr(e, name, None), f"engine_config.{name}", getattr(e, name, None),
-               "a value model (model_type='value_model') has no lm-head")
-    lora = getattr(m, "lora_rank", 0) or getattr(m, "lora", None) or getattr(m, "lora_adapter_path", None)
-    _check(not lora, "model_config.lora_rank", getattr(m, "lora_rank", None), "no LoRA")
-    for name, why in (("enable_activation_offload", "no activation offload"),
-                      ("use_liger", "Liger kernels are for the FSDP backend")):
-        _check(not getattr(m, name, False), f"model_config.{name}", getattr(m, name, None), why)
-    _check(not getattr(m, "fused_kernel_options", None), "model_config.fused_kernel_options",
-           getattr(m, "fused_kernel_options", None), "the fused lm-head has no options")
-    tiled = getattr(m, "tiled_mlp", None) or {}
-    _check(not tiled.get("enabled", False), "model_config.tiled_mlp.enabled", True, "no tiled MLP")
-    mtp = getattr(m, "mtp", None)
-    _check(not getattr(mtp, "enable", False), "model_config.mtp.enable", True, "no multi-token prediction")
-    extra = sorted(set(getattr(m, "override_config", None) or {}) - {"attn_implementation"})
-    _check(not extra, "model_config.override_config", extra, "the architecture comes from config.json only")
-    weights = getattr(m, "local_path", None) or getattr(m, "path", None)
-    hf_dir = getattr(m, "local_hf_config_path", None) or weights
-    model = from_hf_config(read_hf_config(hf_dir), hf_path=weights, head="value" if value else "lm",
-                           fused_lm_head=bool(getattr(e, "use_fused_kernels", False)) and not value)
-    # --- optimizer_config (a reference policy may have none)
-    forward_only = bool(getattr(e, "forward_only", False))
-    optimizer = CoreOptimizerConfig() if forward_only and o is None else _optimizer_from_verl(o, e)
-    # --- checkpoint_config
-    if checkpoint_config is not None:
-        c = checkpoint_config
-        for name in ("save_contents", "load_contents"):
-            contents = set(getattr(c, name, None) or _CKPT_CONTENTS)
-            _check(_CKPT_CONTENTS <= contents and contents <= _CKPT_CONTENTS | {"hf_model"},
-                   f"checkpoint_config.{name}", sorted(contents),
-                   "model, optimizer and extra are always saved and loaded together (+ optional hf_model)")
-        _check(not getattr(c, "async_save", False), "checkpoint_config.async_save", True, "no async save")
-    parallel = {name: getattr(e, name) for name in _PARALLEL_FIELDS}
-    recompute, recompute_source = _recompute_from_verl(m, e)
-    try:
-        layout = ParallelConfig(**parallel, sequence_parallel=bool(e.sequence_parallel))
-        return EngineConfig(model=model, parallel=layout, optimizer=optimizer, precision=_DTYPES[e.dtype],
-                            seed=int(e.seed), micro_batch_size=int(e.micro_batch_size_per_gpu or 1),
-                            logits_chunk_size=getattr(e, "logits_chunk_size", None),
-                            data_format="thd" if e.use_remove_padding else "bshd",
-                            forward_only=forward_only, **recompute)
-    except ValueError as exc:  # the core's checks name its own fields: name verl's too
-        if "EngineConfig.recompute_" in str(exc):
-            raise ValueError(f"{recompute_source} is not supported by the mcore_engine backend: "
-                             f"{exc}") from exc
-        named = [n for n in _PARALLEL_FIELDS if re.search(rf"(?<![A-Za-z_]){n}", str(exc))]
-        named = [n for n in named if parallel[n] not in (None, 1)] or named
-        if not named:
-            raise
-        fields = ", ".join(f"engine_config.{n}={parallel[n]!r}" for n in named)
-        raise ValueError(f"{fields} is not supported by the mcore_engine backend: {exc}") from exc
-
-
-_PARALLEL_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                    "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
-                    "expert_tensor_parallel_size")
-_RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
-
-
-def _recompute_from_verl(m: Any, e: Any) -> tuple[dict[str, Any], str]:
-    """The core's recompute fields and the verl fields they come from (for error messages).
-
-    ``engine_config.override_transformer_config.recompute_granularity`` (verl's Megatron engine's
-    switch) wins, with its ``recompute_method`` / ``recompute_num_layers`` for ``"full"`` and
-    ``recompute_modules`` for ``"selective"``; when it is null, ``model_config.
-    enable_gradient_checkpointing=True`` means full recompute (by default uniform, one layer per
-    unit: every layer keeps only its input ``[s, b, h]``)."""
-    otc = dict(getattr(e, "override_transformer_config", None) or {})
-    granularity = otc.get("recompute_granularity")
-    if granularity is None:
-        if not getattr(m, "enable_gradient_checkpointing", False):
-            return {}, "model_config.enable_gradient_checkpointing"
-        granularity, source = "full", "model_config.enable_gradient_checkpointing=True"
-    else:
-        source = f"engine_config.override_transformer_config.recompute_granularity={granularity!r}"
-    out = {"recompute_granularity": granularity}
-    keys = ("recompute_method", "recompute_num_layers") if granularity == "full" else ("recompute_modules",)
-    for key in keys:
-        if otc.get(key) is not None:
-            out[key] = list(otc[key]) if key == "recompute_modules" else otc[key]
-            source += f", engine_config.override_transformer_config.{key}={otc[key]!r}"
-    if "layernorm" in (out.get("recompute_modules") or ()):
-        from mcore_engine.model import has_te
-
-        _check(has_te(), "engine_config.override_transformer_config.recompute_modules",
-               out["recompute_modules"], "'layernorm' needs Transformer Engine (GPU); use core_attn / mlp")
-    return out, source
-
-
-def _optimizer_from_verl(o: Any, e: Any) -> CoreOptimizerConfig:
-    """Adam(W) + warm-up + decay with verl's Megatron step rules: decay steps default to
-    ``total_training_steps``; warm-up is ``lr_warmup_steps`` when > 0, else
-    ``int(lr_warmup_steps_ratio * decay_steps)``."""
-    _check(isinstance(o, OptimizerConfig) and type(o) in (OptimizerConfig, McoreOptimizerConfig),
-           "optimizer_config", type(o).__name__, "use verl's McoreOptimizerConfig (or OptimizerConfig)")
-    mcore = isinstance(o, McoreOptimizerConfig)
-    style = o.lr_decay_style if mcore else "constant"
-    if mcore:
-        _check(o.optimizer in ("adam", "adamw"), "optimizer_config.optimizer", o.optimizer, "Adam(W) only")
-        _check(o.lr_warmup_init == 0, "optimizer_config.lr_warmup_init", o.lr_warmup_init,
-               "warm-up starts at 0")
-        _check(style in ("constant", "cosine", "linear"), "optimizer_config.lr_decay_style", style,
-               "constant, cosine or linear")
-        _check(o.weight_decay_incr_style == "constant", "optimizer_config.weight_decay_incr_style",
-               o.weight_decay_incr_style, "constant weight decay only")
-        _check(o.lr_wsd_decay_steps is None, "optimizer_config.lr_wsd_decay_steps", o.lr_wsd_decay_steps,
-               "no WSD schedule")
-        for name in ("use_precision_aware_optimizer", "use_layer_wise_distributed_optimizer"):
-            _check(not getattr(o, name), f"optimizer_config.{name}", getattr(o, name), "not implemented")
-        _check(not o.override_optimizer_config, "optimizer_config.override_optimizer_config",
-               o.override_optimizer_config, "set the fields of OptimizerConfig instead")
-    decay = (o.lr_decay_steps if mcore and o.lr_decay_steps is not None else o.total_training_steps)
-    warmup = o.lr_warmup_steps if o.lr_warmup_steps is not None and o.lr_warmup_steps > 0 else None
-    if warmup is None:
-        warmup = int((o.lr_warmup_steps_ratio or 0.0) * max(decay, 0))
-    if style != "constant":
-        _check(isinstance(decay, int) and decay > warmup, "optimizer_config.total_training_steps", decay,
-               f"lr_decay_style={style!r} needs lr_decay_steps or total_training_steps > warm-up ({warmup})")
-    beta1, beta2 = o.betas
-    return CoreOptimizerConfig(lr=float(o.lr), min_lr=float(o.min_lr) if mcore else 0.0,
-                               adam_beta1=float(beta1), adam_beta2=float(beta2),
-                               weight_decay=float(o.weight_decay), clip_grad=float(o.clip_grad),
-                               lr_warmup_steps=int(warmup), lr_decay_style=style,
-                               lr_decay_steps=int(decay) if style != "constant" else None,
-                               use_distributed_optimizer=bool(e.use_distributed_optimizer))
-
-
-# ---------------------------------------------------------------------------------- loss conversion
 def _flag(data: TensorDict, key: str, default: Any = False) -> Any:
     return tu.get_non_tensor_data(data, key, default)
-
-
-class VerlLossBridge:
-    """A verl loss function on the core's ``loss_convention="micro_batch"``: verl's normalisation and
-    result format, nothing else.
-
-    The core calls ``bridge(model_output=..., data=micro_batch, ctx=...)`` once per micro-batch with
-    the outputs as jagged ``[b, j]`` tensors and verl's own rows of the batch (dense ``[b, R]`` fields,
-    jagged fields, the non-tensor entries, ``batch_num_tokens`` / ``dp_size`` included). The bridge
-    calls ``loss_function(model_output=..., data=micro_batch, dp_group=...)``, records ``L_i.item()``
-    and returns ``L_i / dp_size`` to the core (module docstring) with verl's metrics, which the core
-    hands back per micro-batch (``micro_batch_metrics``) for :meth:`results`.
-    """
-
-    def __init__(self, loss_function: Callable, *, dp_size: int, dp_group: Any) -> None:
-        self.loss_function = loss_function
-        self.dp_size = dp_size
-        self.dp_group = dp_group
-        self.losses: list[float] = []
-
-    def __call__(self, model_output: dict[str, torch.Tensor], data: TensorDict, ctx: Any
-                 ) -> tuple[torch.Tensor, dict[str, Any]]:
-        loss, metrics = self.loss_function(model_output=model_output, data=data, dp_group=self.dp_group)
-        if not isinstance(loss, torch.Tensor):
-            loss = torch.as_tensor(float(loss), dtype=torch.float32)
-        self.losses.append(loss.detach().item())
-        return loss / self.dp_size, metrics
-
-
-def verl_results(out: TensorDict, losses: list[float] | None,
-                 keys: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """verl's ``{"model_output": {key: jagged [B, j]}, "loss": [...], "metrics": {key: [...]}}`` from
-    the core's result (``keys``: only those outputs); ``losses`` None (no loss function): 1.0 per
-    micro-batch, as verl's Megatron engine reports."""
-    per_micro_batch = out.get_non_tensor("micro_batch_metrics")
-    metrics: dict[str, list] = {}
-    for entry in per_micro_batch:
-        append_to_dict(metrics, entry)
-    names = [k for k in out.keys() if k not in ("loss", "metrics", "micro_batch_metrics")]
-    model_output = {key: out.get(key) for key in names if keys is None or key in keys}
-    loss = list(losses) if losses is not None else [1.0] * len(per_micro_batch)
-    return {"model_output": model_output, "loss": loss, "metrics": metrics}
-
-
-def _topk_clamp(loss_function: Callable | None) -> float | None:
-    """``log_prob_min_clamp`` of a ``partial(distillation_ppo_loss, distillation_config=...)``."""
-    is_partial = isinstance(loss_function, functools.partial)
-    cfg = loss_function.keywords.get("distillation_config") if is_partial else None
-    loss_cfg = getattr(cfg, "distillation_loss", None)
-    return getattr(loss_cfg, "log_prob_min_clamp", None)
 
 
 # ------------------------------------------------------------------------------------------- engine

@@ -1,0 +1,66 @@
+"""verl's loss functions on the core's ``loss_convention="micro_batch"``: :class:`VerlLossBridge`
+(verl's normalisation), :func:`verl_results` (verl's result dict) and the top-k distillation clamp
+of a verl distillation loss (see ``mcore_engine.integrations.verl``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from verl.utils.py_functional import append_to_dict
+
+__all__ = ["VerlLossBridge", "verl_results"]
+
+
+class VerlLossBridge:
+    """A verl loss function on the core's ``loss_convention="micro_batch"``: verl's normalisation and
+    result format, nothing else.
+
+    The core calls ``bridge(model_output=..., data=micro_batch, ctx=...)`` once per micro-batch with
+    the outputs as jagged ``[b, j]`` tensors and verl's own rows of the batch (dense ``[b, R]`` fields,
+    jagged fields, the non-tensor entries, ``batch_num_tokens`` / ``dp_size`` included). The bridge
+    calls ``loss_function(model_output=..., data=micro_batch, dp_group=...)``, records ``L_i.item()``
+    and returns ``L_i / dp_size`` to the core (module docstring) with verl's metrics, which the core
+    hands back per micro-batch (``micro_batch_metrics``) for :meth:`results`.
+    """
+
+    def __init__(self, loss_function: Callable, *, dp_size: int, dp_group: Any) -> None:
+        self.loss_function = loss_function
+        self.dp_size = dp_size
+        self.dp_group = dp_group
+        self.losses: list[float] = []
+
+    def __call__(self, model_output: dict[str, torch.Tensor], data: TensorDict, ctx: Any
+                 ) -> tuple[torch.Tensor, dict[str, Any]]:
+        loss, metrics = self.loss_function(model_output=model_output, data=data, dp_group=self.dp_group)
+        if not isinstance(loss, torch.Tensor):
+            loss = torch.as_tensor(float(loss), dtype=torch.float32)
+        self.losses.append(loss.detach().item())
+        return loss / self.dp_size, metrics
+
+
+def verl_results(out: TensorDict, losses: list[float] | None,
+                 keys: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """verl's ``{"model_output": {key: jagged [B, j]}, "loss": [...], "metrics": {key: [...]}}`` from
+    the core's result (``keys``: only those outputs); ``losses`` None (no loss function): 1.0 per
+    micro-batch, as verl's Megatron engine reports."""
+    per_micro_batch = out.get_non_tensor("micro_batch_metrics")
+    metrics: dict[str, list] = {}
+    for entry in per_micro_batch:
+        append_to_dict(metrics, entry)
+    names = [k for k in out.keys() if k not in ("loss", "metrics", "micro_batch_metrics")]
+    model_output = {key: out.get(key) for key in names if keys is None or key in keys}
+    loss = list(losses) if losses is not None else [1.0] * len(per_micro_batch)
+    return {"model_output": model_output, "loss": loss, "metrics": metrics}
+
+
+def _topk_clamp(loss_function: Callable | None) -> float | None:
+    """``log_prob_min_clamp`` of a ``partial(distillation_ppo_loss, distillation_config=...)``."""
+    is_partial = isinstance(loss_function, functools.partial)
+    cfg = loss_function.keywords.get("distillation_config") if is_partial else None
+    loss_cfg = getattr(cfg, "distillation_loss", None)
+    return getattr(loss_cfg, "log_prob_min_clamp", None)

@@ -1,0 +1,243 @@
+"""The mcore_engine backend's verl config mapping and refusals, in-process (no ranks): every verl field
+with a meaning maps onto the core's ``EngineConfig``, every one the engine cannot honour is refused
+by name; the value-model registration, ``to(...)`` device names and ``hdfs_path`` refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("verl", reason="verl is installed by `make setup` (pip install --no-deps verl==0.9.1)")
+
+from tests.integrations.verl_setup import VOCAB, make_hf_model  # noqa: E402
+
+# ---------------------------------------------------------------------------- refused config fields
+REFUSED = [
+    ("engine", dict(dtype="float16"), "engine_config.dtype"),
+    ("engine", dict(context_parallel_size=2), "engine_config.context_parallel_size"),
+    ("engine", dict(expert_model_parallel_size=2), "engine_config.expert_model_parallel_size"),
+    ("engine", dict(expert_tensor_parallel_size=2), "engine_config.expert_tensor_parallel_size"),
+    ("engine", dict(dynamic_context_parallel=True), "engine_config.dynamic_context_parallel"),
+    ("engine", dict(full_determinism=True), "engine_config.full_determinism"),
+    ("engine", dict(pad_to_length=True), "engine_config.pad_to_length"),
+    ("engine", dict(use_dist_checkpointing=True), "engine_config.use_dist_checkpointing"),
+    ("engine", dict(use_megatron_fsdp=True), "engine_config.use_megatron_fsdp"),
+    ("engine", dict(distrib_optim_fully_reshardable_mem_efficient=True),
+     "engine_config.distrib_optim_fully_reshardable_mem_efficient"),
+    ("engine", dict(max_seqlen_per_dp_cp_rank=8), "engine_config.max_seqlen_per_dp_cp_rank"),
+    ("engine", dict(dist_checkpointing_path="ckpt"), "engine_config.dist_checkpointing_path"),
+    ("engine", dict(override_ddp_config={"bucket_size": 1}), "engine_config.override_ddp_config"),
+    ("engine", dict(override_transformer_config={"attention_backend": "flash"}),
+     "engine_config.override_transformer_config"),
+    ("engine", dict(override_transformer_config=dict(recompute_granularity="full", recompute_method="chunk")),
+     "engine_config.override_transformer_config.recompute_method='chunk'"),
+    ("engine", dict(override_transformer_config=dict(recompute_granularity="full", recompute_num_layers=3)),
+     "engine_config.override_transformer_config.recompute_num_layers=3"),
+    ("engine", dict(override_transformer_config={"recompute_granularity": "all"}),
+     "engine_config.override_transformer_config.recompute_granularity='all'"),
+    ("engine", dict(override_mcore_model_config={"x": 1}), "engine_config.override_mcore_model_config"),
+    ("engine", dict(router_replay="R2"), "engine_config.router_replay.mode"),
+    ("engine", dict(qat=True), "engine_config.qat.enable"),
+    ("engine", dict(strategy="megatron"), "engine_config.strategy"),
+    ("model", dict(lora_rank=8), "model_config.lora_rank"),
+    ("model", dict(enable_activation_offload=True), "model_config.enable_activation_offload"),
+    ("model", dict(use_liger=True), "model_config.use_liger"),
+    ("model", dict(fused_kernel_options={"impl_backend": "triton"}), "model_config.fused_kernel_options"),
+    ("model", dict(tiled_mlp={"enabled": True, "num_shards": 4}), "model_config.tiled_mlp.enabled"),
+    ("model", dict(override_config={"num_hidden_layers": 3}), "model_config.override_config"),
+    ("model", dict(model_type="reward_model"), "model_config.model_type"),
+    ("value", dict(use_fused_kernels=True), "engine_config.use_fused_kernels"),
+    ("value", dict(logits_chunk_size=64), "engine_config.logits_chunk_size"),
+    ("optim", dict(optimizer="sgd"), "optimizer_config.optimizer"),
+    ("optim", dict(lr_warmup_init=1e-4), "optimizer_config.lr_warmup_init"),
+    ("optim", dict(lr_decay_style="inverse_square_root"), "optimizer_config.lr_decay_style"),
+    ("optim", dict(weight_decay_incr_style="cosine"), "optimizer_config.weight_decay_incr_style"),
+    ("optim", dict(lr_wsd_decay_steps=3), "optimizer_config.lr_wsd_decay_steps"),
+    ("optim", dict(use_precision_aware_optimizer=True), "optimizer_config.use_precision_aware_optimizer"),
+    ("optim", dict(use_layer_wise_distributed_optimizer=True),
+     "optimizer_config.use_layer_wise_distributed_optimizer"),
+    ("optim", dict(override_optimizer_config={"adam_eps": 1e-6}),
+     "optimizer_config.override_optimizer_config"),
+    ("optim", dict(lr_decay_style="linear", total_training_steps=-1),
+     "optimizer_config.total_training_steps"),
+    ("optim", dict(fsdp=True), "optimizer_config"),
+    ("checkpoint", dict(save_contents=["model"]), "checkpoint_config.save_contents"),
+    ("checkpoint", dict(load_contents=["model", "hf_model"]), "checkpoint_config.load_contents"),
+    ("checkpoint", dict(async_save=True), "checkpoint_config.async_save"),
+]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("verl_hf") / "hf")
+    make_hf_model(path)
+    return path
+
+
+def build_configs(hf_dir: str, group: str, kw: dict):
+    """verl's four config objects with ``kw`` applied to ``group``."""
+    from verl.trainer.config.config import CheckpointConfig
+    from verl.workers.config import FSDPOptimizerConfig, HFModelConfig, McoreOptimizerConfig
+    from verl.workers.config.engine import EngineRouterReplayConfig, QATEngineConfig
+
+    from mcore_engine.integrations.verl_config import McoreEngineVerlConfig
+
+    kw = dict(kw)
+    model = dict(path=hf_dir, load_tokenizer=False, enable_gradient_checkpointing=False)
+    if group == "value":  # a critic's engine block
+        model["model_type"], group = "value_model", "engine"
+    engine = dict(dtype="float32", tensor_model_parallel_size=2, use_dynamic_bsz=False)
+    optim = dict(lr=1e-3, lr_decay_style="constant")
+    if "router_replay" in kw:
+        kw["router_replay"] = EngineRouterReplayConfig(mode=kw["router_replay"])
+    if "qat" in kw:
+        kw["qat"] = QATEngineConfig(enable=True)
+    {"model": model, "engine": engine, "optim": optim, "checkpoint": {}}[group].update(kw)
+    optim_cls = McoreOptimizerConfig
+    if optim.pop("fsdp", False):
+        optim_cls = FSDPOptimizerConfig
+        optim.pop("lr_decay_style")
+    return (HFModelConfig(**model), McoreEngineVerlConfig(**engine), optim_cls(**optim),
+            CheckpointConfig(**({} if group != "checkpoint" else kw)))
+
+
+def test_verl_config_mapping(hf_dir):
+    from mcore_engine.integrations.verl_config import engine_config_from_verl
+
+    cfg = engine_config_from_verl(*build_configs(hf_dir, "engine", {}))
+    assert (cfg.parallel.tensor_model_parallel_size, cfg.precision, cfg.data_format) == (2, "fp32", "thd")
+    assert cfg.model.hf_path == hf_dir and cfg.model.vocab_size == VOCAB and cfg.model.add_qkv_bias
+    cfg = engine_config_from_verl(*build_configs(hf_dir, "optim", dict(
+        lr=3e-4, betas=(0.8, 0.95), weight_decay=0.1, clip_grad=0.5, lr_decay_style="cosine",
+        total_training_steps=100, lr_warmup_steps_ratio=0.1, min_lr=1e-5)))
+    o = cfg.optimizer
+    assert (o.lr, o.adam_beta1, o.adam_beta2, o.weight_decay, o.clip_grad) == (3e-4, 0.8, 0.95, 0.1, 0.5)
+    assert (o.lr_decay_style, o.lr_decay_steps, o.lr_warmup_steps, o.min_lr) == ("cosine", 100, 10, 1e-5)
+    cfg = engine_config_from_verl(*build_configs(hf_dir, "engine", dict(
+        dtype="bfloat16", pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=None,
+        micro_batch_size_per_gpu=3, use_remove_padding=False, seed=7, use_fused_kernels=True)))
+    assert (cfg.precision, cfg.parallel.pipeline_model_parallel_size, cfg.micro_batch_size) == ("bf16", 2, 3)
+    assert (cfg.data_format, cfg.seed, cfg.model.fused_lm_head) == ("bshd", 7, True)
+    engine_config_from_verl(*build_configs(hf_dir, "engine", dict(param_offload=True,
+                                                                   optimizer_offload=True)))
+    # expert-parallel fields reach ParallelConfig; a dense model refuses them there, by both names
+    for kw in (dict(expert_model_parallel_size=2), dict(expert_tensor_parallel_size=1)):
+        with pytest.raises(ValueError, match=rf"engine_config\.{next(iter(kw))}=.*ModelConfig\.moe"):
+            engine_config_from_verl(*build_configs(hf_dir, "engine", kw))
+
+
+def test_verl_value_model_registration(hf_dir, monkeypatch):
+    """``model_type="value_model"`` selects :class:`McoreEngineVerlValue` (``head="value"``, no fused
+    lm-head); each class refuses the other's model type by name, before any process-group work."""
+    from verl.workers.engine.base import EngineRegistry
+
+    from mcore_engine.integrations.verl import McoreEngineVerl, McoreEngineVerlValue
+    from mcore_engine.integrations.verl_config import BACKEND, engine_config_from_verl
+
+    monkeypatch.setenv("VERL_ENGINE_DEVICE", "cpu")
+    assert EngineRegistry.get_engine_cls("value_model", BACKEND) is McoreEngineVerlValue
+    assert EngineRegistry.get_engine_cls("language_model", BACKEND) is McoreEngineVerl
+    value = build_configs(hf_dir, "value", {})
+    cfg = engine_config_from_verl(*value)
+    assert (cfg.model.head, cfg.model.fused_lm_head, cfg.model.hf_path) == ("value", False, hf_dir)
+    assert engine_config_from_verl(*build_configs(hf_dir, "engine", {})).model.head == "lm"
+    with pytest.raises(ValueError, match=r"model_config\.model_type='value_model'"):
+        McoreEngineVerl(*value)
+    with pytest.raises(ValueError, match=r"model_config\.model_type='language_model'"):
+        McoreEngineVerlValue(*build_configs(hf_dir, "engine", {}))
+
+
+@pytest.mark.parametrize("group, kw, field", REFUSED, ids=[r[2] + ":" + next(iter(r[1])) for r in REFUSED])
+def test_verl_refused_field(hf_dir, group, kw, field):
+    from mcore_engine.integrations.verl_config import engine_config_from_verl
+
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        engine_config_from_verl(*build_configs(hf_dir, group, kw))
+
+
+def test_verl_recompute_mapping(hf_dir):
+    """verl's ``enable_gradient_checkpointing`` (default True) is full recompute, uniform, one layer
+    per unit; ``override_transformer_config``'s recompute keys (verl's Megatron engine's) win."""
+    from mcore_engine.integrations.verl_config import engine_config_from_verl
+
+    def recompute(model=None, otc=None):
+        model_config = build_configs(hf_dir, "model", model or {})[0]
+        rest = build_configs(hf_dir, "engine", dict(override_transformer_config=otc or {}))[1:]
+        cfg = engine_config_from_verl(model_config, *rest)
+        return (cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers,
+                cfg.recompute_modules)
+
+    verl_default = dict(recompute_granularity=None, recompute_modules=["core_attn"], recompute_method=None,
+                        recompute_num_layers=None)  # verl's megatron.yaml
+    assert recompute() == recompute(otc=verl_default) == (None, None, None, None)
+    assert recompute(dict(enable_gradient_checkpointing=True)) == ("full", "uniform", 1, None)
+    assert recompute(dict(enable_gradient_checkpointing=True), verl_default) == ("full", "uniform", 1, None)
+    assert recompute(otc=dict(verl_default, recompute_granularity="full", recompute_method="block",
+                              recompute_num_layers=2)) == ("full", "block", 2, None)
+    assert recompute(dict(enable_gradient_checkpointing=True),
+                     dict(verl_default, recompute_granularity="selective")) == (
+        "selective", None, None, ["core_attn"])
+    with pytest.raises(ValueError, match=r"^model_config\.enable_gradient_checkpointing=True, engine_config"
+                                         r"\.override_transformer_config\.recompute_num_layers=3 .*"
+                                         r"EngineConfig\.recompute_num_layers"):
+        recompute(dict(enable_gradient_checkpointing=True), dict(recompute_num_layers=3))
+
+
+def test_verl_refused_without_transformer_engine(hf_dir):
+    from mcore_engine.integrations.verl_config import engine_config_from_verl
+    from mcore_engine.model import has_te
+
+    if has_te():
+        pytest.skip("Transformer Engine imports here")
+    with pytest.raises(ValueError, match=r"^engine_config\.sequence_parallel=True .*Transformer Engine"):
+        engine_config_from_verl(*build_configs(hf_dir, "engine", dict(sequence_parallel=True)))
+    otc = dict(recompute_granularity="selective", recompute_modules=["layernorm"])
+    with pytest.raises(ValueError, match=r"^engine_config\.override_transformer_config\.recompute_modules="):
+        engine_config_from_verl(*build_configs(hf_dir, "engine", dict(override_transformer_config=otc)))
+
+
+def test_verl_to_device_names():
+    """``to("cpu")`` offloads; ``"device"``, verl's device name (``"cuda"`` on a CPU-only host too) and
+    the engine's own device onload; anything else is a ValueError naming both meanings."""
+    from verl.utils.device import get_device_name
+
+    from mcore_engine.integrations.verl import McoreEngineVerl
+    from mcore_engine.platform import get_device
+
+    class Core:
+        def __init__(self):
+            self.calls = []
+
+        def offload(self, **parts):
+            self.calls.append(("offload", parts))
+
+        def onload(self, **parts):
+            self.calls.append(("onload", parts))
+
+    adapter = object.__new__(McoreEngineVerl)
+    adapter.engine = core = Core()
+    for device in ("device", get_device_name(), get_device().type, f"{get_device().type}:0"):
+        if device != "cpu":
+            adapter.to(device, model=True, optimizer=False, grad=False)
+            assert core.calls.pop() == ("onload", dict(params=True, grads=False, optimizer=False)), device
+    adapter.to("cpu", model=False, optimizer=True, grad=False)
+    assert core.calls.pop() == ("offload", dict(params=False, grads=False, optimizer=True))
+    with pytest.raises(ValueError, match=r"device='xpu'; expected 'cpu' \(offload.*'device'"):
+        adapter.to("xpu", model=True)
+
+
+def test_verl_refused_hdfs_path():
+    from mcore_engine.integrations.verl import McoreEngineVerl
+
+    engine = object.__new__(McoreEngineVerl)
+    for method in (McoreEngineVerl.save_checkpoint, McoreEngineVerl.load_checkpoint):
+        with pytest.raises(ValueError, match="hdfs_path"):
+            method(engine, "ckpt", hdfs_path="hdfs://x")
+
+
+def test_import_mcore_engine_does_not_import_verl():
+    import subprocess
+    import sys
+
+    code = "import sys, mcore_engine, mcore_engine.integrations; print('verl' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
