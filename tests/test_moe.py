@@ -45,7 +45,7 @@ MOE = dict(num_experts=E, router_topk=K, ffn_hidden_size=32, aux_loss_coeff=0.01
 
 def moe_config(*, ep: int = 1, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, data_format: str = "thd",
                fused_lm_head: bool = False, use_distributed_optimizer: bool = False, seed: int = 1234, **moe):
-    from mcore_engine.config import MoEConfig
+    from mcore_engine.moe_config import MoEConfig
 
     cfg = tiny_config(tp=tp, pp=pp, micro_batch_size=micro_batch_size, data_format=data_format,
                       fused_lm_head=fused_lm_head, use_distributed_optimizer=use_distributed_optimizer,

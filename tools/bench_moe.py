@@ -37,7 +37,8 @@ KINDS = ("dense", "moe-ep1", "moe-ep2")
 
 
 def _engine_config(kind: str, args: argparse.Namespace):
-    from mcore_engine.config import EngineConfig, ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig
+    from mcore_engine.config import EngineConfig, ModelConfig, OptimizerConfig, ParallelConfig
+    from mcore_engine.moe_config import MoEConfig
 
     h, f, k = args.hidden, args.expert_ffn, args.topk
     moe = None if kind == "dense" else MoEConfig(num_experts=args.experts, router_topk=k, ffn_hidden_size=f,

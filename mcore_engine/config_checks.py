@@ -1,0 +1,17 @@
+"""Small validation helpers shared by the config dataclasses (``config``, ``moe_config``, recipes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _positive_int(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                 f"{type(obj).__name__}.{name} must be an int >= 1, got {value!r}")
