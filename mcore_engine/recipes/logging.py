@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunLogger", "plot_curves", "read_metrics"]
+__all__ = ["RunLogger", "plot_curves", "plot_grpo_curves", "read_metrics"]
 
 
 class RunLogger:
@@ -94,6 +94,43 @@ def plot_curves(metrics_path: str | Path, png_path: str | Path, *,
             label="teacher mass on its top-k")
     ax.set(title="student vs teacher top-k", xlabel="step", ylim=(0, 1.02))
     ax.legend()
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+
+
+def plot_grpo_curves(metrics_path: str | Path, png_path: str | Path, *, chance: float | None = None) -> None:
+    """Three panels vs step (``phase == "grpo"`` records): mean reward (+- one std, ``chance`` dashed),
+    KL to the reference and clip fraction, entropy of the rollout policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in read_metrics(metrics_path) if r.get("phase") == "grpo"]
+    steps = [r["step"] for r in records]
+    mean = [r["reward_mean"] for r in records]
+    std = [r["reward_std"] for r in records]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    ax = axes[0]
+    ax.plot(steps, mean, label="mean reward")
+    ax.fill_between(steps, [m - s for m, s in zip(mean, std, strict=True)],
+                    [m + s for m, s in zip(mean, std, strict=True)], alpha=0.2, label="+- std over responses")
+    if chance is not None:
+        ax.axhline(chance, ls="--", c="gray", label="uniform policy")
+    ax.set(title="GRPO: reward of the rollouts", xlabel="step", ylabel="reward", ylim=(0, 1.02))
+    ax.legend()
+    ax = axes[1]
+    if all("kl" in r for r in records):
+        ax.plot(steps, [r["kl"] for r in records], c="C1", label="KL to reference")
+    ax.plot(steps, [r["pg_clipfrac"] for r in records], c="C2", ls=":", label="clip fraction")
+    ax.set(title="KL to the initial policy, PPO clip fraction", xlabel="step")
+    ax.legend()
+    ax = axes[2]
+    ax.plot(steps, [r["entropy"] for r in records], c="C3")
+    ax.set(title="entropy of the rollout policy", xlabel="step", ylabel="nats / token")
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
