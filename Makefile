@@ -36,6 +36,12 @@ demo: $(STAMP)
 	@mkdir -p $(TMPDIR)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 tools/train.py $(ARGS)
 
+# GRPO recipe: a tiny random GPT learns a rule-rewarded toy task (count up mod V), TP=2 on CPU.
+.PHONY: grpo
+grpo: $(STAMP)
+	@mkdir -p $(TMPDIR)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 tools/grpo.py $(ARGS)
+
 bench: $(STAMP)
 	@mkdir -p $(TMPDIR)
 	$(PY) tools/bench.py $(ARGS)
