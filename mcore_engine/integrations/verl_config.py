@@ -40,7 +40,16 @@ NOT_APPLICABLE: dict[str, str] = {
     "checkpoint_config.strict / save_lora_only": "no LoRA adapters; HF export is always complete",
     "optimizer_config.use_checkpoint_opt_param_scheduler":
         "the scheduler state is always restored with the checkpoint",
+    "model_config.fused_kernel_options.impl_backend":
+        "the core picks the lm-head kernels itself (Triton for CUDA tensors when it imports, "
+        "torch otherwise)",
+    "engine_config.override_transformer_config.attention_backend":
+        "the core's layer spec picks the attention (Megatron's local attention without Transformer Engine, "
+        "TE's own selection with it); verl's default 'flash' is accepted and not forwarded",
 }
+
+# Megatron-Core's AttnBackend names (verl's default override_transformer_config says "flash")
+_ATTENTION_BACKENDS = frozenset({"flash", "fused", "unfused", "local", "auto"})
 
 _DTYPES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16"}
 _CKPT_CONTENTS = {"model", "optimizer", "extra"}
@@ -117,9 +126,15 @@ def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_con
     for name in ("override_ddp_config", "override_mcore_model_config"):
         _check(not getattr(e, name, None), f"engine_config.{name}", getattr(e, name, None),
                "the model and DDP are built from the HF config and EngineConfig only")
-    extra = sorted(set(getattr(e, "override_transformer_config", None) or {}) - set(_RECOMPUTE_KEYS))
+    otc = dict(getattr(e, "override_transformer_config", None) or {})
+    extra = sorted(set(otc) - set(_RECOMPUTE_KEYS) - {"attention_backend"})
     _check(not extra, "engine_config.override_transformer_config", extra,
-           f"only {list(_RECOMPUTE_KEYS)} are mapped; the model is built from the HF config and EngineConfig")
+           f"only {list(_RECOMPUTE_KEYS)} are mapped (attention_backend is not applicable); the model is "
+           "built from the HF config and EngineConfig")
+    backend = otc.get("attention_backend")
+    _check(backend is None or str(getattr(backend, "name", backend)) in _ATTENTION_BACKENDS,
+           "engine_config.override_transformer_config.attention_backend", backend,
+           f"not one of Megatron's attention backends {sorted(_ATTENTION_BACKENDS)}")
     if e.sequence_parallel:
         from mcore_engine.model import has_te
 
@@ -140,13 +155,24 @@ def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_con
     for name in ("use_fused_kernels", "logits_chunk_size"):  # lm-head settings: a critic has no lm-head
         _check(not value or not getattr(e, name, None), f"engine_config.{name}", getattr(e, name, None),
                "a value model (model_type='value_model') has no lm-head")
-    lora = getattr(m, "lora_rank", 0) or getattr(m, "lora", None) or getattr(m, "lora_adapter_path", None)
-    _check(not lora, "model_config.lora_rank", getattr(m, "lora_rank", None), "no LoRA")
+    # LoRA is on as verl reads it: lora_rank > 0 (FSDP-style), lora.rank > 0 (Megatron-style; verl's
+    # hf_model.yaml always carries a `lora` block with rank 0) or an adapter path
+    lora_block = dict(getattr(m, "lora", None) or {})
+    for name, rank in (("model_config.lora_rank", getattr(m, "lora_rank", 0) or 0),
+                       ("model_config.lora.rank", lora_block.get("rank", 0) or 0)):
+        _check(int(rank) <= 0, name, rank, "no LoRA")
+    for name, adapter in (("model_config.lora_adapter_path", getattr(m, "lora_adapter_path", None)),
+                          ("model_config.lora.adapter_path", lora_block.get("adapter_path"))):
+        _check(adapter is None, name, adapter, "no LoRA")
     for name, why in (("enable_activation_offload", "no activation offload"),
                       ("use_liger", "Liger kernels are for the FSDP backend")):
         _check(not getattr(m, name, False), f"model_config.{name}", getattr(m, name, None), why)
-    _check(not getattr(m, "fused_kernel_options", None), "model_config.fused_kernel_options",
-           getattr(m, "fused_kernel_options", None), "the fused lm-head has no options")
+    options = dict(getattr(m, "fused_kernel_options", None) or {})
+    _check(not set(options) - {"impl_backend"}, "model_config.fused_kernel_options", options,
+           "the fused lm-head has no options (impl_backend is not applicable)")
+    _check(options.get("impl_backend") in (None, "torch", "triton"),
+           "model_config.fused_kernel_options.impl_backend", options.get("impl_backend"),
+           "verl's backends are 'torch' and 'triton'")
     tiled = getattr(m, "tiled_mlp", None) or {}
     _check(not tiled.get("enabled", False), "model_config.tiled_mlp.enabled", True, "no tiled MLP")
     mtp = getattr(m, "mtp", None)

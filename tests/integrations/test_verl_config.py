@@ -26,8 +26,10 @@ REFUSED = [
     ("engine", dict(max_seqlen_per_dp_cp_rank=8), "engine_config.max_seqlen_per_dp_cp_rank"),
     ("engine", dict(dist_checkpointing_path="ckpt"), "engine_config.dist_checkpointing_path"),
     ("engine", dict(override_ddp_config={"bucket_size": 1}), "engine_config.override_ddp_config"),
-    ("engine", dict(override_transformer_config={"attention_backend": "flash"}),
-     "engine_config.override_transformer_config"),
+    ("engine", dict(override_transformer_config={"apply_rope_fusion": True}),
+     r"engine_config.override_transformer_config=\['apply_rope_fusion'\]"),
+    ("engine", dict(override_transformer_config={"attention_backend": "cudnn"}),
+     "engine_config.override_transformer_config.attention_backend='cudnn'"),
     ("engine", dict(override_transformer_config=dict(recompute_granularity="full", recompute_method="chunk")),
      "engine_config.override_transformer_config.recompute_method='chunk'"),
     ("engine", dict(override_transformer_config=dict(recompute_granularity="full", recompute_num_layers=3)),
@@ -39,9 +41,13 @@ REFUSED = [
     ("engine", dict(qat=True), "engine_config.qat.enable"),
     ("engine", dict(strategy="megatron"), "engine_config.strategy"),
     ("model", dict(lora_rank=8), "model_config.lora_rank"),
+    ("model", dict(lora={"type": "lora", "merge": False, "rank": 16}), "model_config.lora.rank=16"),
+    ("model", dict(lora_adapter_path="adapter"), "model_config.lora_adapter_path"),
     ("model", dict(enable_activation_offload=True), "model_config.enable_activation_offload"),
     ("model", dict(use_liger=True), "model_config.use_liger"),
-    ("model", dict(fused_kernel_options={"impl_backend": "triton"}), "model_config.fused_kernel_options"),
+    ("model", dict(fused_kernel_options={"chunk_size": 64}), "model_config.fused_kernel_options"),
+    ("model", dict(fused_kernel_options={"impl_backend": "cuda"}),
+     "model_config.fused_kernel_options.impl_backend"),
     ("model", dict(tiled_mlp={"enabled": True, "num_shards": 4}), "model_config.tiled_mlp.enabled"),
     ("model", dict(override_config={"num_hidden_layers": 3}), "model_config.override_config"),
     ("model", dict(model_type="reward_model"), "model_config.model_type"),
@@ -180,6 +186,30 @@ def test_verl_recompute_mapping(hf_dir):
                                          r"\.override_transformer_config\.recompute_num_layers=3 .*"
                                          r"EngineConfig\.recompute_num_layers"):
         recompute(dict(enable_gradient_checkpointing=True), dict(recompute_num_layers=3))
+
+
+def test_verl_default_transformer_overrides_accepted(hf_dir):
+    """verl's megatron.yaml ``override_transformer_config`` (recompute keys null, ``recompute_modules``,
+    ``attention_backend: flash``), hf_model.yaml's ``lora`` block with rank 0 and its
+    ``fused_kernel_options: {impl_backend: torch}``, which verl's
+    trainer hands every role, build the engine: the attention backend is not applicable (the core's
+    layer spec picks the attention), no recompute, LoRA off."""
+    from mcore_engine.integrations.verl_config import NOT_APPLICABLE, engine_config_from_verl
+
+    verl_default = dict(recompute_granularity=None, recompute_modules=["core_attn"], recompute_method=None,
+                        recompute_num_layers=None, attention_backend="flash")
+    lora_off = {"type": "lora", "merge": False, "rank": 0, "alpha": 32, "adapter_path": None}  # hf_model.yaml
+    model_config = build_configs(hf_dir, "model", dict(lora=lora_off, lora_rank=0,
+                                                       fused_kernel_options={"impl_backend": "torch"}))[0]
+    assert engine_config_from_verl(model_config, *build_configs(hf_dir, "model", {})[1:]).model.head == "lm"
+    model_config.model_type = "value_model"  # verl's critic: TrainingWorker sets it on the same object
+    rest = build_configs(hf_dir, "model", {})[1:]
+    assert engine_config_from_verl(model_config, *rest).model.head == "value"
+    for backend in ("flash", "auto", "local", "unfused", "fused", None):
+        otc = dict(verl_default, attention_backend=backend)
+        cfg = engine_config_from_verl(*build_configs(hf_dir, "engine", dict(override_transformer_config=otc)))
+        assert cfg.recompute_granularity is None
+    assert "engine_config.override_transformer_config.attention_backend" in NOT_APPLICABLE
 
 
 def test_verl_refused_without_transformer_engine(hf_dir):
