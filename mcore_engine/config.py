@@ -149,7 +149,8 @@ class ParallelConfig:
     batch_p2p_comm: bool = False
     """Batch the pipeline's send/recv pairs. Must stay off with VPP (results are silently wrong)."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism (needs TP > 1 and the Transformer Engine / apex norms: GPU only)."""
+    """Megatron sequence parallelism (needs TP > 1): norms, dropout and the MoE router see ``s / tp``
+    tokens; micro-batches are padded to a multiple of TP. CPU (gloo) and GPU."""
     expert_model_parallel_size: int = 1
     """EP: ranks that split each MoE layer's experts (carved out of TP x DP, as Megatron does)."""
     expert_tensor_parallel_size: int | None = None

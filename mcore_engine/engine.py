@@ -327,8 +327,9 @@ class MegatronEngine:
         """Megatron's forward step: the model's output and the loss callback for it."""
         mb = next(data_iterator)
         inp = mb.inputs
-        if not self.config.model.fused_lm_head and is_last_stage_chunk(model):  # hidden states for select
-            output_hidden_states(model, enable=run.step.flags.outputs_on_loss_mask_only)
+        model_cfg = self.config.model
+        if not model_cfg.fused_lm_head and model_cfg.head == "lm" and is_last_stage_chunk(model):
+            output_hidden_states(model, enable=run.step.flags.outputs_on_loss_mask_only)  # rows to select
         output = model(input_ids=inp.input_ids, position_ids=inp.position_ids,
                        attention_mask=attention_mask(mb), packed_seq_params=inp.packed_seq_params)
         return output, partial(self._loss_func, run, mb, model)

@@ -31,7 +31,7 @@ def lm_head_outputs(config: EngineConfig, model: torch.nn.Module, output: torch.
     temperature, **kwargs)`` turns logits into outputs (the engine's ``_lm_head_logits_processor``).
     With ``select`` (``outputs_on_loss_mask_only``) only the ``n`` rows with ``select != 0`` go
     through the output layer and the processor, as ``[1, n, ...]``; the rest get outputs and
-    gradients 0. One host sync."""
+    gradients 0 (a value head computes every row and keeps the selected ones). One host sync."""
     cfg = config.model
     rows = None
     if select is not None:
@@ -39,9 +39,8 @@ def lm_head_outputs(config: EngineConfig, model: torch.nn.Module, output: torch.
         output, label, temperature = rows.take(output), rows.take(label), rows.take(temperature)
         if kwargs.get("batch") is not None:
             kwargs["batch"] = {k: rows.take(v) for k, v in kwargs["batch"].items()}
-    if cfg.head == "value":
-        values = apply_output_layer(model, output) if rows is not None else output
-        out = {"values": values[..., 0]}
+    if cfg.head == "value":  # the model's own head ran on every row (H -> 1: no saving to make)
+        out = {"values": output[..., 0]}
     elif cfg.fused_lm_head:
         out = process_lm_head_hidden(output, lm_head_weight(model), label, temperature,
                                      vocab_size=cfg.vocab_size, chunk_size=config.logits_chunk_size,
@@ -66,9 +65,6 @@ def check_head_flags(config: EngineConfig, flags, logits_processor_func: Callabl
         if logits_func is not None:
             raise ValueError("outputs_on_loss_mask_only=True: logits_func needs the logits of every row; "
                              "drop the flag for sampling / scoring passes")
-        if config.parallel.sequence_parallel:
-            raise ValueError("outputs_on_loss_mask_only=True is not supported with "
-                             "parallel.sequence_parallel=True (hidden states are sequence-sharded)")
 
 
 def merge_logits_func(outputs: dict[str, torch.Tensor], extra: dict[str, torch.Tensor]

@@ -14,15 +14,19 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from torch import Tensor
 
 from mcore_engine.config import EngineConfig
+from mcore_engine.norm import with_torch_norms
 from mcore_engine.platform import apply_cpu_device_layer, apply_moe_compat
-from mcore_engine.value_head import attach_value_head
+from mcore_engine.value_head import ValueHead, attach_value_head
 
 __all__ = ["PackedDotProductAttention", "build_model_chunks", "build_transformer_config", "has_te",
            "apply_output_layer", "is_last_stage_chunk", "lm_head_weight", "output_hidden_states",
@@ -82,13 +86,10 @@ class PackedDotProductAttention(DotProductAttention):
 
 def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
     """Megatron-Core ``TransformerConfig`` for ``cfg`` (no dropout, no bias but QKV's, RoPE, the
-    recompute fields); ``sequence_parallel`` without Transformer Engine is a ValueError.
+    recompute fields).
     """
     m, p = cfg.model, cfg.parallel
     on_gpu = torch.cuda.is_available()
-    if p.sequence_parallel and not has_te():
-        raise ValueError("ParallelConfig.sequence_parallel needs Transformer Engine (GPU); the local layer "
-                         "spec's torch norms do not support it")
     if "layernorm" in (cfg.recompute_modules or ()) and not has_te():
         raise ValueError("EngineConfig.recompute_modules 'layernorm' needs Transformer Engine (GPU): "
                          "Megatron's norm recompute reads its FP8 state; use 'core_attn' / 'mlp'")
@@ -164,7 +165,7 @@ def _moe_config_kwargs(cfg: EngineConfig) -> dict:
         moe_router_dtype=moe.router_dtype,
         moe_router_load_balancing_type=moe.aux_loss_type,
         moe_aux_loss_coeff=moe.aux_loss_coeff,
-        moe_z_loss_coeff=moe.z_loss_coeff,
+        moe_z_loss_coeff=_z_loss_coeff(cfg),
         moe_expert_capacity_factor=moe.capacity_factor,
         moe_token_drop_policy=moe.token_drop_policy,
         moe_pad_expert_input_to_capacity=moe.pad_expert_input_to_capacity,
@@ -176,6 +177,15 @@ def _moe_config_kwargs(cfg: EngineConfig) -> dict:
     )
 
 
+def _z_loss_coeff(cfg: EngineConfig) -> float | None:
+    """The router's z-loss coefficient. Megatron-Core 0.16's router divides it by the TP size and,
+    with ``calculate_per_token_loss``, weights the loss by the rank's routed tokens; under sequence
+    parallelism (``s / tp`` tokens a rank) that makes the z term ``1 / tp`` of the TP=1 objective,
+    so it gets ``coeff * tp`` (the logged z-loss is unchanged)."""
+    coeff, par = cfg.model.moe.z_loss_coeff, cfg.parallel
+    return coeff * par.tensor_model_parallel_size if coeff is not None and par.sequence_parallel else coeff
+
+
 def _has_grouped_gemm() -> bool:
     try:
         import grouped_gemm  # noqa: F401
@@ -185,18 +195,26 @@ def _has_grouped_gemm() -> bool:
 
 
 def _decoder_spec(cfg: EngineConfig, config: TransformerConfig, vp_stage: int | None):
-    """The layer spec (dense) or this stage's block spec (MoE: Megatron's
-    ``get_gpt_decoder_block_spec``, dense and ``MoELayer`` layers by ``moe.layer_freq``)."""
+    """The layer spec (Transformer Engine, dense) or this stage's block spec: the local layer spec
+    repeated (dense) or Megatron's ``get_gpt_decoder_block_spec`` (MoE: dense and ``MoELayer`` layers
+    by ``moe.layer_freq``); local specs get :class:`~mcore_engine.norm.TorchNorm` norms (sequence
+    parallel capable) and :class:`PackedDotProductAttention`."""
+    te = has_te()
     if cfg.model.moe is None:
-        return _layer_spec(cfg)
+        if te:
+            return _layer_spec(cfg)
+        layer = _layer_spec(cfg)
+        block = TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage),
+                                           layer_norm=WrappedTorchNorm)
+        return with_torch_norms(block)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    te = has_te()
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=te,
                                        normalization=cfg.model.normalization, vp_stage=vp_stage)
     if not te:
         for spec in {id(s): s for s in block.layer_specs}.values():
             spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+        with_torch_norms(block)
     return block
 
 
@@ -290,12 +308,23 @@ def is_last_stage_chunk(model: torch.nn.Module) -> bool:
 def apply_output_layer(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """The last stage's output layer on hidden states ``[..., H]`` (3-d, e.g. ``[1, n, H]``), also
     while :func:`output_hidden_states` is on: logits ``[..., V_local]`` (the tied embedding when
-    shared) or, with a value head, fp32 values ``[..., 1]``. Differentiable as the layer itself."""
+    shared) or, with a value head, fp32 values ``[..., 1]``. Differentiable as the layer itself.
+    Under sequence parallelism ``hidden`` is the gathered (replicated) hidden of
+    :func:`output_hidden_states`: the lm-head runs as under plain TP (no sequence gather; its input
+    gradient summed over TP); a value head (its weight gradient is summed over TP) refuses."""
     gpt = _unwrap(model)
     layer = gpt.output_layer
     weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
-    out, _ = type(layer).forward(layer, hidden, weight=weight)
-    return out
+    if not getattr(layer, "sequence_parallel", False):
+        return type(layer).forward(layer, hidden, weight=weight)[0]
+    if isinstance(layer, ValueHead):
+        raise ValueError("apply_output_layer: a value head under sequence_parallel=True needs the "
+                         "sequence-sharded hidden states (run the model with its own output layer)")
+    layer.sequence_parallel = False
+    try:
+        return type(layer).forward(layer, hidden, weight=weight)[0]
+    finally:
+        layer.sequence_parallel = True
 
 
 def _hidden_passthrough(input_: torch.Tensor, weight: torch.Tensor | None = None,
@@ -304,10 +333,19 @@ def _hidden_passthrough(input_: torch.Tensor, weight: torch.Tensor | None = None
     return input_, None
 
 
+def _gathered_hidden(input_: torch.Tensor, weight: torch.Tensor | None = None,
+                     runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+    """:func:`_hidden_passthrough` under sequence parallelism: ``[s / tp, b, H]`` all-gathered to
+    ``[s, b, H]``; backward keeps this rank's slice of the gradient, which its consumers (the fused
+    lm-head, :func:`apply_output_layer`) have summed over TP, as under plain TP."""
+    return gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=False), None
+
+
 def output_hidden_states(model: torch.nn.Module, enable: bool = True) -> None:
     """Make a last-stage ``GPTModel`` return its final hidden states ``[b, s, H]`` instead of logits
     (for ``processor.process_lm_head_hidden`` with :func:`lm_head_weight`); ``enable=False`` restores
-    the logits. Parameters and state dict are untouched; sequence parallelism is refused.
+    the logits. Parameters and state dict are untouched. Under sequence parallelism the hidden
+    states are all-gathered over the sequence (:func:`_gathered_hidden`; memory ``[s, b, H]``).
     """
     gpt = _unwrap(model)
     layer = getattr(gpt, "output_layer", None)
@@ -316,6 +354,4 @@ def output_hidden_states(model: torch.nn.Module, enable: bool = True) -> None:
     if not enable:
         layer.__dict__.pop("forward", None)
         return
-    if getattr(layer, "sequence_parallel", False):
-        raise ValueError("output_hidden_states does not support sequence_parallel=True (sharded hidden)")
-    layer.forward = _hidden_passthrough
+    layer.forward = _gathered_hidden if getattr(layer, "sequence_parallel", False) else _hidden_passthrough

@@ -150,6 +150,11 @@ class MoERuntime:
                 router.register_forward_pre_hook(self._router_pre_hook)
                 router.register_forward_hook(self._router_post_hook)
         self._stats: dict[str, torch.Tensor] = {}
+        # sequence parallelism: each TP rank routes its s / tp slice of every micro-batch
+        sp = cfg.parallel.sequence_parallel
+        self._sp_group = parallel_state.get_tensor_model_parallel_group() if sp else None
+        self._tp_size = parallel_state.get_tensor_model_parallel_world_size() if sp else 1
+        self._tp_rank = parallel_state.get_tensor_model_parallel_rank() if sp else 0
         self._training = False
         self._valid = torch.ones(0, dtype=torch.bool)
         self._snapshot: dict[int, dict[str, float]] = {}
@@ -246,8 +251,9 @@ class MoERuntime:
                                   device=mb.inputs.input_ids.device)
             flat.append(rec)
         joined = torch.cat(flat)
-        if dist.get_world_size(pp_group) > 1:
-            dist.all_reduce(joined, group=pp_group)
+        for group in (pp_group, self._sp_group):  # each stage / sequence slice filled its own rows
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(joined, group=group)
         start = 0
         for mb in step.micro_batches:
             rows, cols = mb.inputs.input_ids.shape
@@ -260,8 +266,8 @@ class MoERuntime:
         moe = self.cfg.model.moe
         packed = torch.cat([self._stats["load_balancing_loss"], self._stats["z_loss"],
                             self._stats["tokens_per_expert"].reshape(-1)])
-        for group in (pp_group, parallel_state.get_data_parallel_group()):
-            if dist.get_world_size(group) > 1:
+        for group in (pp_group, parallel_state.get_data_parallel_group(), self._sp_group):
+            if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(packed, group=group)
         n_layers = self.num_moe_layers
         lb = (packed[:n_layers] / self._num_tokens).tolist()
@@ -301,21 +307,31 @@ class MoERuntime:
                 return None
             mb, target = self._queues[chunk].popleft()
             self._active[chunk] = mb
+            inputs = mb.inputs
+            rows, cols = inputs.input_ids.shape
+            local = self._local_rows(rows * cols)
             action = RouterReplayAction.REPLAY_FORWARD if target is not None else RouterReplayAction.RECORD
             for index, router in self.chunk_routers[chunk]:
                 replay = router.router_replay
                 replay.clear_indices()
                 replay.set_router_replay_action(action)
                 if target is not None:
-                    replay.set_target_indices(target[:, index].contiguous())
-            inputs = mb.inputs
-            rows, cols = inputs.input_ids.shape
+                    replay.set_target_indices(target[local, index].contiguous())
             padding = torch.ones(rows * cols, dtype=torch.bool, device=inputs.input_ids.device)
             padding[inputs.token_index.to(padding.device)] = False
+            padding = padding.reshape(rows, cols)
             self._mb_tokens = int(inputs.token_index.numel())
-            self._valid = ~_to_router_order(padding.reshape(rows, cols))
-            return args, {**kwargs, "padding_mask": padding.reshape(rows, cols)}
+            self._valid = ~_to_router_order(padding)[local]
+            if self._tp_size > 1 and not module.pre_process:  # GPTModel scatters it on the first stage only
+                padding = padding.chunk(self._tp_size, dim=1)[self._tp_rank]
+            return args, {**kwargs, "padding_mask": padding}
         return hook
+
+    def _local_rows(self, num_tokens: int) -> slice:
+        """This rank's rows of a micro-batch's ``num_tokens`` in router order: all of them, or under
+        sequence parallelism its ``s / tp`` sequence slice (router order is s-major)."""
+        per_rank = num_tokens // self._tp_size
+        return slice(self._tp_rank * per_rank, (self._tp_rank + 1) * per_rank)
 
     def _make_post_hook(self, chunk: int):
         def hook(module, args, output):
@@ -331,11 +347,12 @@ class MoERuntime:
                 rec = torch.zeros(rows * cols, self.num_moe_layers, self.topk, dtype=torch.int64,
                                   device=mb.inputs.input_ids.device)
                 self._records[mb.index] = rec
+            local = self._local_rows(rows * cols)
             for index, router in self.chunk_routers[chunk]:
                 replay = router.router_replay
                 ids = replay.recorded_topk_idx if replay.recorded_topk_idx is not None else \
                     replay.target_topk_idx
-                rec[:, index] = ids.to(rec.device, torch.int64)
+                rec[local, index] = ids.to(rec.device, torch.int64)
                 replay.clear_indices()
             return None
         return hook
@@ -350,8 +367,11 @@ class MoERuntime:
         index = self.moe_index[router.layer_number - 1]
         before = self._snapshot.pop(id(router), {})
         after = self._tracker_values(router.layer_number)
+        # load balancing: the micro-batch's loss (under SP this rank's additive share of it); z: the
+        # mean over this rank's routed tokens
+        weights = {"load_balancing_loss": self._mb_tokens, "z_loss": self._valid.sum().item()}
         for name, value in after.items():
-            self._stats[name][index] += (value - before.get(name, 0.0)) * self._mb_tokens
+            self._stats[name][index] += (value - before.get(name, 0.0)) * weights[name]
         _, routing_map = output
         valid = self._valid.to(routing_map.device)[:, None]
         self._stats["tokens_per_expert"][index] += (routing_map & valid).sum(dim=0).to(torch.float64)

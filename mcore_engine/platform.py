@@ -9,7 +9,7 @@ Without CUDA, :func:`apply_cpu_device_layer` runs Megatron-Core 0.16's CUDA call
 3. Streams, events, ``synchronize``, ``set_stream`` and NVTX ranges -> no-ops.
 4. A ``TorchFunctionMode`` maps ``device='cuda'`` / ``device=<int>`` / ``.to('cuda')`` to the CPU,
    drops ``pin_memory`` and keeps the ``torch.cuda.`` prefix of ``Tensor.type()``; ~1-2 us a call.
-5. MoE: :func:`apply_moe_compat`.
+5. MoE and sequence parallelism on gloo: :func:`apply_moe_compat`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from mcore_engine.config import ParallelConfig
+from mcore_engine.gloo_collectives import apply_gloo_collectives
 
 __all__ = ["Device", "apply_cpu_device_layer", "apply_moe_compat", "cpu_device_layer_active",
            "destroy_distributed",
@@ -163,30 +164,13 @@ def _noop(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _split_sizes(sizes: Any) -> Any:
-    """Split sizes as the gloo binding wants them: a list of ints (Megatron passes tensors / arrays)."""
-    if sizes is None or isinstance(sizes, list):
-        return sizes
-    if isinstance(sizes, torch.Tensor):
-        return [int(v) for v in sizes.tolist()]
-    return [int(v) for v in sizes]
-
-
-def _all_to_all_single_with_list_splits(output, input, output_split_sizes=None, input_split_sizes=None,
-                                        group=None, async_op=False):
-    return _ALL_TO_ALL_SINGLE(output, input, output_split_sizes=_split_sizes(output_split_sizes),
-                              input_split_sizes=_split_sizes(input_split_sizes), group=group,
-                              async_op=async_op)
-
-
-_ALL_TO_ALL_SINGLE = dist.all_to_all_single
 _MOE_COMPAT = False
 
 
 def apply_moe_compat() -> None:
     """Megatron-Core 0.16 MoE without Transformer Engine / on gloo; idempotent. Binds
-    ``moe_utils.te_general_gemm`` to ``None`` (the router's torch path) and, CPU only, passes the
-    alltoall dispatcher's split sizes to ``all_to_all_single`` as lists of ints."""
+    ``moe_utils.te_general_gemm`` to ``None`` (the router's torch path) and, CPU only, installs
+    :mod:`mcore_engine.gloo_collectives` (split sizes as lists, unequal all-gathers)."""
     global _MOE_COMPAT
     if _MOE_COMPAT:
         return
@@ -194,8 +178,7 @@ def apply_moe_compat() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-    if not torch.cuda.is_available():
-        dist.all_to_all_single = _all_to_all_single_with_list_splits
+    apply_gloo_collectives()
     _MOE_COMPAT = True
 
 

@@ -189,3 +189,35 @@ def engine_snapshot(engine, *, counters: bool = False) -> list[torch.Tensor]:
     if counters:
         out.append(torch.tensor([engine.global_step, engine.lr_scheduler.num_steps]))
     return out
+
+
+def main_grads(engine) -> dict[str, torch.Tensor]:
+    """Clones of this rank's DDP main gradients, keyed ``"{chunk}.{name}"``."""
+    return {f"{i}.{k}": p.main_grad.detach().clone() for i, chunk in enumerate(engine.model)
+            for k, p in chunk.module.named_parameters()}
+
+
+def check_router_replay(name: str, engine, batch, grad_tol: float | None = None) -> None:
+    """Router replay on this layout: the recorded routing reproduces infer_batch bit for bit, and a
+    replayed forward-backward gives the recorded routing's loss and gradients (bit for bit, or to the
+    relative error ``grad_tol``)."""
+    from tests.utils import assert_rel_close
+
+    recorded = engine.infer_batch(batch)
+    replay = batch.clone()
+    replay.set("routed_experts", recorded["routed_experts"])
+    again = engine.infer_batch(replay)
+    for key in ("log_probs", "routed_experts"):
+        assert torch.equal(flat_values(again[key]), flat_values(recorded[key])), f"{name}: replayed {key}"
+    engine.zero_grad()
+    free = engine.forward_backward_batch(batch, policy_loss).get_non_tensor("loss").clone()
+    free_grads = main_grads(engine)
+    engine.zero_grad()
+    replayed = engine.forward_backward_batch(replay, policy_loss).get_non_tensor("loss").clone()
+    assert torch.equal(replayed, free), f"{name}: replayed loss {replayed} vs {free}"
+    for key, value in main_grads(engine).items():
+        if grad_tol is None:
+            assert torch.equal(value, free_grads[key]), f"{name}: replayed gradient of {key}"
+        else:
+            assert_rel_close(value, free_grads[key], grad_tol, f"{name}: replayed gradient of {key}")
+    engine.zero_grad()

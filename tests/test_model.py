@@ -43,7 +43,7 @@ def test_build_model_chunks_needs_parallel_state():
 
 def test_transformer_config_from_engine_config():
     from mcore_engine.config import EngineConfig, ParallelConfig
-    from mcore_engine.model import build_transformer_config, has_te
+    from mcore_engine.model import build_transformer_config
 
     cfg = EngineConfig.from_yaml("configs/qwen2_0p5b_tp2.yaml")
     tc = build_transformer_config(cfg)
@@ -53,10 +53,33 @@ def test_transformer_config_from_engine_config():
     assert not tc.add_bias_linear and tc.normalization == "RMSNorm" and tc.layernorm_epsilon == 1e-6
     assert tc.hidden_dropout == 0.0 and tc.attention_dropout == 0.0
     assert tc.tensor_model_parallel_size == 2 and tc.use_cpu_initialization == (not torch.cuda.is_available())
-    if not has_te():
-        cfg.parallel = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
-        with pytest.raises(ValueError, match="sequence_parallel"):
-            build_transformer_config(cfg)
+    cfg.parallel = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    assert build_transformer_config(cfg).sequence_parallel
+
+
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_torch_norm_marks_sequence_parallel_params(normalization, sequence_parallel):
+    """mcore_engine.norm: the local spec's norms are torch's, their parameters marked for the TP sum
+    of sequence parallelism; every WrappedTorchNorm of Megatron's local spec is replaced."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from mcore_engine.norm import TorchNorm, with_torch_norms
+
+    tc = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization=normalization,
+                           sequence_parallel=sequence_parallel, tensor_model_parallel_size=2)
+    norm = TorchNorm(tc, 8, eps=1e-6)
+    assert type(norm) is getattr(torch.nn, normalization)
+    assert all(p.sequence_parallel is sequence_parallel for p in norm.parameters())
+    spec = with_torch_norms(get_gpt_layer_local_spec(qk_layernorm=True, normalization=normalization))
+    subs = spec.submodules
+    for found in (subs.input_layernorm, subs.pre_mlp_layernorm, subs.self_attention.submodules.q_layernorm):
+        assert found is TorchNorm and found is not WrappedTorchNorm
+    tc.layernorm_zero_centered_gamma = True
+    with pytest.raises(ValueError, match="zero-centred gamma"):
+        TorchNorm(tc, 8)
 
 
 # ----------------------------------------------------------------------------------------------------

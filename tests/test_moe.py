@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from tests.engine_setup import (
+    check_router_replay,
     flat_values,
     load_full_state,
     local_reference,
@@ -280,7 +281,7 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
         mine = batch[torch.arange(rows.start, rows.stop)]
         got = _step_record(engine, mine, flags_batch(rows, topk="fused" not in name))
         _compare(name, got, ref, engine, slice(int(tokens[rows.start]), int(tokens[rows.stop])))
-        _check_layout_replay(name, engine, mine)
+        check_router_replay(name, engine, mine)
         if name in ("ep2-dp2", "ep2-pp2"):
             _check_resume(engine, mine, os.path.join(os.path.dirname(path), f"ckpt-{name}"))
         del engine
@@ -338,26 +339,6 @@ def _check_ep_resharding(full0, folder: str) -> None:
         same(step(engine, 1), want[1], f"EP 2 -> 1, distributed optimizer {do}")
         del engine
         destroy_distributed()
-
-
-def _check_layout_replay(name: str, engine, batch) -> None:
-    """Router replay on this layout: the recorded routing reproduces infer_batch bit for bit, and a
-    replayed forward-backward gives the recorded routing's loss and gradients."""
-    recorded = engine.infer_batch(batch)
-    replay = batch.clone()
-    replay.set("routed_experts", recorded["routed_experts"])
-    again = engine.infer_batch(replay)
-    for key in ("log_probs", "routed_experts"):
-        assert torch.equal(flat_values(again[key]), flat_values(recorded[key])), f"{name}: replayed {key}"
-    engine.zero_grad()
-    free = engine.forward_backward_batch(batch, policy_loss).get_non_tensor("loss").clone()
-    free_grads = grads(engine)
-    engine.zero_grad()
-    replayed = engine.forward_backward_batch(replay, policy_loss).get_non_tensor("loss").clone()
-    assert torch.equal(replayed, free), f"{name}: replayed loss {replayed} vs {free}"
-    for key, value in grads(engine).items():
-        assert torch.equal(value, free_grads[key]), f"{name}: replayed gradient of {key}"
-    engine.zero_grad()
 
 
 def _check_resume(engine, batch, path: str) -> None:
