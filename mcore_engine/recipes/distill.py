@@ -27,12 +27,11 @@ from mcore_engine.losses import agg_loss, distillation_ppo_loss, make_forward_kl
 from mcore_engine.recipes.corpus import MarkovCorpus
 from mcore_engine.recipes.job_config import DistillationConfig, JobConfig, TeacherTrainingConfig
 from mcore_engine.recipes.logging import RunLogger, plot_curves
+from mcore_engine.recipes.metrics import global_metrics, peak_memory_gib
 from mcore_engine.recipes.sampling import GumbelMaxSampler, sample_continuations, teacher_topk
 
 __all__ = ["JobSummary", "distill_student", "distillation_batch", "lm_batch", "next_token_loss", "run_job",
            "train_teacher"]
-
-_GIB = float(2**30)
 
 
 def next_token_loss(outputs: dict[str, torch.Tensor], data: TensorDict, ctx) -> tuple[torch.Tensor, dict]:
@@ -66,33 +65,6 @@ def distillation_batch(tokens: torch.Tensor, teacher_ids: torch.Tensor, teacher_
     return batch
 
 
-def _global_metrics(out: TensorDict, dp_group: dist.ProcessGroup | None) -> dict[str, float]:
-    """Engine metrics -> floats summed over micro-batches and DP (one all-reduce; scalars pass through),
-    broadcast from the last pipeline stage first."""
-    from megatron.core import parallel_state
-
-    metrics = out.get_non_tensor("metrics")
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        holder = [metrics]
-        dist.broadcast_object_list(holder, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                                   group=parallel_state.get_pipeline_model_parallel_group())
-        metrics = holder[0]
-    summed = {k: sum(v) for k, v in metrics.items() if isinstance(v, list)}
-    keys = sorted(summed)
-    if keys and dp_group is not None and dist.get_world_size(dp_group) > 1:
-        packed = torch.tensor([summed[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(packed, group=dp_group)
-        summed = dict(zip(keys, packed.tolist(), strict=True))
-    scalars = {k: float(v) for k, v in metrics.items() if not isinstance(v, list)}
-    return {**summed, **scalars}
-
-
-def _memory_gib() -> float:
-    from mcore_engine.platform import get_device
-
-    return get_device().max_memory_allocated() / _GIB
-
-
 def train_teacher(engine, corpus: MarkovCorpus, cfg: TeacherTrainingConfig, logger: RunLogger,
                   generator: torch.Generator, dp_size: int) -> list[float]:
     """Phase 1; returns the global loss per step."""
@@ -106,11 +78,11 @@ def train_teacher(engine, corpus: MarkovCorpus, cfg: TeacherTrainingConfig, logg
         tokens = corpus.sample(cfg.batch_size, cfg.seq_len, generator)
         out = engine.train_batch(lm_batch(tokens, cfg.micro_batch_size), next_token_loss)
         engine.lr_scheduler_step()
-        metrics = _global_metrics(out, dp_group)
+        metrics = global_metrics(out, dp_group)
         seconds = time.perf_counter() - t0
         num_tokens = cfg.batch_size * cfg.seq_len * dp_size
         record = {"phase": "teacher", "step": step, **metrics, "tokens": num_tokens,
-                  "tokens_per_s": num_tokens / seconds, "step_s": seconds, "mem_gib": _memory_gib()}
+                  "tokens_per_s": num_tokens / seconds, "step_s": seconds, "mem_gib": peak_memory_gib()}
         losses.append(metrics["loss"])
         logger.log(record, {"loss": f"{metrics['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}",
                             "mem": f"{record['mem_gib']:.2f}G"})
@@ -140,12 +112,12 @@ def distill_student(student, teacher, corpus: MarkovCorpus, cfg: DistillationCon
                                    micro_batch_size=cfg.micro_batch_size)
         out = student.train_batch(batch, loss_fn, logits_processor_func=kl_processor)
         student.lr_scheduler_step()
-        metrics = _global_metrics(out, dp_group)
+        metrics = global_metrics(out, dp_group)
         t2 = time.perf_counter()
         num_tokens = seqs.numel() * dp_size
         record = {"phase": "student", "step": step, **metrics, "tokens": num_tokens,
                   "tokens_per_s": num_tokens / (t2 - t0), "rollout_s": t1 - t0, "train_s": t2 - t1,
-                  "mem_gib": _memory_gib()}
+                  "mem_gib": peak_memory_gib()}
         history.append(record)
         logger.log(record, {"kl": f"{metrics['distillation_loss']:.3f}",
                             "overlap": f"{metrics['topk_overlap']:.2f}",

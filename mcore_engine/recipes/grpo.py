@@ -30,9 +30,9 @@ import yaml
 from tensordict import TensorDict
 
 from mcore_engine.losses import distillation_ppo_loss, kl_estimator
-from mcore_engine.recipes.distill import _global_metrics, _memory_gib
 from mcore_engine.recipes.grpo_config import GRPOConfig, GRPOJobConfig
 from mcore_engine.recipes.logging import RunLogger, plot_grpo_curves
+from mcore_engine.recipes.metrics import global_metrics, peak_memory_gib
 from mcore_engine.recipes.sampling import GumbelMaxSampler, from_last_stage, sample_continuations
 from mcore_engine.recipes.toy_task import sample_prompts, successor_reward
 
@@ -150,7 +150,7 @@ def train_grpo(policy: MegatronEngine, reference: MegatronEngine | None, cfg: GR
             part = grpo_batch(seqs[rows], advantages[rows], old[rows], None if ref is None else ref[rows],
                               prompt_len=cfg.prompt_len, temperature=cfg.temperature,
                               micro_batch_size=cfg.micro_batch_size)
-            updates.append(_global_metrics(policy.train_batch(part, loss_fn), dp_group))
+            updates.append(global_metrics(policy.train_batch(part, loss_fn), dp_group))
             policy.lr_scheduler_step()
         t2 = time.perf_counter()
         # --- 4. global statistics (sums over DP ranks) and the record ---
@@ -170,7 +170,7 @@ def train_grpo(policy: MegatronEngine, reference: MegatronEngine | None, cfg: GR
                   "entropy": sums[3] / sums[5], **({"kl": sums[4] / sums[5]} if ref is not None else {}),
                   "equal_reward_groups": sums[6] / sums[7], **train, "tokens": num_tokens,
                   "tokens_per_s": num_tokens / (t2 - t0), "rollout_s": t1 - t0, "train_s": t2 - t1,
-                  "mem_gib": _memory_gib()}
+                  "mem_gib": peak_memory_gib()}
         history.append(record)
         logger.log(record, {"reward": f"{mean:.3f}", "clip": f"{record['pg_clipfrac']:.3f}",
                             "tok/s": f"{record['tokens_per_s']:.0f}", "mem": f"{record['mem_gib']:.2f}G"})
