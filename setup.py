@@ -33,6 +33,9 @@ setup(
         # older than ours); install this extra under `-c constraints.txt` so no second torch comes in.
         "verl": ["ray", "msgpack", "protobuf", "requests", "jsonschema", "psutil", "omegaconf", "hydra-core",
                  "dill", "codetiming", "orjson", "accelerate", "peft", "datasets", "pandas", "pyarrow>=19",
-                 "multiprocess", "xxhash", "fastapi", "starlette", "uvicorn", "opentelemetry-api"],
+                 "multiprocess", "xxhash", "fastapi", "starlette", "uvicorn", "opentelemetry-api",
+                 # verl's trainer (tests/integrations/test_verl_trainer.py): main_ppo's data loader,
+                 # its agent / reward / teacher loops
+                 "torchdata", "cachetools", "aiohttp"],
     },
 )

@@ -1,0 +1,154 @@
+"""verl 0.9.1's own trainer end to end on CPU with ``strategy=mcore_engine``: ``python -m
+verl.trainer.main_ppo`` (verl's config ``ppo_megatron_trainer``, its legacy ``RayPPOTrainer`` loop on the
+engine workers ``verl.workers.engine_workers.ActorRolloutRefWorker`` / ``TrainingWorker``, Ray) for
+two steps, twice:
+
+- GRPO (n=4) with a KL loss, so actor + reference policy, and verl's critic enabled
+  (``critic.enable=True``): rollout on the harness's ``hf_cpu`` server, verl's reward loop with a
+  rule-based custom reward, GRPO advantages, actor and critic updates, weight sync back to the
+  rollout through verl's naive checkpoint engine, a checkpoint with an HF export at the end;
+- verl's on-policy distillation (``distillation.enabled=True``, top-k forward KL) with a teacher
+  served by an ``hf_cpu`` teacher replica (prompt top-k log-probs, verl's teacher loop).
+
+What verl lacks on CPU is added in ``tests/integrations/verl_trainer_harness.py`` (loaded by every
+Ray process through verl's ``VERL_USE_EXTERNAL_MODULES`` plugin hook). The checks read what verl
+logs (its file logger's metrics) and what the harness records (the engines verl built, every
+weight version the rollout server received and the requests it served under each).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+
+import pytest
+
+pytest.importorskip("verl", reason="verl is installed by `make setup` (pip install --no-deps verl==0.9.1)")
+pytest.importorskip("ray")
+
+from tests.integrations.verl_trainer_setup import (  # noqa: E402
+    make_dataset,
+    make_model,
+    make_tokenizer,
+    tokenizer_dir,
+    trainer_command,
+    trainer_env,
+)
+
+STEPS = 2
+PER_STEP = 4 * 4  # prompts x rollout.n
+TIMEOUT = 900
+
+
+def run_trainer(work: str, **kw) -> dict:
+    """Run verl's trainer in ``work``; return its metrics per step, the harness's records and the
+    paths."""
+    student, teacher, data = (os.path.join(work, n) for n in ("student", "teacher", "train.parquet"))
+    make_model(student, seed=0)
+    make_tokenizer(tokenizer_dir(work))
+    make_dataset(data)
+    if kw.pop("distill", False):
+        make_model(teacher, seed=1)
+        kw["teacher_dir"] = teacher
+    cmd = trainer_command(work, student, data, steps=STEPS, **kw)
+    with open(os.path.join(work, "trainer.log"), "w") as log:
+        proc = subprocess.run(cmd, env=trainer_env(work), stdout=log, stderr=subprocess.STDOUT,
+                              timeout=TIMEOUT, cwd=work)
+    tail = open(os.path.join(work, "trainer.log"), errors="replace").read()[-6000:]
+    assert proc.returncode == 0, f"verl's trainer failed (log {work}/trainer.log):\n{tail}"
+    steps = {}
+    for line in open(os.path.join(work, "metrics.jsonl")):
+        record = json.loads(line)
+        steps[record["step"]] = record["data"]
+    report = os.path.join(work, "report")
+
+    def records(name):
+        path = os.path.join(report, f"{name}.jsonl")
+        return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+
+    return {"steps": steps, "records": records, "student": student, "work": work}
+
+
+def finite_metrics(steps: dict) -> None:
+    assert sorted(steps) == list(range(1, STEPS + 1)), sorted(steps)
+    for step, metrics in steps.items():
+        bad = {k: v for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)}
+        assert not bad, f"step {step}: non-finite metrics {bad}"
+
+
+def check_weight_sync(run: dict, server: str = "hf_cpu_server_0_0") -> list[dict]:
+    """The rollout received the actor's weights through verl's sync before the first rollout and after
+    every update (global steps 0..STEPS), generated every step's responses on the latest version,
+    and that version is what the actor holds: the first equals the HF folder (fp32, bitwise), each
+    later one moved, the last equals the actor's final checkpoint (HF export)."""
+    import torch
+    from safetensors.torch import load_file
+
+    events = run["records"](server)
+    updates = [e for e in events if e["event"] == "update_weights"]
+    assert [u["global_steps"] for u in updates] == list(range(STEPS + 1)), updates
+    versions = [load_file(u["file"]) for u in updates]
+    initial = load_file(os.path.join(run["student"], "model.safetensors"))
+    assert versions[0].keys() == initial.keys()
+    assert all(torch.equal(versions[0][k], initial[k]) for k in initial), "first sync != the HF weights"
+    for before, after in zip(versions, versions[1:], strict=False):
+        moved = max(float((after[k] - before[k]).norm() / before[k].norm()) for k in before)
+        assert moved > 1e-4, "an actor update did not reach the rollout"
+    exported = load_file(os.path.join(run["work"], "checkpoints", f"global_step_{STEPS}", "actor",
+                                      "huggingface", "model.safetensors"))
+    assert all(torch.equal(versions[-1][k], exported[k]) for k in exported), "rollout != actor after the run"
+    generated = [e for e in events if e["event"] == "generate"]
+    by_version = {v: sum(e["version"] == v for e in generated) for v in range(1, STEPS + 1)}
+    assert by_version == {v: PER_STEP for v in range(1, STEPS + 1)}, by_version
+    return generated
+
+
+def check_engines(run: dict, expected: set[tuple[str, bool]]) -> None:
+    """Every engine verl's workers built is this backend's: (model type, forward_only) as expected."""
+    engines = run["records"]("engines")
+    assert {e["backend"] for e in engines} == {"mcore_engine"}, engines
+    classes = {"language_model": "mcore_engine.integrations.verl.McoreEngineVerl",
+               "value_model": "mcore_engine.integrations.verl.McoreEngineVerlValue"}
+    assert all(e["class"] == classes[e["model_type"]] for e in engines), engines
+    assert {(e["model_type"], e["forward_only"]) for e in engines} == expected, engines
+
+
+@pytest.mark.slow
+def test_verl_main_ppo_grpo_with_critic(tmp_path):
+    run = run_trainer(str(tmp_path), critic=True)
+    steps = run["steps"]
+    finite_metrics(steps)
+    # actor, reference policy (forward_only) and critic, all on mcore_engine
+    check_engines(run, {("language_model", False), ("language_model", True), ("value_model", False)})
+    check_weight_sync(run)
+    for step, m in steps.items():
+        # the rollout's sampling log-probs are the actor's (same weights, fp32): verl's own check
+        assert m["training/rollout_probs_diff_valid"] == 1, step
+        assert m["training/rollout_probs_diff_max"] < 1e-4, step
+        assert m["critic/score/max"] > m["critic/score/min"], "rule-based rewards must vary"
+        assert m["critic/advantages/max"] > 0 > m["critic/advantages/min"], "GRPO advantages"
+        assert m["actor/grad_norm"] > 0 and m["critic/grad_norm"] > 0, step
+        for key in ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "critic/vpred_mean"):
+            assert key in m, (step, key)
+        assert m["response_length/mean"] > 0
+    assert steps[1]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # ref == actor before the first update
+    assert steps[2]["actor/kl_loss"] > 0  # the actor moved away from the reference
+
+
+@pytest.mark.slow
+def test_verl_main_ppo_distillation_with_teacher(tmp_path):
+    run = run_trainer(str(tmp_path), distill=True)
+    steps = run["steps"]
+    finite_metrics(steps)
+    check_engines(run, {("language_model", False), ("language_model", True)})
+    check_weight_sync(run)
+    teacher = [e for e in run["records"]("hf_cpu_server_teacher_0_0_default") if e["event"] == "generate"]
+    # the teacher scored one prompt + response sequence per generated sample, within the lengths
+    assert len(teacher) == STEPS * PER_STEP, len(teacher)
+    assert all(6 < e["prompt_len"] <= 16 + 12 for e in teacher), teacher
+    for step, m in steps.items():
+        assert m["training/rollout_probs_diff_max"] < 1e-4, step
+        assert m["actor/distillation/loss"] > 0 and m["actor/grad_norm"] > 0, step
+        assert 0 < m["actor/distillation/teacher_mass"] <= 1 and 0 < m["actor/distillation/student_mass"] <= 1

@@ -1,0 +1,460 @@
+"""Test harness that lets verl 0.9.1's own trainer (``verl.trainer.main_ppo``) run on a CPU-only machine
+with the ``mcore_engine`` backend. Nothing here touches verl's installed files: every process that
+imports verl imports this module through verl's own plugin hook (``VERL_USE_EXTERNAL_MODULES``), and
+what it adds goes through verl's registries.
+
+What verl lacks on CPU, and what is added here:
+
+- **A CPU platform.** verl's device layer (``verl.plugin.platform``) knows CUDA, NPU and ROCm and
+  falls back to CUDA on a machine without accelerators. :class:`PlatformCPU` is registered as
+  ``"cpu"`` (``VERL_PLATFORM=cpu``): device ``"cpu"``, gloo, Ray's ``GPU`` resource as
+  logical device slots (``ray.init(num_gpus=N)``: verl's resource pools count ``GPU`` bundles; no
+  process touches CUDA), and ``torch.cpu`` as the
+  device module with no-op memory statistics / cache calls (``torch.cpu`` has none; verl calls
+  them after every step). verl's FLOPs counter recognises ``torch.cpu`` as the CPU.
+- **The process-group backend string.** ``verl.utils.distributed.initialize_global_process_group_ray``
+  builds ``"cpu:gloo,{device}:{backend}"``, which torch refuses for device ``cpu``
+  ("Duplicate device type cpu"); it is wrapped to use ``"cpu:gloo"`` when the device is the CPU.
+- **A rollout.** verl 0.9.1's trainer only generates through rollout *servers* (vLLM, SGLang,
+  TensorRT-LLM replicas); none runs here. :class:`HFReplica` (registered in verl's
+  ``RolloutReplicaRegistry`` as ``"hf_cpu"``) launches one :class:`HFRolloutServer` Ray actor per
+  replica: a ``transformers`` model that samples with ``generate`` (token ids + log-probs, the
+  ``TokenOutput`` verl's agent loop reads) and computes prompt top-k log-probs for a teacher
+  (``prompt_logprobs``, the fields verl's teacher manager reads from vLLM). :class:`HFServerAdapter`
+  (registered in verl's rollout class registry as ``("hf_cpu", "async")``) is the rollout inside
+  verl's ``ActorRolloutRefWorker``: verl's weight sync (``checkpoint_engine.backend=naive``:
+  ``ActorRolloutRefWorker.update_weights`` -> the engine's ``get_per_tensor_param`` ->
+  ``rollout.update_weights``) hands it the actor's HF-named tensors, which it ships to its server.
+  The server refuses to generate while asleep (verl sleeps the replicas after each rollout and
+  wakes them in the weight sync) and records, per weight version, the tensors it received and the
+  requests it served under ``VERL_HARNESS_REPORT_DIR``, for the test to check.
+- **The teacher's inference engine name.** ``DistillationTeacherModelConfig`` validates the top-k
+  log-prob cap for ``vllm`` / ``sglang`` by name and refuses other engines; ``hf_cpu`` is let
+  through (it takes the top-k per request, as SGLang does).
+
+The harness also records every engine verl's workers build (``EngineRegistry.new``) in
+``engines.jsonl``, so the test can check that actor, reference and critic ran on ``mcore_engine``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+REPORT_ENV = "VERL_HARNESS_REPORT_DIR"
+ROLLOUT_NAME = "hf_cpu"
+RAY_RESOURCE = "GPU"  # logical slots: ray.init(num_gpus=N) on a CPU host; nothing uses CUDA
+
+
+# ------------------------------------------------------------------------------------------ platform
+def _register_platform() -> None:
+    from verl.plugin.platform import PlatformBase, PlatformRegistry
+
+    for name, fn in {"empty_cache": lambda: None, "max_memory_allocated": lambda *a, **k: 0,
+                     "max_memory_reserved": lambda *a, **k: 0, "memory_allocated": lambda *a, **k: 0,
+                     "memory_reserved": lambda *a, **k: 0, "reset_peak_memory_stats": lambda *a, **k: None,
+                     "manual_seed": torch.manual_seed, "manual_seed_all": torch.manual_seed,
+                     "get_device_name": lambda *a, **k: "CPU"}.items():
+        if not hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, fn)
+
+    @PlatformRegistry.register(platform="cpu")
+    class PlatformCPU(PlatformBase):
+        """verl platform for a CPU-only host (test harness)."""
+
+        device_name = "cpu"
+        vendor_name = "cpu"
+        device_module = torch.cpu
+
+        def is_available(self) -> bool:
+            return True
+
+        def current_device(self) -> int:
+            return 0
+
+        def device_count(self) -> int:
+            return 1
+
+        def set_device(self, device_index: int) -> None:
+            return None
+
+        def synchronize(self, device_index=None) -> None:
+            return None
+
+        def manual_seed(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings: str) -> None:
+            return None
+
+        def empty_cache(self) -> None:
+            return None
+
+        def get_device_capability(self, device_index: int = 0):
+            return None, None
+
+        def communication_backend_name(self) -> str:
+            return "gloo"
+
+        def visible_devices_envvar(self) -> str:
+            return "VERL_CPU_VISIBLE_DEVICES"
+
+        @contextlib.contextmanager
+        def nvtx_range(self, msg: str):
+            yield
+
+        def profiler_start(self) -> None:
+            return None
+
+        def profiler_stop(self) -> None:
+            return None
+
+        def ray_resource_name(self) -> str:
+            return RAY_RESOURCE
+
+        def ray_noset_envvars(self) -> list[str]:
+            return []
+
+        def is_ipc_supported(self) -> bool:
+            return False
+
+        def cudart(self):
+            return None
+
+
+def _patch_process_group_backend() -> None:
+    import verl.utils.distributed as vd
+
+    original = vd.initialize_global_process_group_ray
+    if getattr(original, "_cpu_harness", False):
+        return
+
+    def initialize_global_process_group_ray(timeout_second=None, backend=None):
+        if backend is None and vd.get_device_name() == "cpu":
+            backend = "cpu:gloo"
+        return original(timeout_second=timeout_second, backend=backend)
+
+    initialize_global_process_group_ray._cpu_harness = True
+    vd.initialize_global_process_group_ray = initialize_global_process_group_ray
+
+
+# ------------------------------------------------------------------------------------------ rollout
+def _report(name: str, record: dict) -> None:
+    root = os.environ.get(REPORT_ENV)
+    if root:
+        os.makedirs(root, exist_ok=True)
+        with open(os.path.join(root, f"{name}.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+class HFRolloutServer:
+    """A rollout server (Ray actor) on a ``transformers`` causal LM, fp32 on CPU: the methods verl's
+    replicas, agent loop, teacher manager and checkpoint manager call on vLLM's server."""
+
+    def __init__(self, name: str, model_path: str, teacher: bool = False) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.name, self.teacher = name, teacher
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.awake = True
+        self.version = 0  # weight updates received
+        self.global_steps = None
+        self.lock = threading.Lock()
+        self.seed = 1234
+        _report(name, {"event": "start", "model_path": model_path, "teacher": teacher, "pid": os.getpid()})
+
+    # --- life cycle (RolloutReplica / CheckpointEngineManager)
+    async def wake_up(self, tags: list[str] | None = None):
+        self.awake = True
+
+    async def sleep(self):
+        self.awake = False
+
+    async def clear_kv_cache(self):
+        return None
+
+    async def release_kv_cache(self):
+        return None
+
+    async def resume_kv_cache(self):
+        return None
+
+    async def wait_for_requests_to_drain(self):
+        return None
+
+    async def abort_all_requests(self, reject_request: bool = False, **kwargs):
+        return {"aborted_count": 0, "request_ids": []}
+
+    async def resume_generation(self):
+        return None
+
+    async def start_profile(self, **kwargs):
+        return None
+
+    async def stop_profile(self):
+        return None
+
+    async def set_global_steps(self, global_steps: int):
+        self.global_steps = global_steps
+
+    # --- weights (HFServerAdapter.update_weights)
+    async def update_weights(self, state: dict[str, torch.Tensor], global_steps: int | None = None) -> int:
+        from safetensors.torch import save_file
+
+        own = self.model.state_dict()
+        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        if missing or unexpected:
+            raise ValueError(f"{self.name}: weight sync names differ: missing {missing}, "
+                             f"unexpected {unexpected}")
+        with torch.no_grad():
+            for key, value in state.items():
+                if own[key].shape != value.shape:
+                    raise ValueError(f"{self.name}: {key} shape {tuple(value.shape)} != "
+                                     f"{tuple(own[key].shape)}")
+                own[key].copy_(value)
+        self.version += 1
+        self.global_steps = global_steps
+        record = {"event": "update_weights", "version": self.version, "global_steps": global_steps,
+                  "tensors": len(state), "time": time.time()}
+        root = os.environ.get(REPORT_ENV)
+        if root:
+            path = os.path.join(root, f"{self.name}_weights_v{self.version}.safetensors")
+            save_file({k: v.detach().contiguous() for k, v in self.model.state_dict().items()}, path)
+            record["file"] = path
+        _report(self.name, record)
+        return self.version
+
+    # --- generation (LLMServerClient.generate)
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
+                       image_data=None, video_data=None, **kwargs):
+        from verl.workers.rollout.replica import TokenOutput
+
+        if not self.awake:
+            raise RuntimeError(f"{self.name}: generate() while asleep (verl wakes replicas in the "
+                               "weight sync)")
+        if image_data or video_data or kwargs.get("audio_data"):
+            raise ValueError(f"{self.name}: text only")
+        prompt_ids = [int(t) for t in prompt_ids]
+        with self.lock, torch.no_grad():
+            if sampling_params.get("prompt_logprobs") is not None:
+                out = self._prompt_logprobs(prompt_ids, int(sampling_params["prompt_logprobs"]))
+            else:
+                out = self._sample(prompt_ids, sampling_params)
+        _report(self.name, {"event": "generate", "version": self.version, "global_steps": self.global_steps,
+                            "prompt_len": len(prompt_ids), "response_len": len(out["token_ids"])})
+        out["extra_fields"]["global_steps"] = self.global_steps
+        return TokenOutput(**out)
+
+    def _sample(self, prompt_ids: list[int], sp: dict[str, Any]) -> dict:
+        temperature = float(sp.get("temperature", 1.0))
+        max_new = int(sp.get("max_tokens") or sp.get("max_new_tokens") or 16)
+        top_k, top_p = int(sp.get("top_k", -1)), float(sp.get("top_p", 1.0))
+        eos = self.model.generation_config.eos_token_id
+        g = torch.Generator().manual_seed(self.seed)
+        self.seed += 1
+        ids = torch.tensor([prompt_ids])
+        tokens, logps = [], []
+        past = None
+        for _ in range(max_new):
+            out = self.model(input_ids=ids if past is None else ids[:, -1:], past_key_values=past,
+                             use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[0, -1].float()
+            if temperature <= 0:
+                token = int(logits.argmax())
+                logp = torch.log_softmax(logits, -1)[token]
+            else:
+                scaled = logits / temperature
+                probs = torch.softmax(scaled, -1)
+                if top_k > 0:
+                    kth = probs.topk(top_k).values[-1]
+                    probs = torch.where(probs >= kth, probs, 0.0)
+                if top_p < 1.0:
+                    sorted_p, order = probs.sort(descending=True)
+                    keep = sorted_p.cumsum(-1) - sorted_p < top_p
+                    probs = torch.zeros_like(probs).scatter(0, order, sorted_p * keep)
+                token = int(torch.multinomial(probs / probs.sum(), 1, generator=g))
+                logp = torch.log_softmax(scaled, -1)[token]
+            tokens.append(token)
+            logps.append(float(logp))
+            ids = torch.cat([ids, torch.tensor([[token]])], 1)
+            if eos is not None and token in ([eos] if isinstance(eos, int) else eos):
+                break
+        want_logprobs = sp.get("logprobs") not in (None, False)
+        return {"token_ids": tokens, "log_probs": logps if want_logprobs else None,
+                "stop_reason": "completed", "extra_fields": {}}
+
+    def _prompt_logprobs(self, ids: list[int], k: int) -> dict:
+        """vLLM's ``prompt_logprobs`` as verl's ``extract_prompt_logprobs`` lays them out: row t holds the
+        top-``k`` (id, log-prob) of the next-token distribution after ``ids[: t + 1]`` (``k=0``: the
+        actual next token's); the last row is a zero pad."""
+        logp = torch.log_softmax(self.model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+        if k > 0:
+            vals, idx = logp[:-1].topk(k, -1)
+        else:
+            idx = torch.tensor(ids[1:]).unsqueeze(-1)
+            vals = logp[:-1].gather(-1, idx)
+        width = max(k, 1)
+        prompt_ids = idx.tolist() + [[0] * width]
+        prompt_logprobs = vals.tolist() + [[0.0] * width]
+        return {"token_ids": [int(logp[-1].argmax())], "log_probs": None, "stop_reason": "completed",
+                "extra_fields": {"prompt_ids": prompt_ids, "prompt_logprobs": prompt_logprobs}}
+
+
+def _server_name(replica_rank: int, node_rank: int = 0, teacher: bool = False, suffix: str = "") -> str:
+    return f"{ROLLOUT_NAME}_server_{'teacher_' if teacher else ''}{replica_rank}_{node_rank}{suffix}"
+
+
+def _register_rollout() -> None:
+    from verl.workers.rollout import base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = f"{__name__}.HFServerAdapter"
+    RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: HFReplica)
+
+
+def _make_replica_class():
+    import ray
+    from verl.workers.config import HFModelConfig
+    from verl.workers.rollout.replica import RolloutReplica
+
+    class HFReplica(RolloutReplica):
+        """verl rollout replica serving :class:`HFRolloutServer` (one server per replica)."""
+
+        async def launch_servers(self):
+            from verl.utils.config import omega_conf_to_dataclass
+
+            model_config = self.model_config
+            if not isinstance(model_config, HFModelConfig):
+                model_config = omega_conf_to_dataclass(model_config)
+            path = model_config.local_path or model_config.path
+            name = _server_name(self.replica_rank, 0, self.is_teacher_model, self.name_suffix)
+            server = ray.remote(HFRolloutServer).options(name=name, num_cpus=0, max_concurrency=8).remote(
+                name=name, model_path=path, teacher=self.is_teacher_model)
+            self.servers = [server]
+            self._server_handle = server
+            self._server_address = f"{ROLLOUT_NAME}://{name}"
+
+        async def sleep(self):
+            await self.servers[0].sleep.remote()
+
+    return HFReplica
+
+
+class HFServerAdapter:
+    """placeholder, replaced at import by :func:`_make_adapter_class` (needs verl's BaseRollout)."""
+
+
+def _make_adapter_class():
+    import ray
+    from verl.workers.rollout.base import BaseRollout
+
+    class HFServerAdapter(BaseRollout):
+        """The rollout inside verl's ``ActorRolloutRefWorker``: receives the weight sync and ships the
+        tensors to this replica's :class:`HFRolloutServer`; wakes / sleeps it."""
+
+        def __init__(self, config, model_config, device_mesh, replica_rank: int = -1, **kwargs):
+            super().__init__(config, model_config, device_mesh)
+            rank = int(os.environ.get("RANK", 0))
+            world = (self.config.tensor_model_parallel_size * self.config.data_parallel_size
+                     * self.config.pipeline_model_parallel_size)
+            self.replica_rank = rank // world if replica_rank == -1 else replica_rank
+            self.rollout_rank = rank % world
+            self.is_leader_rank = self.rollout_rank == 0
+            self.server = None
+            self.sleep_level = 2
+
+        def _handle(self):
+            if self.server is None and self.is_leader_rank:
+                self.server = ray.get_actor(_server_name(self.replica_rank))
+            return self.server
+
+        async def resume(self, tags: list[str]):
+            if self._handle() is not None:
+                await self.server.wake_up.remote(tags=tags)
+
+        async def release(self):
+            if self._handle() is not None:
+                await self.server.sleep.remote()
+
+        async def update_weights(self, weights, wire_format: str = "named_tensors", global_steps=None,
+                                 **kwargs):
+            assert wire_format == "named_tensors", wire_format
+            state = {}
+            if hasattr(weights, "__aiter__"):
+                async for name, tensor in weights:
+                    state[name] = tensor.detach().to("cpu", torch.float32, copy=True)
+            else:
+                for name, tensor in weights:  # every rank drains the (collective) generator
+                    state[name] = tensor.detach().to("cpu", torch.float32, copy=True)
+            if self._handle() is not None:
+                await self.server.update_weights.remote(state, global_steps)
+
+    return HFServerAdapter
+
+
+def _allow_teacher_rollout() -> None:
+    """verl's ``DistillationTeacherModelConfig`` checks the teacher's top-k log-prob cap per inference
+    engine by name (vLLM's ``max_logprobs``; SGLang has none) and refuses any other name; the
+    ``hf_cpu`` server, like SGLang, takes the top-k per request."""
+    from verl.workers.config.distillation import DistillationTeacherModelConfig
+
+    original = DistillationTeacherModelConfig._validate_topk_logprobs
+    if getattr(original, "_cpu_harness", False):
+        return
+
+    def _validate_topk_logprobs(self, use_topk, topk):
+        if self.inference.name == ROLLOUT_NAME:
+            if use_topk and topk is None:
+                raise ValueError("topk must be specified when use_topk is True.")
+            return None
+        return original(self, use_topk, topk)
+
+    _validate_topk_logprobs._cpu_harness = True
+    DistillationTeacherModelConfig._validate_topk_logprobs = _validate_topk_logprobs
+
+
+def _record_engines() -> None:
+    """Record each engine verl's workers build (``EngineRegistry.new``: model type, backend, class) in
+    ``engines.jsonl`` of the report folder: the test checks that every role ran on mcore_engine."""
+    from verl.workers.engine.base import EngineRegistry
+
+    original = EngineRegistry.new.__func__
+    if getattr(original, "_cpu_harness", False):
+        return
+
+    def new(cls, model_type, backend, *args, **kwargs):
+        engine = original(cls, model_type, backend, *args, **kwargs)
+        config = kwargs.get("engine_config")
+        _report("engines", {"model_type": model_type, "backend": backend, "pid": os.getpid(),
+                            "class": f"{type(engine).__module__}.{type(engine).__qualname__}",
+                            "forward_only": bool(getattr(config, "forward_only", False))})
+        return engine
+
+    new._cpu_harness = True
+    EngineRegistry.new = classmethod(new)
+
+
+def _install() -> None:
+    global HFReplica, HFServerAdapter
+    _register_platform()
+    _patch_process_group_backend()
+    HFReplica = _make_replica_class()
+    HFServerAdapter = _make_adapter_class()
+    _register_rollout()
+    _allow_teacher_rollout()
+    _record_engines()
+    import mcore_engine.integrations.verl  # noqa: F401  (registers the mcore_engine backend)
+
+
+HFReplica = None
+_install()

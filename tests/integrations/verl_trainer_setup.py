@@ -1,0 +1,157 @@
+"""Assets and command line of the verl trainer test (``test_verl_trainer.py``): a tiny random Qwen2
+student and teacher with a character-level tokenizer, a parquet prompt set, and the
+``python -m verl.trainer.main_ppo`` overrides that put the actor / reference (and critic) on the
+``mcore_engine`` backend and the rollout / teacher on the harness's ``hf_cpu`` servers."""
+
+from __future__ import annotations
+
+import os
+import string
+import sys
+
+import torch
+
+from tests.integrations.verl_setup import VOCAB
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HARNESS = "tests.integrations.verl_trainer_harness"
+REWARD_FILE = os.path.join(ROOT, "tests", "integrations", "verl_trainer_reward.py")
+SPECIALS = ["<pad>", "<s>", "</s>"]
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                 "{% if add_generation_prompt %}:{% endif %}")
+
+
+def make_tokenizer(path: str):
+    """A character-level ``PreTrainedTokenizerFast`` with exactly VOCAB ids (specials, printable ASCII and
+    newline, filler tokens ``<xN>`` that decode as text), built locally, saved into ``path``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]  # newline: verl's Qwen chat builder
+    tokens = SPECIALS + chars
+    tokens += [f"<x{i}>" for i in range(VOCAB - len(tokens))]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def make_model(path: str, seed: int) -> None:
+    """A tiny random Qwen2 causal LM (the shape of ``verl_setup.make_hf_model``)."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0)
+    model = Qwen2ForCausalLM(cfg)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model.save_pretrained(path)
+
+
+def tokenizer_dir(work: str) -> str:
+    """The tokenizer's own folder (``model.tokenizer_path``): beside a ``config.json`` saying qwen2,
+    transformers 5's ``AutoTokenizer`` would load it as a ``Qwen2Tokenizer`` with Qwen's byte-level
+    pre-tokenizer instead of this character-level one."""
+    return os.path.join(work, "tokenizer")
+
+
+def make_dataset(path: str, n: int = 16, seed: int = 0) -> None:
+    """verl's RL parquet layout: chat ``prompt``, ``data_source``, ``reward_model.ground_truth``."""
+    import pandas as pd
+
+    g = torch.Generator().manual_seed(seed)
+    letters = string.ascii_lowercase
+    rows = []
+    for i in range(n):
+        target = letters[int(torch.randint(0, 26, (1,), generator=g))]
+        word = "".join(letters[int(j)] for j in torch.randint(0, 26, (3,), generator=g))
+        rows.append({"data_source": "char_class", "prompt": [{"role": "user", "content": f"{word} {target}"}],
+                     "ability": "toy", "reward_model": {"style": "rule", "ground_truth": "lowercase"},
+                     "extra_info": {"index": i}})
+    pd.DataFrame(rows).to_parquet(path)
+
+
+def engine_overrides(prefix: str, *, forward_only: bool = False) -> list[str]:
+    """Hydra overrides putting one verl role (``prefix``: actor / ref / critic) on this backend."""
+    cfg = "mcore_engine.integrations.verl_config"
+    out = [f"{prefix}.strategy=mcore_engine", f"{prefix}.megatron._target_={cfg}.McoreEngineVerlConfig",
+           f"{prefix}.megatron.dtype=float32",
+           f"{prefix}.megatron.use_distributed_optimizer=False",
+           f"{prefix}.megatron.tensor_model_parallel_size=1"]
+    if prefix.endswith("actor"):
+        out.append(f"{prefix}._target_={cfg}.McoreEngineActorConfig")
+    return out
+
+
+def trainer_command(work: str, model_dir: str, data_file: str, *, steps: int, teacher_dir: str | None = None,
+                    critic: bool = False) -> list[str]:
+    """``python -m verl.trainer.main_ppo`` with verl's own config (``ppo_megatron_trainer``) and the
+    overrides of a tiny CPU run: GRPO (n=4) with a KL loss (so a reference policy), 4 prompts a
+    step, responses of at most 12 tokens; ``teacher_dir``: verl's on-policy distillation with that
+    teacher (top-k forward KL); ``critic``: verl's critic (``critic.enable``) on this backend too."""
+    arr = "actor_rollout_ref"
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-name", "ppo_megatron_trainer",
+           "trainer.use_v1=False", "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
+           f"trainer.total_training_steps={steps}", "trainer.total_epochs=10",
+           "trainer.logger=[console,file]",
+           "trainer.val_before_train=False", "trainer.test_freq=-1", f"trainer.save_freq={steps}",
+           f"trainer.default_local_dir={work}/checkpoints", "trainer.project_name=mcore_engine",
+           "trainer.experiment_name=cpu", "trainer.balance_batch=False",
+           "+ray_kwargs.ray_init.num_cpus=32", "+ray_kwargs.ray_init.num_gpus=4",
+           "+ray_kwargs.ray_init.include_dashboard=False",
+           f"data.train_files={data_file}", f"data.val_files={data_file}", "data.train_batch_size=4",
+           "data.max_prompt_length=16", "data.max_response_length=12", "data.dataloader_num_workers=0",
+           "data.shuffle=False",
+           f"{arr}.model.path={model_dir}", f"{arr}.model.tokenizer_path={tokenizer_dir(work)}",
+           f"{arr}.model.use_remove_padding=True",
+           f"{arr}.actor.ppo_mini_batch_size=4", f"{arr}.actor.ppo_micro_batch_size_per_gpu=8",
+           f"{arr}.actor.use_dynamic_bsz=False", f"{arr}.actor.optim.lr=1e-2",
+           f"{arr}.actor.optim.lr_warmup_steps_ratio=0", f"{arr}.actor.use_kl_loss=True",
+           f"{arr}.actor.kl_loss_coef=0.01", f"{arr}.actor.entropy_coeff=0",
+           f"{arr}.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+           *engine_overrides(f"{arr}.actor"), *engine_overrides(f"{arr}.ref"),
+           f"{arr}.ref.log_prob_micro_batch_size_per_gpu=8",
+           f"{arr}.rollout.name=hf_cpu", f"{arr}.rollout.mode=async", f"{arr}.rollout.n=4",
+           f"{arr}.rollout.temperature=1.0", f"{arr}.rollout.top_p=1.0", f"{arr}.rollout.top_k=-1",
+           f"{arr}.rollout.calculate_log_probs=True", f"{arr}.rollout.tensor_model_parallel_size=1",
+           f"{arr}.rollout.log_prob_micro_batch_size_per_gpu=8", f"{arr}.rollout.agent.num_workers=1",
+           f"{arr}.rollout.prompt_length=16", f"{arr}.rollout.response_length=12",
+           f"{arr}.rollout.checkpoint_engine.backend=naive", f"{arr}.rollout.free_cache_engine=True",
+           "reward.num_workers=1", f"reward.custom_reward_function.path={REWARD_FILE}",
+           "reward.custom_reward_function.name=compute_score",
+           "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False"]
+    if critic:
+        cmd += ["critic.enable=True", f"critic.model.path={model_dir}",
+                f"critic.model.tokenizer_path={tokenizer_dir(work)}",
+                "critic.ppo_micro_batch_size_per_gpu=8",
+                "critic.optim.lr=1e-2", "critic.optim.lr_warmup_steps_ratio=0",
+                *engine_overrides("critic")]
+    if teacher_dir is not None:
+        teacher = "distillation.teacher_models.teacher_model"
+        cmd += ["distillation.enabled=True", "distillation.n_gpus_per_node=1", "distillation.nnodes=1",
+                "distillation.distillation_loss.loss_mode=forward_kl_topk",
+                "distillation.distillation_loss.topk=4",
+                "distillation.distillation_loss.use_task_rewards=False",
+                f"{teacher}.model_path={teacher_dir}",
+                f"{teacher}.num_replicas=1", f"{teacher}.inference.tensor_model_parallel_size=1",
+                f"{teacher}.inference.name=hf_cpu"]
+    return cmd
+
+
+def trainer_env(work: str) -> dict[str, str]:
+    """The environment of the trainer process (inherited by Ray's workers)."""
+    report = os.path.join(work, "report")
+    os.makedirs(report, exist_ok=True)
+    env = dict(os.environ)
+    env.update(VERL_USE_EXTERNAL_MODULES=HARNESS, VERL_PLATFORM="cpu", VERL_ENGINE_DEVICE="cpu",
+               PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+               VERL_FILE_LOGGER_PATH=os.path.join(work, "metrics.jsonl"), OMP_NUM_THREADS="1",
+               TOKENIZERS_PARALLELISM="false", RAY_DEDUP_LOGS="0", HYDRA_FULL_ERROR="1",
+               WANDB_MODE="disabled", VERL_HARNESS_REPORT_DIR=report)
+    return env
