@@ -167,8 +167,8 @@ class MoERuntime:
         par = self.cfg.parallel
         if training and par.tensor_model_parallel_size > 1 and not par.sequence_parallel:
             raise ValueError("training a MoE model with ParallelConfig.tensor_model_parallel_size > 1 needs "
-                             "ParallelConfig.sequence_parallel (Megatron-Core's MoELayer refuses "
-                             "otherwise; GPU only); inference works")
+                             "ParallelConfig.sequence_parallel: true (Megatron-Core's MoELayer "
+                             "refuses otherwise); inference works without it")
         error: Exception | None = None
         targets: list[torch.Tensor | None] = []
         tokens = 0

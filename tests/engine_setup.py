@@ -197,27 +197,31 @@ def main_grads(engine) -> dict[str, torch.Tensor]:
             for k, p in chunk.module.named_parameters()}
 
 
-def check_router_replay(name: str, engine, batch, grad_tol: float | None = None) -> None:
-    """Router replay on this layout: the recorded routing reproduces infer_batch bit for bit, and a
-    replayed forward-backward gives the recorded routing's loss and gradients (bit for bit, or to the
-    relative error ``grad_tol``)."""
+def check_router_replay(name: str, engine, batch, tol: float | None = None) -> None:
+    """Router replay on this layout: the recorded routing reproduces infer_batch, and a replayed
+    forward-backward gives the recorded routing's loss and gradients, bit for bit (or, with ``tol``,
+    the routing bit for bit and the rest to that relative error)."""
     from tests.utils import assert_rel_close
+
+    def same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        if tol is None:
+            assert torch.equal(got, want), f"{name}: replayed {what}"
+        else:
+            assert_rel_close(got, want, tol, f"{name}: replayed {what}")
 
     recorded = engine.infer_batch(batch)
     replay = batch.clone()
     replay.set("routed_experts", recorded["routed_experts"])
     again = engine.infer_batch(replay)
-    for key in ("log_probs", "routed_experts"):
-        assert torch.equal(flat_values(again[key]), flat_values(recorded[key])), f"{name}: replayed {key}"
+    assert torch.equal(flat_values(again["routed_experts"]), flat_values(recorded["routed_experts"])), \
+        f"{name}: replayed routed_experts"
+    same(flat_values(again["log_probs"]), flat_values(recorded["log_probs"]), "log_probs")
     engine.zero_grad()
     free = engine.forward_backward_batch(batch, policy_loss).get_non_tensor("loss").clone()
     free_grads = main_grads(engine)
     engine.zero_grad()
     replayed = engine.forward_backward_batch(replay, policy_loss).get_non_tensor("loss").clone()
-    assert torch.equal(replayed, free), f"{name}: replayed loss {replayed} vs {free}"
+    same(replayed, free, "loss")
     for key, value in main_grads(engine).items():
-        if grad_tol is None:
-            assert torch.equal(value, free_grads[key]), f"{name}: replayed gradient of {key}"
-        else:
-            assert_rel_close(value, free_grads[key], grad_tol, f"{name}: replayed gradient of {key}")
+        same(value, free_grads[key], f"gradient of {key}")
     engine.zero_grad()

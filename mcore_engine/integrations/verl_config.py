@@ -61,12 +61,12 @@ class McoreEngineVerlConfig(_VerlMcoreEngineConfig):
 
     Same fields and YAML keys as verl's ``McoreEngineConfig`` (``tensor_model_parallel_size`` ...),
     plus ``logits_chunk_size`` (tokens per chunk of the lm-head pass; None: the ops' default).
-    ``dtype`` may also be ``"float32"``; ``sequence_parallel`` defaults to False (CPU machines cannot
-    run it)."""
+    ``dtype`` may also be ``"float32"``; ``sequence_parallel`` defaults to True like verl's (off at
+    TP=1), on CPU and GPU."""
 
     strategy: str = BACKEND
     dtype: str = "bfloat16"
-    sequence_parallel: bool = False
+    sequence_parallel: bool = True
     logits_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
@@ -135,11 +135,6 @@ def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_con
     _check(backend is None or str(getattr(backend, "name", backend)) in _ATTENTION_BACKENDS,
            "engine_config.override_transformer_config.attention_backend", backend,
            f"not one of Megatron's attention backends {sorted(_ATTENTION_BACKENDS)}")
-    if e.sequence_parallel:
-        from mcore_engine.model import has_te
-
-        _check(has_te(), "engine_config.sequence_parallel", True,
-               "needs Transformer Engine (GPU); the local layer spec's torch norms do not support it")
     mode = e.router_replay.mode if getattr(e, "router_replay", None) is not None else "disabled"
     _check(mode == "disabled", "engine_config.router_replay.mode", mode, "dense models only")
     qat = getattr(e, "qat", None)

@@ -212,14 +212,23 @@ def test_verl_default_transformer_overrides_accepted(hf_dir):
     assert "engine_config.override_transformer_config.attention_backend" in NOT_APPLICABLE
 
 
+def test_verl_sequence_parallel(hf_dir):
+    """verl's default ``sequence_parallel=True`` reaches the core at TP > 1 (CPU too), off at TP=1."""
+    from mcore_engine.integrations.verl_config import engine_config_from_verl
+
+    assert engine_config_from_verl(*build_configs(hf_dir, "engine", {})).parallel.sequence_parallel
+    off = engine_config_from_verl(*build_configs(hf_dir, "engine", dict(sequence_parallel=False)))
+    assert not off.parallel.sequence_parallel
+    tp1 = engine_config_from_verl(*build_configs(hf_dir, "engine", dict(tensor_model_parallel_size=1)))
+    assert not tp1.parallel.sequence_parallel
+
+
 def test_verl_refused_without_transformer_engine(hf_dir):
     from mcore_engine.integrations.verl_config import engine_config_from_verl
     from mcore_engine.model import has_te
 
     if has_te():
         pytest.skip("Transformer Engine imports here")
-    with pytest.raises(ValueError, match=r"^engine_config\.sequence_parallel=True .*Transformer Engine"):
-        engine_config_from_verl(*build_configs(hf_dir, "engine", dict(sequence_parallel=True)))
     otc = dict(recompute_granularity="selective", recompute_modules=["layernorm"])
     with pytest.raises(ValueError, match=r"^engine_config\.override_transformer_config\.recompute_modules="):
         engine_config_from_verl(*build_configs(hf_dir, "engine", dict(override_transformer_config=otc)))
