@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 1
 export TMPDIR := $(CURDIR)/build/tmp
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/build/inductor
 
-.PHONY: setup test test-fast demo bench lint clean
+.PHONY: setup test test-fast demo grpo verl-trainer bench lint clean
 
 setup: $(STAMP)
 
@@ -37,10 +37,14 @@ demo: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 tools/train.py $(ARGS)
 
 # GRPO recipe: a tiny random GPT learns a rule-rewarded toy task (count up mod V), TP=2 on CPU.
-.PHONY: grpo
 grpo: $(STAMP)
 	@mkdir -p $(TMPDIR)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 tools/grpo.py $(ARGS)
+
+# verl 0.9.1's own trainer (main_ppo: GRPO + critic, on-policy distillation) on this engine, on CPU
+verl-trainer: $(STAMP)
+	@mkdir -p $(TMPDIR)
+	$(PY) -m pytest -q tests/integrations/test_verl_trainer.py
 
 bench: $(STAMP)
 	@mkdir -p $(TMPDIR)
