@@ -3,14 +3,14 @@
 Launch 1 (one gloo rank) records the TP=1 references of three models: the dense tiny GPT, the same
 GPT with QK-norm and MoE layers, and a critic (``head: value``). Launch 2 (two ranks) and launch 3
 (four ranks) replay them under TP=2 with sequence parallelism: for each layout, inference outputs,
-then two ``train_batch`` steps (per-token outputs, global loss, grad norm, router metrics) and every
-weight after them, fp32 relative-norm error 1e-5 (bf16: 2e-2). Sequence lengths are random (3..17),
-so every micro-batch is padded to a multiple of TP. Layouts: thd and bshd, the fused lm-head,
-selected rows (``outputs_on_loss_mask_only``), the critic, MoE with expert-TP 2, with expert-TP 1 x
-EP=2 and with the allgather dispatcher; on four ranks TP=2 x PP=2 (dense and MoE) and MoE TP=2 x
-EP=2. Under SP every token is routed to the TP=1 experts, and replaying the recorded
-``routed_experts`` reproduces the routing bit for bit, outputs, loss and gradients to 1e-6. MoE
-training at TP=2 without SP is refused naming ``sequence_parallel``.
+then two ``train_batch`` steps (per-token outputs, global loss, grad norm, router metrics, every
+gradient of the first step) and every weight after them, fp32 relative-norm error 1e-5 (bf16:
+2e-2). Sequence lengths are random (3..17), so every micro-batch is padded to a multiple of TP.
+Layouts: thd and bshd, the fused lm-head, selected rows (``outputs_on_loss_mask_only``), the
+critic, MoE with expert-TP 2, with expert-TP 1 x EP=2 and with the allgather dispatcher; on four
+ranks TP=2 x PP=2 (dense and MoE) and MoE TP=2 x EP=2. Under SP every token is routed to the TP=1
+experts, and replaying the recorded ``routed_experts`` reproduces the routing bit for bit, outputs,
+loss and gradients to 1e-6. MoE training at TP=2 without SP is refused naming ``sequence_parallel``.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ OUTPUT_KEYS = {"dense": ("log_probs", "entropy"), "moe": ("log_probs", "entropy"
 
 
 def run_steps(engine, model: str, select: bool = False) -> dict:
-    """Inference, then two train steps: outputs (flat, real tokens), loss, grad norm, metrics."""
+    """Inference, then two train steps: outputs (flat, real tokens), loss, grad norm, metrics, and
+    the first step's gradients per model chunk."""
     keys = OUTPUT_KEYS[model]
     flags = {} if model != "value" else {"calculate_entropy": False}
     got: dict = {"steps": []}
@@ -81,6 +82,9 @@ def run_steps(engine, model: str, select: bool = False) -> dict:
         got["routed_experts"] = flat_values(infer["routed_experts"])
     for batch in data:
         out = engine.train_batch(batch, policy_loss if model != "value" else value_loss)
+        if "grads" not in got:  # the first step's gradients (clipped in place, as on every layout)
+            got["grads"] = [{k: p.main_grad.detach().float().clone()
+                             for k, p in chunk.module.named_parameters()} for chunk in engine.model]
         engine.lr_scheduler_step()
         metrics = out.get_non_tensor("metrics")
         got["steps"].append({"loss": out.get_non_tensor("loss").clone(),
@@ -181,22 +185,30 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
         load_full_state(engine, ref[model]["full0"])
         got = run_steps(engine, model, select)
         _compare(name, got, ref[model], select, tol, batches())
-        pairs = [(key, param.detach().float(), want[key]) for chunk, want in
-                 zip(engine.model, local_reference(engine, ref[model]["full2"]), strict=True)
-                 for key, param in chunk.module.named_parameters()]
-        if tol == TOL:
-            for key, param, want in pairs:
-                assert_rel_close(param, want, tol, f"{name}: {key} after 2 steps")
-        else:  # bf16 against the fp32 run: the zero-initialised biases' updates are rounding noise
-            assert_rel_close(torch.cat([p.reshape(-1) for _, p, _ in pairs]),
-                             torch.cat([w.reshape(-1) for _, _, w in pairs]), tol,
-                             f"{name}: weights after 2 steps")
+        weights = [{k: p.detach().float() for k, p in chunk.module.named_parameters()}
+                   for chunk in engine.model]
+        _same_tensors(f"{name}: weights after 2 steps", weights,
+                      local_reference(engine, ref[model]["full2"]), tol)
+        _same_tensors(f"{name}: gradients of step 1", got["grads"],
+                      local_reference(engine, ref[model]["grads"][0]), tol)
         if model == "moe":
             # replayed routing exact; the rest to 1e-6: padding slots (whose routing is not returned)
             # are routed afresh, which changes the experts' GEMM sizes and so the last bits
             check_router_replay(name, engine, batches()[0], tol=1e-6)
         del engine
         destroy_distributed()
+
+
+def _same_tensors(what: str, got: list[dict], want: list[dict], tol: float) -> None:
+    """Every tensor of ``got`` (per model chunk) against ``want`` at ``tol``; bf16 (against the fp32
+    run) on all of them at once, where the zero-initialised biases' updates are rounding noise."""
+    pairs = [(key, g[key], w[key]) for g, w in zip(got, want, strict=True) for key in g]
+    if tol == TOL:
+        for key, g, w in pairs:
+            assert_rel_close(g, w, tol, f"{what}: {key}")
+    else:
+        assert_rel_close(torch.cat([g.reshape(-1) for _, g, _ in pairs]),
+                         torch.cat([w.reshape(-1) for _, _, w in pairs]), tol, what)
 
 
 def _moe_without_sequence_parallel(full0) -> None:
