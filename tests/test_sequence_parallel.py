@@ -8,9 +8,10 @@ gradient of the first step) and every weight after them, fp32 relative-norm erro
 2e-2). Sequence lengths are random (3..17), so every micro-batch is padded to a multiple of TP.
 Layouts: thd and bshd, the fused lm-head, selected rows (``outputs_on_loss_mask_only``), the
 critic, MoE with expert-TP 2, with expert-TP 1 x EP=2 and with the allgather dispatcher; on four
-ranks TP=2 x PP=2 (dense and MoE) and MoE TP=2 x EP=2. Under SP every token is routed to the TP=1
-experts, and replaying the recorded ``routed_experts`` reproduces the routing bit for bit, outputs,
-loss and gradients to 1e-6. MoE training at TP=2 without SP is refused naming ``sequence_parallel``.
+ranks TP=2 x PP=2 (dense, also interleaved VPP=2, and MoE) and MoE TP=2 x EP=2. Under SP every
+token is routed to the TP=1 experts, and replaying the recorded ``routed_experts`` reproduces the
+routing bit for bit, outputs, loss and gradients to 1e-6. MoE training at TP=2 without SP is
+refused naming ``sequence_parallel``.
 """
 
 from __future__ import annotations
@@ -40,15 +41,15 @@ MOE = dict(num_experts=4, router_topk=2, ffn_hidden_size=32, aux_loss_coeff=0.01
            layer_freq=[0, 1, 1, 1])
 
 
-def config(model: str, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, sp: bool = False,
-           data_format: str = "thd", fused_lm_head: bool = False, precision: str = "fp32",
-           dispatcher: str = "alltoall"):
+def config(model: str, *, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1,
+           etp: int | None = None, sp: bool = False, data_format: str = "thd", fused_lm_head: bool = False,
+           precision: str = "fp32", dispatcher: str = "alltoall", micro_batch_size: int = 2):
     """The tiny GPT of ``tests.engine_setup`` as ``model`` ``"dense"``, ``"moe"`` (with QK-norm) or
     ``"value"``."""
     from mcore_engine.moe_config import MoEConfig
 
-    cfg = tiny_config(tp=tp, pp=pp, data_format=data_format, fused_lm_head=fused_lm_head,
-                      precision=precision, lr=3e-3)
+    cfg = tiny_config(tp=tp, pp=pp, vpp=vpp, data_format=data_format, micro_batch_size=micro_batch_size,
+                      fused_lm_head=fused_lm_head, precision=precision, lr=3e-3)
     m = cfg.model
     if model == "moe":
         m = dataclasses.replace(m, qk_layernorm=True, moe=MoEConfig(**MOE, token_dispatcher=dispatcher))
@@ -136,6 +137,8 @@ LAYOUTS_2 = [
 ]
 LAYOUTS_4 = [
     ("dense-tp2-pp2-sp", "dense", dict(pp=2), False, TOL),
+    ("dense-tp2-pp2-vpp2-sp-bshd", "dense", dict(pp=2, vpp=2, data_format="bshd", micro_batch_size=3), False,
+     TOL),
     ("moe-tp2-pp2-sp", "moe", dict(pp=2), False, TOL),
     ("moe-tp2-ep2-sp", "moe", dict(ep=2), False, TOL),
 ]
