@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from mcore_engine.config_checks import _positive_int, _require
+from mcore_engine.config_checks import _bools, _positive_int, _require
 from mcore_engine.moe_config import MoEConfig, _validate_moe_layout
 
 __all__ = ["EngineConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig"]
@@ -90,6 +90,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _positive_int(self, "num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                       "max_sequence_length", "make_vocab_size_divisible_by")
+        _bools(self, "swiglu", "tie_word_embeddings", "add_qkv_bias", "qk_layernorm", "fused_lm_head")
         for name in ("num_query_groups", "ffn_hidden_size", "kv_channels"):
             if getattr(self, name) is not None:
                 _positive_int(self, name)
@@ -160,6 +161,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _positive_int(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
                       "expert_model_parallel_size")
+        _bools(self, "batch_p2p_comm", "sequence_parallel")
         if self.expert_tensor_parallel_size is not None:
             _positive_int(self, "expert_tensor_parallel_size")
         vpp = self.virtual_pipeline_model_parallel_size
@@ -231,6 +233,7 @@ class OptimizerConfig:
     """Shard optimizer state over data-parallel ranks (Megatron DistributedOptimizer)."""
 
     def __post_init__(self) -> None:
+        _bools(self, "use_distributed_optimizer")
         _require(self.lr > 0, f"OptimizerConfig.lr must be > 0, got {self.lr!r}")
         _require(0 <= self.min_lr <= self.lr,
                  f"OptimizerConfig.min_lr must be in [0, OptimizerConfig.lr={self.lr}], got {self.min_lr!r}")
@@ -309,8 +312,7 @@ class EngineConfig:
         _require(isinstance(self.seed, int) and self.seed >= 0,
                  f"EngineConfig.seed must be an int >= 0, got {self.seed!r}")
         _positive_int(self, "micro_batch_size")
-        _require(isinstance(self.forward_only, bool),
-                 f"EngineConfig.forward_only must be a bool, got {self.forward_only!r}")
+        _bools(self, "forward_only")
         if self.logits_chunk_size is not None:
             _positive_int(self, "logits_chunk_size")
         m, p = self.model, self.parallel

@@ -15,3 +15,10 @@ def _positive_int(obj: Any, *names: str) -> None:
         value = getattr(obj, name)
         _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                  f"{type(obj).__name__}.{name} must be an int >= 1, got {value!r}")
+
+
+def _bools(obj: Any, *names: str) -> None:
+    """``ValueError`` unless every named field is a real bool (YAML ``"no"`` is a str, not False)."""
+    for name in names:
+        value = getattr(obj, name)
+        _require(isinstance(value, bool), f"{type(obj).__name__}.{name} must be a bool, got {value!r}")

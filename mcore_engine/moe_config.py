@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from mcore_engine.config_checks import _positive_int, _require
+from mcore_engine.config_checks import _bools, _positive_int, _require
 
 __all__ = ["MoEConfig"]
 
@@ -78,6 +78,8 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         _positive_int(self, "num_experts", "router_topk")
+        _bools(self, "shared_expert_gate", "router_pre_softmax", "pad_expert_input_to_capacity",
+               "grouped_gemm")
         for name in ("ffn_hidden_size", "shared_expert_ffn_hidden_size"):
             if getattr(self, name) is not None:
                 _positive_int(self, name)

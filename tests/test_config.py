@@ -176,3 +176,17 @@ def test_unknown_and_missing_keys():
         EngineConfig.from_dict({k: v for k, v in d.items() if k != "model"})
     with pytest.raises(ValueError, match="EngineConfig.parallel"):
         EngineConfig.from_dict(d | {"parallel": 2})
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(parallel=dict(tensor_model_parallel_size=2, sequence_parallel="no")),
+     "ParallelConfig.sequence_parallel"),
+    (dict(parallel=dict(batch_p2p_comm=1)), "ParallelConfig.batch_p2p_comm"),
+    (dict(model=dict(fused_lm_head="false")), "ModelConfig.fused_lm_head"),
+    (dict(optimizer=dict(use_distributed_optimizer="yes")), "OptimizerConfig.use_distributed_optimizer"),
+    (dict(forward_only="no"), "EngineConfig.forward_only"),
+])
+def test_flags_must_be_bools(kwargs, field):
+    """A string or an int for a flag is refused by name (YAML ``"no"`` would read as true)."""
+    with pytest.raises(ValueError, match=rf"^{field} must be a bool, got"):
+        _engine(**kwargs)
