@@ -4,11 +4,12 @@ engine workers ``verl.workers.engine_workers.ActorRolloutRefWorker`` / ``Trainin
 two steps, twice:
 
 - GRPO (n=4) with a KL loss, so actor + reference policy, and verl's critic enabled
-  (``critic.enable=True``): rollout on the harness's ``hf_cpu`` server, verl's reward loop with a
+  (``critic.enable=True``), every role at TP=2 on two ranks with sequence parallelism (verl's
+  default): rollout on the harness's ``hf_cpu`` server (TP=2 replica), verl's reward loop with a
   rule-based custom reward, GRPO advantages, actor and critic updates, weight sync back to the
   rollout through verl's naive checkpoint engine, a checkpoint with an HF export at the end;
 - verl's on-policy distillation (``distillation.enabled=True``, top-k forward KL) with a teacher
-  served by an ``hf_cpu`` teacher replica (prompt top-k log-probs, verl's teacher loop).
+  served by an ``hf_cpu`` teacher replica (prompt top-k log-probs, verl's teacher loop), at TP=1.
 
 What verl lacks on CPU is added in ``tests/integrations/verl_trainer_harness.py`` (loaded by every
 Ray process through verl's ``VERL_USE_EXTERNAL_MODULES`` plugin hook). The checks read what verl
@@ -105,9 +106,14 @@ def check_weight_sync(run: dict, server: str = "hf_cpu_server_0_0") -> list[dict
     return generated
 
 
-def check_engines(run: dict, expected: set[tuple[str, bool]]) -> None:
-    """Every engine verl's workers built is this backend's: (model type, forward_only) as expected."""
+def check_engines(run: dict, expected: set[tuple[str, bool]], tp: int = 1) -> None:
+    """Every engine verl's workers built is this backend's: (model type, forward_only) as expected,
+    at TP ``tp`` on ``tp`` ranks a role, with sequence parallelism (verl's default) when ``tp > 1``."""
     engines = run["records"]("engines")
+    assert all(e["tp"] == tp and e["sequence_parallel"] is (tp > 1) for e in engines), engines
+    for key in expected:
+        ranks = {e["pid"] for e in engines if (e["model_type"], e["forward_only"]) == key}
+        assert len(ranks) == tp, (key, engines)
     assert {e["backend"] for e in engines} == {"mcore_engine"}, engines
     classes = {"language_model": "mcore_engine.integrations.verl.McoreEngineVerl",
                "value_model": "mcore_engine.integrations.verl.McoreEngineVerlValue"}
@@ -117,11 +123,11 @@ def check_engines(run: dict, expected: set[tuple[str, bool]]) -> None:
 
 @pytest.mark.slow
 def test_verl_main_ppo_grpo_with_critic(tmp_path):
-    run = run_trainer(str(tmp_path), critic=True)
+    run = run_trainer(str(tmp_path), critic=True, tp=2)
     steps = run["steps"]
     finite_metrics(steps)
     # actor, reference policy (forward_only) and critic, all on mcore_engine
-    check_engines(run, {("language_model", False), ("language_model", True), ("value_model", False)})
+    check_engines(run, {("language_model", False), ("language_model", True), ("value_model", False)}, tp=2)
     check_weight_sync(run)
     for step, m in steps.items():
         # the rollout's sampling log-probs are the actor's (same weights, fp32): verl's own check

@@ -424,7 +424,8 @@ def _allow_teacher_rollout() -> None:
 
 
 def _record_engines() -> None:
-    """Record each engine verl's workers build (``EngineRegistry.new``: model type, backend, class) in
+    """Record each engine verl's workers build (``EngineRegistry.new``: model type, backend, class, TP
+    size and sequence parallelism of the core config) in
     ``engines.jsonl`` of the report folder: the test checks that every role ran on mcore_engine."""
     from verl.workers.engine.base import EngineRegistry
 
@@ -435,9 +436,12 @@ def _record_engines() -> None:
     def new(cls, model_type, backend, *args, **kwargs):
         engine = original(cls, model_type, backend, *args, **kwargs)
         config = kwargs.get("engine_config")
+        parallel = getattr(getattr(engine, "config", None), "parallel", None)  # the core's EngineConfig
         _report("engines", {"model_type": model_type, "backend": backend, "pid": os.getpid(),
                             "class": f"{type(engine).__module__}.{type(engine).__qualname__}",
-                            "forward_only": bool(getattr(config, "forward_only", False))})
+                            "forward_only": bool(getattr(config, "forward_only", False)),
+                            "tp": getattr(parallel, "tensor_model_parallel_size", None),
+                            "sequence_parallel": getattr(parallel, "sequence_parallel", None)})
         return engine
 
     new._cpu_harness = True

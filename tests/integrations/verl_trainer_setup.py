@@ -77,27 +77,27 @@ def make_dataset(path: str, n: int = 16, seed: int = 0) -> None:
     pd.DataFrame(rows).to_parquet(path)
 
 
-def engine_overrides(prefix: str, *, forward_only: bool = False) -> list[str]:
+def engine_overrides(prefix: str, *, forward_only: bool = False, tp: int = 1) -> list[str]:
     """Hydra overrides putting one verl role (``prefix``: actor / ref / critic) on this backend."""
     cfg = "mcore_engine.integrations.verl_config"
     out = [f"{prefix}.strategy=mcore_engine", f"{prefix}.megatron._target_={cfg}.McoreEngineVerlConfig",
            f"{prefix}.megatron.dtype=float32",
            f"{prefix}.megatron.use_distributed_optimizer=False",
-           f"{prefix}.megatron.tensor_model_parallel_size=1"]
+           f"{prefix}.megatron.tensor_model_parallel_size={tp}"]
     if prefix.endswith("actor"):
         out.append(f"{prefix}._target_={cfg}.McoreEngineActorConfig")
     return out
 
 
 def trainer_command(work: str, model_dir: str, data_file: str, *, steps: int, teacher_dir: str | None = None,
-                    critic: bool = False) -> list[str]:
+                    critic: bool = False, tp: int = 1) -> list[str]:
     """``python -m verl.trainer.main_ppo`` with verl's own config (``ppo_megatron_trainer``) and the
     overrides of a tiny CPU run: GRPO (n=4) with a KL loss (so a reference policy), 4 prompts a
     step, responses of at most 12 tokens; ``teacher_dir``: verl's on-policy distillation with that
     teacher (top-k forward KL); ``critic``: verl's critic (``critic.enable``) on this backend too."""
     arr = "actor_rollout_ref"
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-name", "ppo_megatron_trainer",
-           "trainer.use_v1=False", "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
+           "trainer.use_v1=False", "trainer.device=cpu", f"trainer.n_gpus_per_node={tp}", "trainer.nnodes=1",
            f"trainer.total_training_steps={steps}", "trainer.total_epochs=10",
            "trainer.logger=[console,file]",
            "trainer.val_before_train=False", "trainer.test_freq=-1", f"trainer.save_freq={steps}",
@@ -115,11 +115,11 @@ def trainer_command(work: str, model_dir: str, data_file: str, *, steps: int, te
            f"{arr}.actor.optim.lr_warmup_steps_ratio=0", f"{arr}.actor.use_kl_loss=True",
            f"{arr}.actor.kl_loss_coef=0.01", f"{arr}.actor.entropy_coeff=0",
            f"{arr}.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
-           *engine_overrides(f"{arr}.actor"), *engine_overrides(f"{arr}.ref"),
+           *engine_overrides(f"{arr}.actor", tp=tp), *engine_overrides(f"{arr}.ref", tp=tp),
            f"{arr}.ref.log_prob_micro_batch_size_per_gpu=8",
            f"{arr}.rollout.name=hf_cpu", f"{arr}.rollout.mode=async", f"{arr}.rollout.n=4",
            f"{arr}.rollout.temperature=1.0", f"{arr}.rollout.top_p=1.0", f"{arr}.rollout.top_k=-1",
-           f"{arr}.rollout.calculate_log_probs=True", f"{arr}.rollout.tensor_model_parallel_size=1",
+           f"{arr}.rollout.calculate_log_probs=True", f"{arr}.rollout.tensor_model_parallel_size={tp}",
            f"{arr}.rollout.log_prob_micro_batch_size_per_gpu=8", f"{arr}.rollout.agent.num_workers=1",
            f"{arr}.rollout.prompt_length=16", f"{arr}.rollout.response_length=12",
            f"{arr}.rollout.checkpoint_engine.backend=naive", f"{arr}.rollout.free_cache_engine=True",
@@ -131,7 +131,7 @@ def trainer_command(work: str, model_dir: str, data_file: str, *, steps: int, te
                 f"critic.model.tokenizer_path={tokenizer_dir(work)}",
                 "critic.ppo_micro_batch_size_per_gpu=8",
                 "critic.optim.lr=1e-2", "critic.optim.lr_warmup_steps_ratio=0",
-                *engine_overrides("critic")]
+                *engine_overrides("critic", tp=tp)]
     if teacher_dir is not None:
         teacher = "distillation.teacher_models.teacher_model"
         cmd += ["distillation.enabled=True", "distillation.n_gpus_per_node=1", "distillation.nnodes=1",
