@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--moe", action="store_true",
                    help="the mixture-of-experts table instead (tools/bench_moe.py: dense vs MoE at EP=1 / "
                         "EP=2, one train_batch step; --quick applies)")
+    p.add_argument("--sp", action="store_true",
+                   help="the sequence-parallelism table instead (tools/bench_moe.py --sp: TP=2 with / "
+                        "without SP, MoE at TP=2 + SP, one train_batch step; --quick applies)")
     p.add_argument("--selected", action="store_true",
                    help="the selected-rows table instead (tools/bench_selected.py): lm-head + processor "
                         "on every row vs only the response rows (outputs_on_loss_mask_only)")
@@ -305,10 +308,10 @@ COLUMNS = ["cfg", "outputs", "TP", "ours peak MB (xL)", "naive peak MB (xL)", "m
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     load_start = os.getloadavg()[0]
-    if args.moe:
+    if args.moe or args.sp:
         import bench_moe
 
-        return bench_moe.main(["--quick"] if args.quick else [])
+        return bench_moe.main(["--quick"] * args.quick + ["--sp"] * args.sp)
     if args.selected:
         import bench_selected
 

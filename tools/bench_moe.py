@@ -1,7 +1,9 @@
-"""Benchmark: tokens/s and peak memory of one ``train_batch`` step, MoE vs dense, EP=1 vs EP=2.
+"""Benchmark: tokens/s and peak memory of one ``train_batch`` step, MoE vs dense, EP=1 vs EP=2;
+with ``--sp``, TP=2 with and without sequence parallelism.
 
     python tools/bench_moe.py              # hidden 256, 4 layers, 8 experts top-2, 2 ranks
     python tools/bench_moe.py --quick      # hidden 64 (seconds)
+    python tools/bench_moe.py --sp         # dense TP=2, dense TP=2 + SP, MoE TP=2 + SP (EP=2, ETP=1)
 
 Configurations (one setup factory each, ``_engine_config``), all on the same ranks (default 2,
 gloo on CPU / NCCL on CUDA) and batch (``--seqs`` sequences of ``--seq-len`` tokens per rank, one
@@ -9,15 +11,19 @@ gloo on CPU / NCCL on CUDA) and batch (``--seqs`` sequences of ``--seq-len`` tok
 dominate the memory):
 
 - ``dense``: SwiGLU FFN of width ``k * F``, the active parameters per token of the MoE model;
-- ``moe ep=1``: ``E`` experts of width ``F``, top-``k``, every layer MoE, each rank all experts (DP);
-- ``moe ep=2``: the same model, experts split over two expert-parallel ranks (alltoall dispatcher).
+- ``moe-ep1``: ``E`` experts of width ``F``, top-``k``, every layer MoE, each rank all experts (DP);
+- ``moe-ep2``: the same model, experts split over two expert-parallel ranks (alltoall dispatcher);
+- ``--sp``: ``dense-tp2`` (TP=2, the same batch on both ranks), ``dense-tp2-sp`` (+ sequence
+  parallelism), ``moe-tp2-sp`` (the MoE model at TP=2 + SP, experts EP=2 x expert-TP 1).
 
 Every configuration runs in a fresh ``torchrun`` (``--worker``): one warm-up step, then the median
-wall time and process CPU time of ``--repeats`` steps (ranks aligned by a barrier); tokens/s = all
-ranks' tokens / wall time. Peak memory (CPU): the worker runs with ``MALLOC_MMAP_THRESHOLD_=65536``
-so RSS tracks live bytes; VmHWM is reset before the last step, peak = VmHWM - RSS before it, max
-over ranks (CUDA: ``max_memory_allocated`` above the allocated bytes). ``params/rank`` counts the
-parameters a rank holds (EP=2: half the experts).
+wall time and process CPU time of ``--repeats`` steps (ranks aligned by a barrier); tokens/s = the
+distinct tokens of the step (TP ranks share theirs) / wall time. Peak memory (CPU): the worker runs
+with ``MALLOC_MMAP_THRESHOLD_=65536`` so RSS tracks live bytes; VmHWM is reset before the last step,
+peak = VmHWM - RSS before it, max over ranks (CUDA: ``max_memory_allocated`` above the allocated
+bytes). ``saved MB``: the activations autograd saved for backward in that step (distinct storages
+that are not parameters, from ``saved_tensors_hooks``; exact on any device), max over ranks.
+``params/rank`` counts the parameters a rank holds (EP=2: half the experts).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from bench_common import format_table, machine_header
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("dense", "moe-ep1", "moe-ep2")
+SP_KINDS = ("dense-tp2", "dense-tp2-sp", "moe-tp2-sp")
 
 
 def _engine_config(kind: str, args: argparse.Namespace):
@@ -41,15 +48,18 @@ def _engine_config(kind: str, args: argparse.Namespace):
     from mcore_engine.moe_config import MoEConfig
 
     h, f, k = args.hidden, args.expert_ffn, args.topk
-    moe = None if kind == "dense" else MoEConfig(num_experts=args.experts, router_topk=k, ffn_hidden_size=f,
-                                                 aux_loss_coeff=1e-3)
-    model = ModelConfig(num_layers=args.layers, hidden_size=h, num_attention_heads=max(1, h // 32),
-                        num_query_groups=max(1, h // 64), ffn_hidden_size=k * f, vocab_size=args.vocab,
+    moe = None if kind.startswith("dense") else MoEConfig(num_experts=args.experts, router_topk=k,
+                                                          ffn_hidden_size=f, aux_loss_coeff=1e-3)
+    tp, sp = (2 if "tp2" in kind else 1), kind.endswith("-sp")
+    model = ModelConfig(num_layers=args.layers, hidden_size=h, num_attention_heads=max(tp, h // 32),
+                        num_query_groups=max(tp, h // 64), ffn_hidden_size=k * f, vocab_size=args.vocab,
                         max_sequence_length=args.seq_len, qk_layernorm=True, moe=moe)
-    return EngineConfig(model=model, parallel=ParallelConfig(expert_model_parallel_size=2 if kind == "moe-ep2"
-                                                             else 1),
-                        optimizer=OptimizerConfig(lr=1e-4), precision=args.precision,
-                        micro_batch_size=args.seqs, data_format="bshd")
+    ep = 2 if kind in ("moe-ep2", "moe-tp2-sp") else 1
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp,
+                              expert_model_parallel_size=ep,
+                              expert_tensor_parallel_size=1 if moe is not None and tp > 1 else None)
+    return EngineConfig(model=model, parallel=parallel, optimizer=OptimizerConfig(lr=1e-4),
+                        precision=args.precision, micro_batch_size=args.seqs, data_format="bshd")
 
 
 def _batch(args: argparse.Namespace, rank: int):
@@ -69,6 +79,35 @@ def _loss(outputs, data, ctx):
     return (-data["advantages"] * outputs["log_probs"] * mask).sum() / ctx.global_num_tokens, {}
 
 
+class _SavedActivations:
+    """``saved_tensors_hooks`` that add up the distinct non-parameter storages autograd saves."""
+
+    def __init__(self, params) -> None:
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.storages: dict[int, int] = {}
+        self.hooks = None
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.params:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def __enter__(self):
+        import torch
+
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.hooks.__exit__(*exc)
+
+    @property
+    def mb(self) -> float:
+        return sum(self.storages.values()) / 2**20
+
+
 def _rss_mb(field: str) -> float:
     with open("/proc/self/status") as f:
         return next(int(ln.split()[1]) for ln in f if ln.startswith(field + ":")) / 1024.0
@@ -82,8 +121,10 @@ def worker(kind: str, args: argparse.Namespace) -> dict | None:
 
     engine = MegatronEngine(_engine_config(kind, args))
     engine.initialize()
+    from megatron.core import parallel_state
+
     rank, world = dist.get_rank(), dist.get_world_size()
-    batch = _batch(args, rank)
+    batch = _batch(args, parallel_state.get_data_parallel_rank())  # TP ranks share the sequences
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     engine.train_batch(batch, _loss)  # warm-up
@@ -104,10 +145,12 @@ def worker(kind: str, args: argparse.Namespace) -> dict | None:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         base = _rss_mb("VmRSS")
-    engine.train_batch(batch, _loss)
+    with _SavedActivations(p for chunk in engine.model for p in chunk.module.parameters()) as saved:
+        engine.train_batch(batch, _loss)
     sync()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else _rss_mb("VmHWM") - base
-    figures = torch.tensor([peak, statistics.median(wall), statistics.median(cpu)], dtype=torch.float64)
+    figures = torch.tensor([peak, statistics.median(wall), statistics.median(cpu), saved.mb],
+                           dtype=torch.float64)
     figures = figures.to("cuda") if cuda else figures
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     held = sum(p.numel() for chunk in engine.model for p in chunk.module.parameters())
@@ -116,8 +159,10 @@ def worker(kind: str, args: argparse.Namespace) -> dict | None:
     m = engine.config.model
     fe = m.moe.ffn_hidden_size if m.moe else m.ffn_size
     per_layer_ffn = 3 * m.hidden_size * fe * (m.moe.router_topk if m.moe else 1)
-    return {"kind": kind, "world": world, "tokens": world * args.seqs * args.seq_len,
+    dp = world // engine.config.parallel.tensor_model_parallel_size
+    return {"kind": kind, "world": world, "tokens": dp * args.seqs * args.seq_len,
             "peak_mb": float(figures[0]), "wall_s": float(figures[1]), "cpu_s": float(figures[2]),
+            "saved_mb": float(figures[3]),
             "params_rank": held, "active_ffn": per_layer_ffn * m.num_layers,
             "device": "cuda" if cuda else "cpu"}
 
@@ -137,7 +182,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=2, help="ranks (EP=2 needs an even number)")
     p.add_argument("--quick", action="store_true", help="hidden 64, expert FFN 64, 64 tokens x 4 sequences")
     p.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
-    p.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
+    p.add_argument("--sp", action="store_true", help="TP=2 with / without sequence parallelism instead")
+    p.add_argument("--worker", choices=KINDS + SP_KINDS, help=argparse.SUPPRESS)
     return p
 
 
@@ -161,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         passthrough += ["--hidden", "64", "--expert-ffn", "64", "--seq-len", "64", "--seqs", "4",
                         "--vocab", "1024"]
     results = {}
-    for kind in KINDS:
+    for kind in SP_KINDS if args.sp else KINDS:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={args.nproc}", __file__, *passthrough, "--worker", kind]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=args.timeout)
@@ -170,9 +216,10 @@ def main(argv: list[str] | None = None) -> int:
             print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
             return 1
         results[kind] = json.loads(line[len("RESULT "):])
-    base = results["dense"]
+    base_kind = next(iter(results))
+    base = results[base_kind]
     columns = ["config", "params/rank", "active FFN params", "tokens/step", "step s (wall)", "step s (cpu)",
-               "tokens/s", "x dense", "peak MB", "x dense"]
+               "tokens/s", f"x {base_kind}", "peak MB", f"x {base_kind}", "saved MB", f"x {base_kind}"]
     rows = []
     for kind, r in results.items():
         tps = r["tokens"] / r["wall_s"]
@@ -180,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                      str(r["tokens"]),
                      f"{r['wall_s']:.3f}", f"{r['cpu_s']:.3f}", f"{tps:.0f}",
                      f"{tps / (base['tokens'] / base['wall_s']):.2f}", f"{r['peak_mb']:.1f}",
-                     f"{r['peak_mb'] / max(base['peak_mb'], 1e-9):.2f}"])
+                     f"{r['peak_mb'] / max(base['peak_mb'], 1e-9):.2f}", f"{r['saved_mb']:.1f}",
+                     f"{r['saved_mb'] / max(base['saved_mb'], 1e-9):.2f}"])
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print("\n".join(machine_header(extra=f", load avg {load:.1f}")))
     print(f"device: {base['device']}, {base['world']} ranks; model: {args.layers} layers, "
