@@ -28,6 +28,10 @@ records each token's top-k expert ids per MoE layer and returns them as the per-
 ``routed_experts`` is routed exactly by it (``REPLAY_FORWARD``: the router's probabilities are its
 scores gathered at the given ids, so the gradient reaches the router through them only).
 Memory: ``tokens x L_moe x k`` int64 per step.
+
+Sequence parallelism: each TP rank routes its ``s / tp`` slice of every micro-batch (router order is
+s-major, so a contiguous block of rows); replay targets are cut to it, each rank records its block
+and the blocks and router statistics are summed over TP.
 """
 
 from __future__ import annotations

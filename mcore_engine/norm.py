@@ -52,6 +52,8 @@ def with_torch_norms(spec: Any) -> Any:
             with_torch_norms(item)
         return spec
     if isinstance(spec, ModuleSpec):
+        if spec.module is WrappedTorchNorm:
+            spec.module = TorchNorm
         if spec.submodules is not None:
             with_torch_norms(spec.submodules)
         return spec
