@@ -11,7 +11,7 @@ critic, MoE with expert-TP 2, with expert-TP 1 x EP=2 and with the allgather dis
 ranks TP=2 x PP=2 (dense, also interleaved VPP=2, and MoE) and MoE TP=2 x EP=2. Under SP every
 token is routed to the TP=1 experts, and replaying the recorded ``routed_experts`` reproduces the
 routing bit for bit, outputs, loss and gradients to 1e-6. MoE training at TP=2 without SP is
-refused naming ``sequence_parallel``.
+refused naming ``sequence_parallel``. A checkpoint written with SP resumes without it (and back).
 """
 
 from __future__ import annotations
@@ -194,12 +194,45 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
                       local_reference(engine, ref[model]["full2"]), tol)
         _same_tensors(f"{name}: gradients of step 1", got["grads"],
                       local_reference(engine, ref[model]["grads"][0]), tol)
+        if name == "dense-tp2-sp-thd":
+            _check_resume_without_sp(engine, os.path.join(os.path.dirname(path), "ckpt-sp"))
         if model == "moe":
             # replayed routing exact; the rest to 1e-6: padding slots (whose routing is not returned)
             # are routed afresh, which changes the experts' GEMM sizes and so the last bits
             check_router_replay(name, engine, batches()[0], tol=1e-6)
         del engine
         destroy_distributed()
+
+
+def _check_resume_without_sp(engine, folder: str) -> None:
+    """A checkpoint of the SP engine loads into the same model at TP=2 without SP (and back): the
+    weights bit for bit, the next step's loss, grad norm and weights as the SP engine's to 1e-5."""
+    from mcore_engine.engine import MegatronEngine
+
+    engine.save_checkpoint(folder)
+    batch = make_batch(SEED + 7, NUM_SEQS, **FLAGS)
+
+    def step(e) -> tuple[torch.Tensor, float, list[torch.Tensor]]:
+        out = e.train_batch(batch, policy_loss)
+        return (out.get_non_tensor("loss").clone(), out.get_non_tensor("metrics")["grad_norm"],
+                [p.detach().clone() for chunk in e.model for p in chunk.module.parameters()])
+
+    saved = [p.detach().clone() for chunk in engine.model for p in chunk.module.parameters()]
+    want = step(engine)
+    plain = MegatronEngine(config("dense", tp=2))
+    plain.initialize()
+    plain.load_checkpoint(folder)
+    loaded = [p.detach() for chunk in plain.model for p in chunk.module.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(loaded, saved, strict=True)), "SP checkpoint -> no SP"
+    loss, norm, weights = step(plain)
+    assert_rel_close(loss, want[0], TOL, "resumed without SP: loss")
+    assert abs(norm - want[1]) <= TOL * want[1], f"resumed without SP: grad norm {norm} vs {want[1]}"
+    for got, ref in zip(weights, want[2], strict=True):
+        assert_rel_close(got, ref, TOL, "resumed without SP: weights after the step")
+    engine.load_checkpoint(folder)  # and back into the SP engine
+    assert all(torch.equal(p.detach(), b) for p, b in
+               zip((p for chunk in engine.model for p in chunk.module.parameters()), saved, strict=True))
+    del plain
 
 
 def _same_tensors(what: str, got: list[dict], want: list[dict], tol: float) -> None:
