@@ -73,7 +73,7 @@ from mcore_engine.step import (
     micro_batch_outputs,
     prepare_step,
 )
-from mcore_engine.value_head import sequence_scores
+from mcore_engine.layers.value_head import sequence_scores
 from mcore_engine.weight_sync import BucketMeta, iter_weight_buckets
 
 __all__ = ["MegatronEngine"]

@@ -24,9 +24,9 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from torch import Tensor
 
 from mcore_engine.config import EngineConfig
-from mcore_engine.norm import with_torch_norms
+from mcore_engine.layers.norm import with_torch_norms
+from mcore_engine.layers.value_head import ValueHead, attach_value_head
 from mcore_engine.platform import apply_cpu_device_layer, apply_moe_compat
-from mcore_engine.value_head import ValueHead, attach_value_head
 
 __all__ = ["PackedDotProductAttention", "build_model_chunks", "build_transformer_config", "has_te",
            "apply_output_layer", "is_last_stage_chunk", "lm_head_weight", "output_hidden_states",
@@ -197,7 +197,7 @@ def _has_grouped_gemm() -> bool:
 def _decoder_spec(cfg: EngineConfig, config: TransformerConfig, vp_stage: int | None):
     """The layer spec (Transformer Engine, dense) or this stage's block spec: the local layer spec
     repeated (dense) or Megatron's ``get_gpt_decoder_block_spec`` (MoE: dense and ``MoELayer`` layers
-    by ``moe.layer_freq``); local specs get :class:`~mcore_engine.norm.TorchNorm` norms (sequence
+    by ``moe.layer_freq``); local specs get :class:`~mcore_engine.layers.norm.TorchNorm` norms (sequence
     parallel capable) and :class:`PackedDotProductAttention`."""
     te = has_te()
     if cfg.model.moe is None:
@@ -266,7 +266,7 @@ def build_model_chunks(cfg: EngineConfig) -> list[GPTModel]:
             vp_stage=vp_stage,
         )
         if cfg.model.head == "value" and model.post_process:
-            attach_value_head(model, cfg)  # mcore_engine.value_head: replicated Linear(H, 1)
+            attach_value_head(model, cfg)  # mcore_engine.layers.value_head: replicated Linear(H, 1)
         _cast_params(model, config.params_dtype)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())

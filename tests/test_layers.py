@@ -113,3 +113,12 @@ def test_ops_do_not_import_the_engine_layers():
 def test_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_layers_know_nothing_of_the_engine():
+    """layers/ holds nn modules swapped into Megatron's spec: torch, Megatron-Core and ops/ only."""
+    graph = _import_graph()
+    allowed = ("mcore_engine.layers", "mcore_engine.ops", "mcore_engine_kernels")
+    up = sorted(f"{a} -> {b}" for a, deps in graph.items() if a.startswith("mcore_engine.layers")
+                for b in deps if not b.startswith(allowed))
+    assert not up, f"layers/ imports from higher layers: {up}"
