@@ -263,7 +263,7 @@ def test_critic_layouts_and_transformers_parity(tmp_path):
 # ----------------------------------------------------------------------------- the loss, in-process
 def _value_loss_reference(v, old, ret, mask, seq, clip, mode, num_tokens, num_seqs):
     v, old, ret, mask = (t.double() for t in (v, old, ret, mask))
-    clipped = old + (v - old).clamp(-clip, clip)
+    clipped = v.clamp(old - clip, old + clip)
     per = torch.maximum((v - ret) ** 2, (clipped - ret) ** 2)
     if mode == "token-mean":
         agg = (per * mask).sum() / num_tokens
@@ -300,6 +300,48 @@ def test_value_loss_matches_float64_and_is_split_invariant(mode):
     total = sum(value_loss(v[p], old[p], ret[p], mask[p], seq[p], ctx, cliprange_value=0.2,
                            loss_agg_mode=mode)[0] for p in parts)
     assert_rel_close(total, loss, TOL, f"{mode}: split invariance")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_value_clipfrac_matches_verl_on_and_near_the_bounds(dtype):
+    """verl's ``compute_value_loss`` on the same inputs: the loss and ``vf_clipfrac`` agree, with
+    predictions exactly on the bounds, one ulp inside / outside them, and far out. In-range
+    predictions are never counted as clipped (rounding ``old + (v - old).clamp`` used to count them)."""
+    from verl.trainer.ppo.core_algos import compute_value_loss
+
+    from mcore_engine.losses import LossContext, value_loss
+
+    g = torch.Generator().manual_seed(7)
+    n, clip = 203, 0.2
+    old = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+    old[::2] *= 0.01  # |old| << |v - old|: ``old + (v - old)`` rounds away from ``v``
+    lo, hi = old - clip, old + clip
+    kind = torch.arange(n) % 10  # 0-4: on / one ulp around the bounds, 5: far out, 6-9: in range
+    inf = torch.tensor(float("inf"), dtype=dtype)
+    inner = old + (0.15 * torch.randn(n, generator=g, dtype=dtype)).clamp(-0.18, 0.18)
+    v = torch.where(kind == 0, hi, torch.where(kind == 1, lo, inner))
+    v = torch.where(kind == 2, torch.nextafter(hi, -inf), v)   # one ulp inside
+    v = torch.where(kind == 3, torch.nextafter(hi, inf), v)    # one ulp outside
+    v = torch.where(kind == 4, torch.nextafter(lo, inf), v)
+    v = torch.where(kind == 5, old + 3.0 * torch.randn(n, generator=g, dtype=dtype), v)  # far out
+    ret = old + torch.randn(n, generator=g, dtype=dtype)
+    mask = (torch.rand(n, generator=g) > 0.2).to(dtype)
+    ctx = LossContext.from_counts(mask.sum(), 1)
+    loss, metrics = value_loss(v, old, ret, mask, None, ctx, cliprange_value=clip)
+    want, want_frac = compute_value_loss(v[None], ret[None], old[None], mask[None], clip, "token-mean")
+    assert float(want_frac) > 0, "nothing clipped: the case is vacuous"
+    torch.testing.assert_close(loss.double(), want.double(), rtol=1e-12, atol=0)
+    assert float(metrics["vf_clipfrac"]) == pytest.approx(float(want_frac), abs=1e-7)
+    inside = (v >= lo) & (v <= hi)
+    assert torch.equal(v.clamp(lo, hi)[inside], v[inside]), "in-range predictions must stay bit-exact"
+    # nothing out of range: no clip at all, exactly 0 (rounding once reported 1e-4 in fp32)
+    inner = old + (0.15 * torch.randn(n, generator=g, dtype=dtype)).clamp(-0.18, 0.18)
+    v_in = torch.where(kind % 2 == 0, torch.nextafter(hi, -inf), torch.nextafter(lo, inf))
+    v_in = torch.where(kind >= 6, inner, v_in)  # one ulp inside either bound, or well inside
+    mask = torch.ones_like(old)
+    _, metrics = value_loss(v_in, old, ret, mask, None, LossContext.from_counts(mask.sum(), 1),
+                            cliprange_value=clip)
+    assert float(metrics["vf_clipfrac"]) == 0.0
 
 
 def test_value_loss_refusals():

@@ -1,13 +1,15 @@
 """PPO clipped value loss (the critic's), as verl computes it. Per token, prediction ``v``, the
 rollout's value ``v_old`` and return ``R``::
 
-    v_clipped = v_old + (v - v_old).clamp(-cliprange_value, cliprange_value)
+    v_clipped = v.clamp(v_old - cliprange_value, v_old + cliprange_value)   # v itself when in range
     l1, l2 = (v - R) ** 2, (v_clipped - R) ** 2
     loss = 0.5 * agg_loss(torch.maximum(l1, l2), loss_mask, seq_ids, loss_agg_mode, ctx)
 
 ``agg_loss`` normalises by the global counts (``token-mean`` / ``seq-mean-token-sum`` /
 ``seq-mean-token-mean``), so the micro-batch contributions sum to the global loss whatever the split.
-Metrics (detached float32 contributions): ``vf_loss``, ``vf_clipfrac`` (``l2 > l1``), ``vpred_mean``.
+Metrics (detached float32 contributions): ``vf_loss``, ``vf_clipfrac`` (verl's: the clipped loss is
+the larger, ``l2 > l1``; only tokens outside the bounds can count, in-range ones are bit-exact),
+``vpred_mean``.
 Memory: a few ``[T]`` temporaries.
 """
 
@@ -40,13 +42,14 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     """
     _check_cliprange(cliprange_value)
     old_values, returns = constants_like(values, "values", old_values=old_values, returns=returns)
-    clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    low, high = old_values - cliprange_value, old_values + cliprange_value
+    clipped = values.clamp(low, high)  # bit-exact ``values`` in range (verl's clip_by_value)
     l1, l2 = (values - returns) ** 2, (clipped - returns) ** 2
     loss = 0.5 * agg_loss(torch.maximum(l1, l2), loss_mask, seq_ids, loss_agg_mode, ctx)
     with torch.no_grad():
         metrics = {
             "vf_loss": loss.detach().float(),
-            "vf_clipfrac": token_mean_metric((l2 > l1).float(), loss_mask, ctx),
+            "vf_clipfrac": token_mean_metric(((values < low) | (values > high)) & (l2 > l1), loss_mask, ctx),
             "vpred_mean": token_mean_metric(values, loss_mask, ctx),
         }
     return loss, metrics
