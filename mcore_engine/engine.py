@@ -43,6 +43,7 @@ from mcore_engine.checkpoint import (
 )
 from mcore_engine.config import EngineConfig
 from mcore_engine.hf import export_hf, iter_hf_tensors, load_hf_weights
+from mcore_engine.layers.value_head import sequence_scores
 from mcore_engine.lm_head_outputs import check_head_flags, lm_head_outputs, merge_logits_func
 from mcore_engine.loss_guard import LossGuard
 from mcore_engine.model import build_model_chunks, is_last_stage_chunk, output_hidden_states
@@ -73,7 +74,6 @@ from mcore_engine.step import (
     micro_batch_outputs,
     prepare_step,
 )
-from mcore_engine.layers.value_head import sequence_scores
 from mcore_engine.weight_sync import BucketMeta, iter_weight_buckets
 
 __all__ = ["MegatronEngine"]
@@ -397,7 +397,8 @@ class MegatronEngine:
         ``[T]`` in packed order. ``"micro_batch"`` (verl): ``loss_function(model_output=, data=,
         ctx=)``, outputs in the micro-batch's ``input_ids`` layout (jagged ``[b, j]``), ``data`` its
         slice of ``batch``; its metrics come back unsummed as the non-tensor ``micro_batch_metrics``
-        (one entry per micro-batch, this DP rank's) instead of ``metrics``.
+        (one entry per micro-batch, this DP rank's) instead of ``metrics``. ``forward_only=True``
+        runs in eval mode, like ``infer_batch`` (modes restored).
         """
         if not forward_only:
             self._require_training("forward_backward_batch(forward_only=False)")
@@ -405,9 +406,23 @@ class MegatronEngine:
             raise ValueError("forward_backward_batch: loss_function=None needs forward_only=True")
         self._require_onloaded("forward_backward_batch", "params", *(() if forward_only else ("grads",)))
         step = self._prepare(batch, logits_processor_func, loss_convention=loss_convention)
-        with torch.no_grad() if self.config.forward_only else contextlib.nullcontext():
+        with (torch.no_grad() if self.config.forward_only else contextlib.nullcontext(),
+              self._eval_mode() if forward_only else contextlib.nullcontext()):
             return self._run(step, loss_function, forward_only, logits_processor_func,
                              loss_convention=loss_convention)
+
+    @contextlib.contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        """Every module of the chunks in eval mode (no dropout; Megatron's MoELayer takes TP > 1
+        without SP), each module's own mode restored after."""
+        modes = [(module, module.training) for chunk in self.model for module in chunk.modules()]
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            yield
+        finally:
+            for module, training in modes:
+                module.training = training
 
     def zero_grad(self) -> None:
         """Zero the DDP grad buffers and the optimizer's main grads."""
@@ -452,15 +467,9 @@ class MegatronEngine:
             raise ValueError("infer_batch: builtin_outputs=False needs a logits_func (nothing to compute)")
         self._require_onloaded("infer_batch", "params")
         step = self._prepare(batch, logits_processor_func, logits_func, loss_convention)
-        modes = [(module, module.training) for chunk in self.model for module in chunk.modules()]
-        for chunk in self.model:
-            chunk.eval()
-        try:
+        with self._eval_mode():
             return self._run(step, loss_function, True, logits_processor_func, logits_func, builtin_outputs,
                              loss_convention)
-        finally:
-            for module, training in modes:
-                module.training = training
 
     # ------------------------------------------------------------------ optimizer
     def optimizer_step(self) -> float:
@@ -488,8 +497,9 @@ class MegatronEngine:
     def per_tensor_generator(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream ``(hf_name, full_tensor)`` for the whole model in Hugging Face names and layouts
         (TP shards gathered, vocab padding dropped). Collective over TP and PP: every model-parallel
-        rank consumes it to the end. ``dtype`` None: the training precision. Tensors may share
-        storage with live parameters. Memory: one gathered parameter."""
+        rank consumes it to the end. ``dtype`` None: the training precision. No tensor shares
+        storage with a live parameter (the receiver may keep, change or ``.numpy()`` it). Memory:
+        one gathered parameter."""
         self._require_initialized()
         self._require_onloaded("per_tensor_generator", "params")
         return iter_hf_tensors(self.model, self.config, dtype=dtype)

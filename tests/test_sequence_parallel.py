@@ -17,6 +17,7 @@ refused naming ``sequence_parallel``. A checkpoint written with SP resumes witho
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import torch
@@ -257,7 +258,16 @@ def _moe_without_sequence_parallel(full0) -> None:
     engine.initialize()
     load_full_state(engine, full0)
     before = [p.detach().clone() for chunk in engine.model for p in chunk.module.parameters()]
-    engine.infer_batch(batches()[0])
+    inferred = engine.infer_batch(batches()[0])
+    # forward-only passes run in eval mode like infer_batch (Megatron's MoELayer refuses TP > 1
+    # without SP only in training mode): the same outputs, and the modules' modes come back
+    for chunk in engine.model:
+        chunk.train()
+    with torch.no_grad():
+        passed = engine.forward_backward_batch(batches()[0], policy_loss, forward_only=True)
+    assert all(m.training for chunk in engine.model for m in chunk.modules()), "training mode not restored"
+    assert torch.equal(passed["log_probs"].values(), inferred["log_probs"].values())
+    assert math.isfinite(passed.get_non_tensor("loss"))
     try:
         engine.train_batch(batches()[0], policy_loss)
     except ValueError as exc:
