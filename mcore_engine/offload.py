@@ -37,6 +37,21 @@ def _unique(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
     return out
 
 
+def _not_resizable(plan: dict[str, list[torch.UntypedStorage]]) -> list[tuple[str, torch.UntypedStorage]]:
+    """``(part, storage)`` for every storage that ``resize_`` would refuse."""
+    return [(part, s) for part, storages in plan.items() for s in storages if not s.resizable()]
+
+
+def _restore(saved: list[tuple[torch.UntypedStorage, torch.Tensor]], pin: bool) -> None:
+    """Reallocate each freed storage and copy its host bytes back."""
+    for storage, host in saved:
+        storage.resize_(host.numel())
+        live = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+        live.copy_(host, non_blocking=pin)
+    if pin:
+        torch.cuda.synchronize()
+
+
 class HostOffloader:
     """Moves the parts of ``model_chunks`` (Megatron DDP wrappers) and ``optimizer`` (a Megatron
     optimizer) to host memory and back; tracks which parts are offloaded. ``optimizer`` None: the
@@ -97,25 +112,53 @@ class HostOffloader:
                           if cpu_ok or s.device.type == "cuda") for part in PARTS}
 
     # ------------------------------------------------------------------ moves
+    def _names(self) -> dict[int, str]:
+        """A readable owner for each storage: the first parameter name that reaches it."""
+        names: dict[int, str] = {}
+        for i, chunk in enumerate(self._chunks):
+            for name, param in chunk.module.named_parameters():
+                names.setdefault(_key(param.untyped_storage()), f"model chunk {i} parameter {name!r}")
+        return names
+
     def offload(self, parts: Iterable[str]) -> None:
         """Copy each part's storages to the host and free them on the device (already offloaded
-        parts are left alone)."""
+        parts are left alone). All or nothing: a storage that cannot be freed (not resizable, e.g.
+        after ``.numpy()`` on a tensor sharing it) raises ``RuntimeError`` naming its owner before
+        anything moves, and a failure part-way restores what was freed."""
         pin, parts = torch.cuda.is_available(), set(parts)
         todo = [p for p in self.parts if p in parts and p not in self._host]
-        for part in todo:
-            saved = []
-            for storage in self.storages(part).values():
-                if storage.device.type == "cpu" and pin or storage.nbytes() == 0:
-                    continue  # on CUDA a CPU storage (Adam's step counter) is host memory already
-                live = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
-                host.copy_(live, non_blocking=pin)
-                saved.append((storage, host))
-            if pin:
-                torch.cuda.synchronize()
-            for storage, _ in saved:
-                storage.resize_(0)
-            self._host[part] = saved
+        plan = {part: [s for s in self.storages(part).values()
+                       if not (s.device.type == "cpu" and pin) and s.nbytes() > 0]  # CUDA: host already
+                for part in todo}
+        stuck = _not_resizable(plan)
+        if stuck:
+            names = self._names()
+            part, storage = stuck[0]
+            owner = names.get(_key(storage), f"a {part!r} storage")
+            raise RuntimeError(
+                f"offload: {owner} ({storage.nbytes()} bytes, part {part!r}) cannot be freed: its storage "
+                f"is not resizable ({len(stuck)} such storages), typically because .numpy() was called on "
+                "a tensor sharing it; nothing was offloaded")
+        moved: dict[str, list[tuple[torch.UntypedStorage, torch.Tensor]]] = {}
+        try:
+            for part in todo:
+                saved = moved.setdefault(part, [])
+                copies = []
+                for storage in plan[part]:
+                    live = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+                    host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+                    host.copy_(live, non_blocking=pin)
+                    copies.append((storage, host))
+                if pin:
+                    torch.cuda.synchronize()
+                for storage, host in copies:
+                    storage.resize_(0)
+                    saved.append((storage, host))
+        except BaseException:
+            for saved in moved.values():  # put back every storage freed so far
+                _restore(saved, pin)
+            raise
+        self._host.update(moved)
         if pin and todo:
             torch.cuda.empty_cache()
 
@@ -123,12 +166,7 @@ class HostOffloader:
         """Reallocate each offloaded part's storages and copy their bytes back."""
         pin, parts = torch.cuda.is_available(), set(parts)
         for part in [p for p in PARTS if p in parts and p in self._host]:
-            for storage, host in self._host[part]:
-                storage.resize_(host.numel())
-                live = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-                live.copy_(host, non_blocking=pin)
-            if pin:
-                torch.cuda.synchronize()
+            _restore(self._host[part], pin)
             del self._host[part]
 
     def require(self, what: str, parts: Iterable[str]) -> None:

@@ -13,6 +13,10 @@ optimizer or gradient storage, ``infer_batch`` and ``forward_backward_batch(forw
 outputs bit-identical to the trained engine's, every training call refused naming ``forward_only``.
 At TP=2 also: its weight stream equals the trained engine's, offload / onload move the parameters
 only, and its model-only checkpoint loads back into a training engine.
+
+Offload is all or nothing (TP=2, fp32 and bf16): the weight stream shares no live storage (a
+receiver's ``.numpy()`` pins nothing), a storage pinned by ``.numpy()`` is refused naming its owner
+before anything moves, and a failure part-way puts back every storage it had freed.
 """
 
 from __future__ import annotations
@@ -119,6 +123,49 @@ def _forward_only(name: str, kwargs: dict, trained, other, path: str) -> None:
     other.train_batch(batch, policy_loss)
 
 
+def _pin(t: torch.Tensor) -> None:
+    """What a receiver's ``.numpy()`` does to ``t``'s storage: marks it not resizable, for good."""
+    (t.detach().view(torch.int16) if t.dtype == torch.bfloat16 else t.detach()).numpy()
+
+
+def _offload_is_atomic(name: str, engine) -> None:
+    """Streamed tensors pin nothing; a pinned storage is refused before anything moves; a failure
+    part-way (the pre-check bypassed) puts back everything it freed. Pins ``engine`` for good."""
+    import mcore_engine.offload as offload_module
+    from mcore_engine.optim import sub_optimizers
+
+    batch = make_batch(4, 5, calculate_entropy=True)
+    want, before, full = _outputs(engine.infer_batch(batch)), engine_snapshot(engine), _sizes(engine)
+    live = {_key(t) for part in _part_tensors(engine).values() for t in part}
+    for hf_name, t in engine.per_tensor_generator():
+        assert _key(t) not in live, f"{name}: {hf_name} shares a live storage"
+        _pin(t)
+    engine.offload()
+    engine.onload()
+    assert_identical(_outputs(engine.infer_batch(batch)), want, f"{name}: after a receiver's .numpy()")
+
+    # an Adam state storage pinned: the last part, so params and grads would be freed before it
+    states = [v for sub in sub_optimizers(engine.optimizer) for st in sub.optimizer.state.values()
+              for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
+    _pin(states[-1])
+    _refused(engine.offload, needs=r"'optimizer' storage .*not resizable.*nothing was offloaded")
+    assert engine.offloaded == frozenset() and _sizes(engine) == full, f"{name}: moved before refusing"
+    check = offload_module._not_resizable
+    offload_module._not_resizable = lambda plan: []
+    try:
+        _refused(engine.offload, needs="resiz")
+    finally:
+        offload_module._not_resizable = check
+    assert engine.offloaded == frozenset() and _sizes(engine) == full, f"{name}: not rolled back"
+    assert_identical(engine_snapshot(engine), before, f"{name}: rolled back, but not bit-identical")
+    assert_identical(_outputs(engine.infer_batch(batch)), want, f"{name}: infer after the rollback")
+
+    pname, param = list(engine.model[-1].module.named_parameters())[-1]
+    _pin(param)
+    _refused(engine.offload, needs=rf"parameter '{pname}'.*not resizable")
+    assert engine.offloaded == frozenset() and _sizes(engine) == full, f"{name}: moved before refusing"
+
+
 def _offload_layouts(rank: int, world_size: int, path: str) -> None:
     from mcore_engine.engine import MegatronEngine
     from mcore_engine.platform import destroy_distributed
@@ -166,6 +213,8 @@ def _offload_layouts(rank: int, world_size: int, path: str) -> None:
         assert _step(moved, 2) == _step(ref, 2), f"{name}: loss / grad norm after onload"
         assert_identical(engine_snapshot(moved), engine_snapshot(ref), f"{name}: state after the next step")
         _forward_only(name, kwargs, ref, moved, path)
+        if name in ("tp2", "tp2-bf16"):
+            _offload_is_atomic(name, moved)
 
 
 def test_offload_onload_is_bit_identical_and_releases_storage(tmp_path):

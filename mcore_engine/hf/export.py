@@ -63,7 +63,8 @@ def iter_hf_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, 
     tensor-, pipeline- and (MoE) expert-parallel groups.
 
     A routed expert's weight is gathered over the expert-tensor-parallel group on the
-    expert-parallel rank that holds it and broadcast over the expert-parallel group.
+    expert-parallel rank that holds it and broadcast over the expert-parallel group. No yielded
+    tensor shares storage with a parameter (unsharded ones are copied). Memory: one full tensor.
     """
     model_cfg = cfg.model
     dtype = dtype or precision_dtype(cfg)
@@ -80,6 +81,9 @@ def iter_hf_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, 
         ep_size = parallel_state.get_expert_model_parallel_world_size()
         ep_rank = parallel_state.get_expert_model_parallel_rank()
 
+    # storages of live parameters: a yielded tensor never shares one (a receiver may keep, modify
+    # or .numpy() it, which would pin the storage and break offload)
+    live = {p.untyped_storage()._cdata for chunk in model_chunks for p in chunk.parameters()}
     local: dict[str, tuple[torch.nn.Parameter, object]] = {}
     for chunk in model_chunks:
         for unit, param, rule in iter_units(chunk, model_cfg):
@@ -129,7 +133,8 @@ def iter_hf_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, 
             if pp_size > 1:
                 t = receive(name, key, src) if t is None else t.contiguous()
                 dist.broadcast(t, src=dist.get_global_rank(pp_group, src), group=pp_group)
-            yield name, t.to(dtype)
+            t = t.to(dtype)
+            yield name, t.clone() if t.untyped_storage()._cdata in live else t
 
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
