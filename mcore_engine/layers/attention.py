@@ -1,0 +1,359 @@
+"""Causal core attention for Megatron-Core's local layer spec: SDPA kernels, packed ``thd``, context
+parallelism (CP) on CPU and on GPUs without Transformer Engine.
+
+Math, per sequence of (padded) length ``L``, query head ``h`` and its KV group ``g = h // (np / ng)``::
+
+    out[i, h] = softmax_j<=i(scale * q[i, h] . k[j, g]) @ v[:i+1, g]     # causal at GLOBAL positions
+
+``attention_mask`` is ignored: masking is always causal inside each sequence (``thd``: the blocks of
+``cu_seqlens_q_padded``, else ``cu_seqlens_q``; ``bshd``: each row). For right-padded sequences this
+is exact on the real tokens (padding keys come after every real query); padding queries attend
+causally too, so no row is ever fully masked (never NaN).
+
+CP layout (Megatron / Transformer Engine load balancing): a sequence of padded length ``L`` (a
+multiple of ``2 * cp``) is cut into ``2 * cp`` chunks of ``c = L / (2 cp)`` tokens; CP rank ``r`` holds
+chunk ``r`` then chunk ``2 cp - 1 - r``. A local ``thd`` pack is each sequence's ``2 c`` local tokens in
+order (local ``cu_seqlens = cu_seqlens_q_padded // cp``); a local ``bshd`` row is the two chunks of the
+global row (``sq = S / cp``). :func:`cp_local_index` maps local tokens to global pack positions.
+
+Algorithm: one autograd all-gather of ``[K | V]`` over CP (backward: reduce-scatter-sum of dK/dV),
+reordered to global order; then per sequence and local query chunk ``j`` (global rows
+``[j c, (j + 1) c)``) attention to the key prefix ``[0, (j + 1) c)``, causal aligned bottom-right:
+
+- ``j = 0`` (always at CP = 1): one ``F.scaled_dot_product_attention(is_causal=True)`` call.
+- ``j > 0`` on CPU: two flash calls, the full prefix ``[0, j c)`` and the causal diagonal block,
+  merged by their log-sum-exp; backward runs the flash backward of both parts against the merged
+  output and log-sum-exp (exact, the ring-attention identity).
+- ``j > 0`` elsewhere: ``F.scaled_dot_product_attention`` with ``causal_lower_right`` (native in the
+  CUDA flash / memory-efficient kernels; K/V heads repeated for GQA there).
+
+Memory saved for backward, per layer: the local queries, the gathered K/V (``cp x`` the local K/V;
+a copy padded to one head dim when ``k_channels != v_channels``), the output and an fp32 log-sum-exp
+per query and head. No ``[s, s]`` tensor (Megatron's ``DotProductAttention`` keeps fp32
+``[b, np, s, s]`` probabilities). Cost: a Python loop over sequences (``thd``; about 120-170 us per
+sequence and layer for forward + backward on one CPU core), one or two SDPA calls per sequence and
+local chunk, one host read of ``cu_seqlens`` per layer; the gather order is cached for 16 packs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
+from megatron.core.utils import divide
+from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
+
+__all__ = ["SDPACoreAttention", "cp_local_index"]
+
+_CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
+# torch >= 2.13 names them *_single; older releases *_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ----------------------------------------------------------------------------------------------------
+# CP layout
+# ----------------------------------------------------------------------------------------------------
+def _checked_lengths(padded_lengths: list[int] | tuple[int, ...] | Tensor, cp_size: int,
+                     what: str = "padded_lengths") -> list[int]:
+    lengths = [int(n) for n in (padded_lengths.tolist() if isinstance(padded_lengths, Tensor)
+                                else padded_lengths)]
+    if not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_size must be an int >= 1, got {cp_size!r}")
+    multiple = 2 * cp_size if cp_size > 1 else 1
+    bad = [n for n in lengths if n < 0 or n % multiple]
+    if bad:
+        raise ValueError(f"{what}: every padded sequence length must be a non-negative multiple of "
+                         f"2 * context_parallel_size = {multiple}, got {bad[:4]}")
+    return lengths
+
+
+def cp_local_index(padded_lengths: list[int] | tuple[int, ...] | Tensor, cp_size: int,
+                   cp_rank: int) -> Tensor:
+    """Global pack positions of CP rank ``cp_rank``'s local tokens, int64 ``[sum(padded_lengths) / cp]``
+    (CPU), in local order.
+
+    Sequences of ``padded_lengths`` (each a multiple of ``2 * cp_size``) lie back to back in the
+    global pack; rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` of each (``c = L / (2 cp)``)::
+
+        for start, L in zip(starts, padded_lengths):
+            c = L // (2 * cp)
+            index += [*range(start + r * c, start + (r + 1) * c),
+                      *range(start + (2 * cp - 1 - r) * c, start + (2 * cp - r) * c)]
+
+    ``global[cp_local_index(...)]`` is the local split of a per-token tensor; the concatenation over
+    ranks is a permutation of ``range(sum(padded_lengths))``. ``cp_size = 1``: the identity.
+    """
+    lengths = torch.tensor(_checked_lengths(padded_lengths, cp_size), dtype=torch.int64)
+    if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}")
+    if cp_size == 1:
+        return torch.arange(int(lengths.sum()))
+    c = lengths // (2 * cp_size)
+    starts = lengths.cumsum(0) - lengths
+    piece_starts = torch.stack([starts + cp_rank * c, starts + (2 * cp_size - 1 - cp_rank) * c], 1).flatten()
+    sizes = torch.stack([c, c], 1).flatten()
+    local_starts = sizes.cumsum(0) - sizes
+    return torch.repeat_interleave(piece_starts - local_starts, sizes) + torch.arange(int(sizes.sum()))
+
+
+@functools.lru_cache(maxsize=16)
+def _global_order(lengths: tuple[int, ...], cp_size: int, device: torch.device) -> Tensor:
+    """``order`` with ``gathered[order]`` in global order, for ``gathered`` = the ranks' local packs
+    concatenated rank by rank (what the all-gather returns)."""
+    gathered = torch.cat([cp_local_index(lengths, cp_size, r) for r in range(cp_size)])
+    order = torch.empty_like(gathered)
+    order[gathered] = torch.arange(gathered.numel())
+    return order.to(device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Autograd pieces
+# ----------------------------------------------------------------------------------------------------
+class _GatherFromContextParallel(torch.autograd.Function):
+    """forward: all-gather along dim 0 over the CP group (rank-major); backward: reduce-scatter (sum)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, size: int) -> Tensor:
+        ctx.group, ctx.size = group, size
+        out = x.new_empty((size * x.size(0), *x.shape[1:]))
+        _ALL_GATHER(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        out = grad.new_empty((grad.size(0) // ctx.size, *grad.shape[1:]))
+        _REDUCE_SCATTER(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        return out, None, None
+
+
+class _PrefixCausalAttentionCPU(torch.autograd.Function):
+    """``q [b, h, c, d]`` attends to ``k, v [b, hk, p + c, d]``: all of the first ``p`` keys, the last
+    ``c`` causally (query ``i`` sits at key position ``p + i``). CPU flash kernels, GQA native.
+
+    1. ``o1, l1 = flash(q, k[:p], v[:p])``; ``o2, l2 = flash(q, k[p:], v[p:], causal)``.
+    2. ``lse = logaddexp(l1, l2)``; ``out = o1 exp(l1 - lse) + o2 exp(l2 - lse)`` (fp32, then q's dtype).
+    Backward: each part's flash backward with the merged ``out`` and ``lse`` (its probabilities are
+    ``exp(s - lse)``, and ``rowsum(dout * out)`` is the merged one); dq summed, dk / dv concatenated.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, prefix: int, scale: float) -> Tensor:
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        # --- 1. the two parts ---
+        o1, l1 = flash(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
+        o2, l2 = flash(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)
+        # --- 2. merge ---
+        lse = torch.logaddexp(l1, l2)
+        out = (o1.float() * (l1 - lse).exp().unsqueeze(-1)
+               + o2.float() * (l2 - lse).exp().unsqueeze(-1)).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.prefix, ctx.scale = prefix, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
+        q, k, v, out, lse = ctx.saved_tensors
+        p, scale = ctx.prefix, ctx.scale
+        flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        grad = grad.contiguous()
+        dq1, dk1, dv1 = flash_bwd(grad, q, k[:, :, :p], v[:, :, :p], out, lse, 0.0, False, scale=scale)
+        dq2, dk2, dv2 = flash_bwd(grad, q, k[:, :, p:], v[:, :, p:], out, lse, 0.0, True, scale=scale)
+        return dq1 + dq2, torch.cat([dk1, dk2], 2), torch.cat([dv1, dv2], 2), None, None
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, prefix: int, scale: float, cpu_kernels: bool) -> Tensor:
+    """``q [c, b, h, d]``, ``k, v [prefix + c, b, hk, d]`` -> ``[b, h, c, d]``: query ``i`` attends to
+    keys ``0 .. prefix + i``. ``cpu_kernels``: the prefix merge, else ``causal_lower_right`` (``hk = h``)."""
+    q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))
+    gqa = q.size(1) != k.size(1)
+    if prefix == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if cpu_kernels:
+        return _PrefixCausalAttentionCPU.apply(q, k, v, prefix, scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.size(2), k.size(2)),
+                                          scale=scale)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The module
+# ----------------------------------------------------------------------------------------------------
+class SDPACoreAttention(MegatronModule):
+    """Megatron-Core core attention (``DotProductAttention``'s constructor plus MLA's ``k_channels`` /
+    ``v_channels``): causal per sequence, ``bshd`` or packed ``thd``, any CP size (module docstring).
+
+    ``forward(query, key, value, attention_mask, ...)``: ``bshd`` ``query [sq, b, np, hk]``, ``key
+    [sq, b, ng, hk]``, ``value [sq, b, ng, hv]`` -> ``[sq, b, np * hv]``; ``thd`` (``packed_seq_params``)
+    ``[t, np|ng, h*]`` -> ``[t, 1, np * hv]``. Under CP the inputs are this rank's local tokens.
+    ``scale``: ``softmax_scale`` else ``1 / sqrt(k_channels or kv_channels)``; Megatron's
+    ``apply_query_key_layer_scaling`` cancels out of the scores (the kernels scale in fp32).
+    ``cp_comm_type`` is ignored (K/V are always all-gathered). ``ValueError`` for dropout > 0,
+    non-causal masks, cross attention, sliding windows, non-vanilla softmax and qk-clip.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: float | None = None,
+                 softmax_scale: float | None = None, cp_comm_type: str | None = None,
+                 pg_collection: ProcessGroupCollection | None = None, k_channels: int | None = None,
+                 v_channels: int | None = None) -> None:
+        super().__init__(config=config)
+        self.config: TransformerConfig = config
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        _check_supported(config, self.layer_number, attn_mask_type, attention_type, attention_dropout)
+
+        # --- process groups: pg_collection's, else parallel_state's ---
+        tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+        if tp_group is None:
+            tp_group = parallel_state.get_tensor_model_parallel_group(check_initialized=False)
+        cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        if cp_group is None:
+            cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+        self.tp_group, self.cp_group = tp_group, cp_group
+        tp = _group_size(tp_group, config.tensor_model_parallel_size, "tensor_model_parallel_size")
+        self.cp_size = _group_size(cp_group, config.context_parallel_size, "context_parallel_size")
+        self.cp_rank = dist.get_rank(cp_group) if self.cp_size > 1 else 0
+
+        # --- heads and head dims per partition (as DotProductAttention) ---
+        self.k_channels = k_channels if k_channels is not None else config.kv_channels
+        self.v_channels = v_channels if v_channels is not None else config.kv_channels
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, tp)
+        self.hidden_size_per_partition = self.num_attention_heads_per_partition * self.v_channels
+        self.softmax_scale = (1.0 / math.sqrt(self.k_channels) if softmax_scale is None
+                              else float(softmax_scale))
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                attn_mask_type: AttnMaskType | None = None, attention_bias: Tensor | None = None,
+                packed_seq_params: PackedSeqParams | None = None) -> Tensor:
+        """Causal attention of the local queries to the (gathered) keys; see the class docstring."""
+        # --- 1. checks; the sequences' global padded lengths; everything as [s, b, heads, dim] ---
+        if attention_bias is not None:
+            raise ValueError("SDPACoreAttention: attention_bias is not supported (got a tensor)")
+        if attn_mask_type is not None and attn_mask_type not in _CAUSAL_TYPES:
+            raise ValueError(f"SDPACoreAttention: attn_mask_type must be causal, got {attn_mask_type}")
+        cp = self.cp_size
+        if packed_seq_params is not None:
+            lengths = self._thd_lengths(packed_seq_params, query)
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        else:
+            lengths = self._bshd_lengths(query)
+        heads, groups = query.size(2), key.size(2)
+        np_local = self.num_attention_heads_per_partition
+        if heads != np_local or heads % groups or key.shape[:3] != value.shape[:3] \
+                or key.shape[:2] != query.shape[:2]:
+            raise ValueError(f"SDPACoreAttention: expected query [s, b, {np_local}, hk] and key / value "
+                             f"[s, b, ng, h*], got {tuple(query.shape)}, {tuple(key.shape)}, "
+                             f"{tuple(value.shape)}")
+        hv = value.size(-1)
+
+        # --- 2. whole-sequence K/V: all-gather [K | V] over CP, then global order ---
+        if cp > 1:
+            s_local, b = key.shape[:2]
+            kv = torch.cat([key.reshape(s_local, b, -1), value.reshape(s_local, b, -1)], dim=-1)
+            kv = _GatherFromContextParallel.apply(kv, self.cp_group, cp)
+            kv = kv.index_select(0, _global_order(tuple(lengths), cp, kv.device))
+            k_len = groups * key.size(-1)
+            key = kv[..., :k_len].unflatten(-1, (groups, -1))
+            value = kv[..., k_len:].unflatten(-1, (groups, -1))
+        query, key, value = _same_head_dim(query, key, value)
+        cpu_kernels = query.device.type == "cpu"
+        if groups != heads and not cpu_kernels:  # the lower-right GPU kernels lack GQA
+            key, value = (x.repeat_interleave(heads // groups, dim=2) for x in (key, value))
+
+        # --- 3. per sequence and local query chunk: causal attention to the key prefix ---
+        chunks = [0] if cp == 1 else [self.cp_rank, 2 * cp - 1 - self.cp_rank]
+        sizes = [n // (2 * cp if cp > 1 else 1) for n in lengths]
+        q_pieces = iter(query.split([c for c in sizes for _ in chunks], dim=0))
+        outs = []
+        for k_seq, v_seq, c in zip(key.split(lengths), value.split(lengths), sizes, strict=True):
+            for j in chunks:
+                q = next(q_pieces)
+                if c:
+                    outs.append(_attend(q, k_seq[: (j + 1) * c], v_seq[: (j + 1) * c], j * c,
+                                        self.softmax_scale, cpu_kernels))
+
+        # --- 4. [b, np, c, h] pieces -> [sq, b, np * hv] ---
+        if not outs:  # an empty pack
+            return query.new_zeros(query.size(0), query.size(1), heads * hv)
+        out = torch.cat([o.permute(2, 0, 1, 3) for o in outs], dim=0)[..., :hv]
+        return out.reshape(out.size(0), out.size(1), -1)
+
+    def _bshd_lengths(self, query: Tensor) -> list[int]:
+        """``[S]``: every row is one sequence of global length ``S = sq * cp``."""
+        if query.dim() != 4:
+            raise ValueError("SDPACoreAttention: bshd query must be [sq, b, np, hn], got "
+                             f"{tuple(query.shape)}")
+        if self.cp_size > 1 and query.size(0) % 2:
+            raise ValueError(f"SDPACoreAttention: with context_parallel_size={self.cp_size} the local "
+                             f"sequence length must be even (2 chunks), got sq={query.size(0)}")
+        return [query.size(0) * self.cp_size]
+
+    def _thd_lengths(self, params: PackedSeqParams, query: Tensor) -> list[int]:
+        """Global padded sequence lengths of a ``thd`` pack, checked against the local ``query``."""
+        if params.qkv_format != "thd":
+            raise ValueError(f"SDPACoreAttention: packed_seq_params.qkv_format must be 'thd', "
+                             f"got {params.qkv_format!r}")
+        if query.dim() != 3:
+            raise ValueError(f"SDPACoreAttention: thd query must be [t, np, hn], got {tuple(query.shape)}")
+        name = "cu_seqlens_q_padded" if params.cu_seqlens_q_padded is not None else "cu_seqlens_q"
+        cu = getattr(params, name)
+        if cu is None or cu.dim() != 1 or cu.numel() < 2:
+            raise ValueError(f"SDPACoreAttention: packed_seq_params.{name} must be a 1-D tensor [n + 1]")
+        cu = [int(x) for x in cu.tolist()]
+        lengths = _checked_lengths([b - a for a, b in zip(cu[:-1], cu[1:], strict=True)], self.cp_size,
+                                   what=f"packed_seq_params.{name}")
+        if cu[0] != 0 or cu[-1] != query.size(0) * self.cp_size:
+            raise ValueError(f"SDPACoreAttention: packed_seq_params.{name} must run from 0 to the global "
+                             f"pack size {query.size(0)} * context_parallel_size {self.cp_size}, got "
+                             f"{cu[0]} .. {cu[-1]}")
+        return lengths
+
+
+def _same_head_dim(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Zero-pad q/k or v to one head dim (the SDPA kernels need it; scores and output unchanged)."""
+    dk, dv = key.size(-1), value.size(-1)
+    if dv < dk:
+        value = F.pad(value, (0, dk - dv))
+    elif dk < dv:
+        query, key = F.pad(query, (0, dv - dk)), F.pad(key, (0, dv - dk))
+    return query, key, value
+
+
+def _group_size(group: dist.ProcessGroup | None, configured: int, name: str) -> int:
+    size = dist.get_world_size(group) if group is not None else 1
+    if size != configured:
+        raise ValueError(f"SDPACoreAttention: config.{name}={configured} but the process group has "
+                         f"{size} rank(s)" + (" (parallel_state not initialised?)" if group is None else ""))
+    return size
+
+
+def _check_supported(config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                     attention_type: str, attention_dropout: float | None) -> None:
+    """``ValueError`` for what this attention does not do (it is causal self-attention only)."""
+    dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+    window = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+    problems = {
+        f"attention dropout {dropout} (only 0.0)": dropout != 0.0,
+        f"attention_type {attention_type!r} (only 'self')": attention_type != "self",
+        f"attn_mask_type {attn_mask_type} (only causal)": attn_mask_type not in _CAUSAL_TYPES,
+        f"softmax_type {config.softmax_type!r} (only 'vanilla')": config.softmax_type != "vanilla",
+        "sliding-window attention": window,
+        "qk_clip / log_max_attention_logit (no max-logit tracking)":
+            bool(config.qk_clip or config.log_max_attention_logit),
+    }
+    bad = [what for what, hit in problems.items() if hit]
+    if bad:
+        raise ValueError(f"SDPACoreAttention does not support {', '.join(bad)}")
