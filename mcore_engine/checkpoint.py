@@ -4,6 +4,8 @@ Folder ``path/``::
 
     __<rank>_<i>.distcp, .metadata    sharded tensors (torch.distributed.checkpoint), global keys
     common.pt, metadata.json          rank 0's plain entries; dist_checkpointing's backend record
+                                      (Megatron-Core >= 0.19 keeps the plain entries in the .distcp
+                                      files, as the sharded object ``common_state``: no common.pt)
     mcore_engine.json                 written last: format, step, layout, precision, config record
 
 Holds each model chunk's ``sharded_state_dict()`` (global layer and expert ids: any TP / PP / VPP /
@@ -52,13 +54,16 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chain
 TP, PP, EP and DP; ``fully_sharded_model_space`` needs the flattened tensors 0.16 no longer supports)."""
 
 IGNORED_CONFIG: dict[str, frozenset[str]] = {
-    "model": frozenset({"hf_path", "fused_lm_head", "init_method_std", "max_sequence_length"}),
+    "model": frozenset({"hf_path", "fused_lm_head", "init_method_std", "max_sequence_length",
+                        "core_attention"}),
     "parallel": frozenset({"tensor_model_parallel_size", "pipeline_model_parallel_size",
                            "virtual_pipeline_model_parallel_size", "sequence_parallel", "batch_p2p_comm",
-                           "expert_model_parallel_size", "expert_tensor_parallel_size"}),
+                           "expert_model_parallel_size", "expert_tensor_parallel_size",
+                           "context_parallel_size", "cp_comm_type"}),
 }
-"""Config fields a load may change: where the initial weights came from, how the lm head computes,
-the longest accepted sequence and the whole parallel layout; every other ``model`` field must match."""
+"""Config fields a load may change: where the initial weights came from, how the lm head and the
+attention compute, the longest accepted sequence and the whole parallel layout (context parallelism
+included: it holds no state); every other ``model`` field must match."""
 
 _OUR_FILE = re.compile(r"(__\d+_\d+\.distcp|\.metadata|common\.pt|metadata\.json|mcore_engine\.json"
                        r"|engine_config\.yaml)")
@@ -118,6 +123,7 @@ def checkpoint_layout(config: EngineConfig, world_size: int) -> dict[str, Any]:
     return {"world_size": world_size, "tp": par.tensor_model_parallel_size,
             "pp": par.pipeline_model_parallel_size, "vpp": par.virtual_pipeline_model_parallel_size,
             "ep": par.expert_model_parallel_size, "etp": par.expert_tensor_size,
+            "cp": par.context_parallel_size,
             "distributed_optimizer": config.optimizer.use_distributed_optimizer}
 
 
@@ -257,16 +263,20 @@ def _read_marker(path: str, config: dict[str, Any], precision: str) -> dict[str,
 
 def _check_files(path: str) -> dict[str, Any]:
     """The checkpoint's tensor metadata ``{key: ShardedTensor}``; ``ValueError`` when a storage file
-    it lists is missing or shorter than the bytes recorded for it."""
+    it lists is missing or shorter than the bytes recorded for it, or the plain entries are unreadable
+    (``common.pt``; from Megatron-Core 0.19 a DCP object in a storage file, so read after the sizes)."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def unreadable(exc: Exception) -> ValueError:
+        return ValueError(f"load_checkpoint: {path!r} is torn: unreadable metadata ({exc})")
 
     try:
         storage = FileSystemReader(path).read_metadata().storage_data
         tensors = dist_checkpointing.load_tensors_metadata(path)
-        torch.load(os.path.join(path, "common.pt"), map_location="cpu", weights_only=False)
     except Exception as exc:  # missing / truncated metadata raise anything from pickle or the reader
-        raise ValueError(f"load_checkpoint: {path!r} is torn: unreadable metadata ({exc})") from exc
+        raise unreadable(exc) from exc
     ends: dict[str, int] = {}
     for info in storage.values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
@@ -276,6 +286,17 @@ def _check_files(path: str) -> dict[str, Any]:
         if size < end:
             what = "missing" if size < 0 else f"{size} bytes, {end} expected"
             raise ValueError(f"load_checkpoint: {path!r} is torn: storage file {name} {what}")
+    if (not os.path.exists(os.path.join(path, "common.pt")) and _common_reader() != "load_common_state_dict"
+            and any(getattr(key, "fqn", "").startswith("common_state") for key in storage)):
+        from megatron.core import __version__ as mcore_version
+
+        raise ValueError(f"load_checkpoint: {path!r} was written by Megatron-Core >= 0.19 (its plain entries "
+                         f"are in the .distcp files, there is no common.pt); megatron-core {mcore_version} "
+                         "cannot read it: load it with megatron-core >= 0.19")
+    try:
+        dist_checkpointing.load_common_state_dict(path)
+    except (Exception, CheckpointException) as exc:  # the DCP read raises a BaseException subclass
+        raise unreadable(exc) from exc
     return tensors
 
 
@@ -384,18 +405,45 @@ def _fit_optimizer_common(saved: dict, optimizer) -> dict:
     return fitted[0] if len(fitted) == 1 else dict(enumerate(fitted))
 
 
-def _common_loader(optimizer):
-    """``dist_checkpointing``'s torch common-state loader with :func:`_fit_optimizer_common` applied."""
-    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+def _fitted(common: dict, optimizer) -> dict:
+    if optimizer is not None and isinstance(common.get("optimizer"), dict):
+        common["optimizer"] = _fit_optimizer_common(common["optimizer"], optimizer)
+    return common
 
-    class Loader(TorchCommonLoadStrategy):
-        def load_common(self, checkpoint_dir):
-            common = super().load_common(checkpoint_dir)
-            if optimizer is not None and isinstance(common.get("optimizer"), dict):
-                common["optimizer"] = _fit_optimizer_common(common["optimizer"], optimizer)
-            return common
 
-    return Loader()
+def _common_reader() -> str:
+    """The name through which ``dist_checkpointing.load`` reads the common state: ``load_common``
+    (0.16: a method of its ``common_strategy``; 0.17 / 0.18: a function of ``serialization``; both
+    read ``common.pt``), or from 0.19 ``serialization.load_common_state_dict`` (the DCP object
+    ``common_state``, else a legacy ``common.pt``)."""
+    from megatron.core.dist_checkpointing import serialization
+
+    names = serialization.load.__code__.co_names
+    return "load_common_state_dict" if "load_common_state_dict" in names else "load_common"
+
+
+def _load_fitted(state: dict[str, Any], path: str, optimizer) -> dict[str, Any]:
+    """``dist_checkpointing.load`` with :func:`_fit_optimizer_common` applied to the common state.
+    Megatron-Core 0.16 takes a common-state loader (``common_strategy``); 0.17 and later removed it,
+    so the ``serialization`` function it reads the common state with (:func:`_common_reader`) is
+    wrapped for the call."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies import common as common_strategies
+
+    if hasattr(common_strategies, "TorchCommonLoadStrategy"):  # 0.16
+        class Loader(common_strategies.TorchCommonLoadStrategy):
+            def load_common(self, checkpoint_dir):
+                return _fitted(super().load_common(checkpoint_dir), optimizer)
+
+        return dist_checkpointing.load(state, path, common_strategy=Loader())
+    name = _common_reader()
+    original = getattr(serialization, name)
+    setattr(serialization, name, lambda checkpoint_dir: _fitted(original(checkpoint_dir), optimizer))
+    try:
+        return serialization.load(state, path)
+    finally:
+        setattr(serialization, name, original)
 
 
 def load_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, *, layout: dict[str, Any],
@@ -404,8 +452,6 @@ def load_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, 
     then load the model chunks and optimizer in place, restore the RNG states when ``layout`` is the
     checkpoint's, and return the ``common`` dict the save was given. ``optimizer`` None: the model
     part of any checkpoint."""
-    from megatron.core import dist_checkpointing
-
     from mcore_engine.optim import init_optimizer_state, reset_optimizer_state
 
     path = _resolve(os.path.abspath(path))
@@ -428,10 +474,10 @@ def load_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, 
     if with_optimizer:
         init_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, True, metadata=OPTIMIZER_METADATA)
-    same_layout = marker["layout"] == layout
+    same_layout = {"cp": 1, **marker["layout"]} == layout  # older markers have no "cp"
     if same_layout:
         state["rng"] = _rng_object(layout, None)
-    loaded = dist_checkpointing.load(state, path, common_strategy=_common_loader(optimizer))
+    loaded = _load_fitted(state, path, optimizer)
     names = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for chunk, name in zip(chunks, names, strict=True):
         chunk.module.load_state_dict(loaded[name], strict=True)

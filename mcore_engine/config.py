@@ -79,6 +79,12 @@ class ModelConfig:
     """Optional Hugging Face checkpoint folder to import weights from."""
     fused_lm_head: bool = False
     """Compute the lm-head outputs from hidden states without materialising logits (when supported)."""
+    core_attention: str = "sdpa"
+    """Core attention of the local layer spec (without Transformer Engine; TE's is used when it
+    imports): ``"sdpa"`` (:class:`~mcore_engine.layers.attention.SDPACoreAttention`: causal
+    ``scaled_dot_product_attention`` per sequence, no ``[s, s]`` tensor kept for backward, context
+    parallel) or ``"local"`` (Megatron's ``DotProductAttention`` + packed sequences; keeps
+    ``[b, heads, s, s]`` scores; CP = 1 only)."""
     moe: MoEConfig | None = None
     """Mixture-of-experts layers (a mapping in YAML); ``None`` means a dense model."""
     head: str = "lm"
@@ -122,6 +128,8 @@ class ModelConfig:
                      f"MoEConfig.layer_freq has {len(self.moe.layer_freq)} entries, "
                      f"ModelConfig.num_layers is {self.num_layers}")
         _require(self.head in ("lm", "value"), f"ModelConfig.head must be 'lm' or 'value', got {self.head!r}")
+        _require(self.core_attention in ("sdpa", "local"),
+                 f"ModelConfig.core_attention must be 'sdpa' or 'local', got {self.core_attention!r}")
         _require(not (self.head == "value" and self.fused_lm_head),
                  "ModelConfig.fused_lm_head=True needs ModelConfig.head='lm' (a value head has no "
                  "vocabulary)")
@@ -156,11 +164,20 @@ class ParallelConfig:
     """EP: ranks that split each MoE layer's experts (carved out of TP x DP, as Megatron does)."""
     expert_tensor_parallel_size: int | None = None
     """ETP: ranks that shard each expert's FFN; ``None`` means ``tensor_model_parallel_size``.
-    Per pipeline stage ``tp * dp == etp * ep * edp`` (edp: the experts' data-parallel size)."""
+    Per pipeline stage ``tp * cp * dp == etp * ep * edp`` (edp: the experts' data-parallel size)."""
+    context_parallel_size: int = 1
+    """CP: ranks that split every sequence (load-balanced: 2 x CP chunks, rank r holds r and
+    2CP-1-r); each receives the whole batch, like TP ranks. World = TP x PP x CP x DP."""
+    cp_comm_type: str = "p2p"
+    """Transformer Engine's CP exchange (GPU with TE): ``p2p``, ``all_gather`` or ``a2a``. Without TE
+    the engine's own attention all-gathers K / V."""
 
     def __post_init__(self) -> None:
         _positive_int(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                      "expert_model_parallel_size")
+                      "expert_model_parallel_size", "context_parallel_size")
+        _require(self.cp_comm_type in ("p2p", "all_gather", "a2a"),
+                 "ParallelConfig.cp_comm_type must be 'p2p', 'all_gather' or 'a2a', "
+                 f"got {self.cp_comm_type!r}")
         _bools(self, "batch_p2p_comm", "sequence_parallel")
         if self.expert_tensor_parallel_size is not None:
             _positive_int(self, "expert_tensor_parallel_size")
@@ -190,19 +207,21 @@ class ParallelConfig:
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
     def data_parallel_size(self, world_size: int) -> int:
-        """``world_size // (tp * pp)``; ``ValueError`` unless ``world_size`` is a multiple of tp * pp."""
-        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        _require(isinstance(world_size, int) and world_size >= 1 and world_size % (tp * pp) == 0,
+        """``world_size // (tp * pp * cp)``; ``ValueError`` unless ``world_size`` is a multiple of it."""
+        tp, pp, cp = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+                      self.context_parallel_size)
+        _require(isinstance(world_size, int) and world_size >= 1 and world_size % (tp * pp * cp) == 0,
                  f"world_size ({world_size}) must be a positive multiple of "
                  f"ParallelConfig.tensor_model_parallel_size ({tp}) x "
-                 f"ParallelConfig.pipeline_model_parallel_size ({pp})")
+                 f"ParallelConfig.pipeline_model_parallel_size ({pp}) x "
+                 f"ParallelConfig.context_parallel_size ({cp})")
         ep, etp = self.expert_model_parallel_size, self.expert_tensor_size
         _require(world_size % (etp * ep * pp) == 0,
                  f"world_size ({world_size}) must be a multiple of "
                  f"ParallelConfig.expert_tensor_parallel_size ({etp}) x "
                  f"ParallelConfig.expert_model_parallel_size ({ep}) x "
                  f"ParallelConfig.pipeline_model_parallel_size ({pp})")
-        return world_size // (tp * pp)
+        return world_size // (tp * pp * cp)
 
 
 @dataclass(kw_only=True)
@@ -332,6 +351,9 @@ class EngineConfig:
                  f"ParallelConfig.pipeline_model_parallel_size ({pp}) x "
                  f"ParallelConfig.virtual_pipeline_model_parallel_size ({vpp})")
         _validate_moe_layout(m, p)
+        _require(p.context_parallel_size == 1 or m.core_attention == "sdpa",
+                 "ParallelConfig.context_parallel_size > 1 needs ModelConfig.core_attention='sdpa' (or "
+                 "Transformer Engine): Megatron's local DotProductAttention ('local') cannot split sequences")
         self._validate_recompute(m.num_layers // (pp * vpp))
 
     def _validate_recompute(self, chunk_layers: int) -> None:
@@ -372,7 +394,7 @@ class EngineConfig:
                  f"virtual_pipeline_model_parallel_size)) with recompute_method={method!r}")
 
     def validate_world_size(self, world_size: int) -> int:
-        """Check ``world_size % (tp * pp) == 0`` (``ValueError`` naming the fields); return the DP size."""
+        """``ValueError`` naming the fields unless ``world_size % (tp * pp * cp) == 0``; the DP size."""
         return self.parallel.data_parallel_size(world_size)
 
     # --- (de)serialisation: YAML only fills the dataclasses ---

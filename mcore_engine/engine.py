@@ -42,6 +42,7 @@ from mcore_engine.checkpoint import (
     set_rng_state,
 )
 from mcore_engine.config import EngineConfig
+from mcore_engine.data.context_parallel import gather_tokens
 from mcore_engine.hf import export_hf, iter_hf_tensors, load_hf_weights
 from mcore_engine.layers.value_head import sequence_scores
 from mcore_engine.lm_head_outputs import check_head_flags, lm_head_outputs, merge_logits_func
@@ -269,15 +270,19 @@ class MegatronEngine:
                 raise ValueError(f"{name} needs the logits, which model.fused_lm_head=True never builds; "
                                  "use the built-in outputs or fused_lm_head: false")
         par = self.config.parallel
+        cp = par.context_parallel_size
         step = prepare_step(
             batch, vocab_size=self.config.model.vocab_size,
             max_sequence_length=self.config.model.max_sequence_length, data_format=self.config.data_format,
             default_micro_batch_size=self.config.micro_batch_size,
             has_logits_processor_func=logits_processor_func is not None,
-            pad_multiple=par.tensor_model_parallel_size if par.sequence_parallel else 1,
+            pad_multiple=(par.tensor_model_parallel_size if par.sequence_parallel else 1)
+            * (2 * cp if cp > 1 else 1),
             min_num_micro_batches=par.pipeline_model_parallel_size if self._interleaved else 1,
             device=get_device().torch_device, dp_group=parallel_state.get_data_parallel_group(),
-            common_shape=self._interleaved)
+            common_shape=self._interleaved,
+            context_parallel=(cp, parallel_state.get_context_parallel_rank(),
+                              parallel_state.get_context_parallel_group()) if cp > 1 else (1, 0, None))
         self._check_head_flags(step.flags, logits_processor_func, logits_func)
         return step
 
@@ -288,7 +293,7 @@ class MegatronEngine:
 
     def _outputs_and_loss(self, run: _Pass, mb: MicroBatch, model: torch.nn.Module, output: torch.Tensor):
         """``(loss_function's result, (detached outputs, micro_batch metrics or None))``."""
-        inp, flags, fmt = mb.inputs, run.step.flags, self.config.data_format
+        inp, flags, fmt = mb.model_inputs, run.step.flags, self.config.data_format
         teacher = {"teacher_ids": inp.teacher_ids, "teacher_logprobs": inp.teacher_logprobs}
         outputs = {}
         if run.builtin_outputs:
@@ -303,6 +308,8 @@ class MegatronEngine:
             outputs = merge_logits_func(outputs, run.logits_func(
                 student_logits=scale_logits_by_temperature(output, inp.temperature), data=teacher,
                 data_format=fmt))
+        if mb.cp is not None:  # every CP rank's tokens, in the whole pack's layout (the loss sees CP = 1)
+            outputs = {k: gather_tokens(v, mb.cp) for k, v in outputs.items()}
         kept = {k: v.detach() for k, v in outputs.items()}
         by_micro_batch = run.loss_convention == "micro_batch"
         if run.loss_function is None:
@@ -326,12 +333,14 @@ class MegatronEngine:
     def _forward_step(self, run: _Pass, data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
         """Megatron's forward step: the model's output and the loss callback for it."""
         mb = next(data_iterator)
-        inp = mb.inputs
+        inp = mb.model_inputs
         model_cfg = self.config.model
         if not model_cfg.fused_lm_head and model_cfg.head == "lm" and is_last_stage_chunk(model):
             output_hidden_states(model, enable=run.step.flags.outputs_on_loss_mask_only)  # rows to select
+        # the SDPA core attention masks causally by itself (no [b, 1, S, S] mask)
+        mask = attention_mask(mb) if model_cfg.core_attention == "local" else None
         output = model(input_ids=inp.input_ids, position_ids=inp.position_ids,
-                       attention_mask=attention_mask(mb), packed_seq_params=inp.packed_seq_params)
+                       attention_mask=mask, packed_seq_params=inp.packed_seq_params)
         return output, partial(self._loss_func, run, mb, model)
 
     def _run(self, step: PreparedStep, loss_function: LossFunction | None, forward_only: bool,

@@ -1,9 +1,11 @@
 """Megatron-Core ``GPTModel`` from an :class:`~mcore_engine.config.EngineConfig` (no process-group code).
 
-Transformer Engine's layer spec when it imports, else the local one with
-:class:`PackedDotProductAttention`; vocab padded as Megatron does; logits vocab-sharded
-``[b, s, V_padded / tp]`` in the parameters' dtype. On CPU a TP shard is an exact slice of the TP=1
-weight. :func:`output_hidden_states` and :func:`lm_head_weight` serve the fused lm-head.
+Transformer Engine's layer spec when it imports, else the local one with the engine's own
+:class:`~mcore_engine.layers.attention.SDPACoreAttention` (``model.core_attention: sdpa``,
+context parallel) or :class:`PackedDotProductAttention` (``local``); vocab padded as Megatron
+does; logits vocab-sharded ``[b, s, V_padded / tp]`` in the parameters' dtype. On CPU a TP shard
+is an exact slice of the TP=1 weight. :func:`output_hidden_states` and :func:`lm_head_weight` serve
+the fused lm-head.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from torch import Tensor
 
 from mcore_engine.config import EngineConfig
+from mcore_engine.layers.attention import SDPACoreAttention
 from mcore_engine.layers.norm import with_torch_norms
 from mcore_engine.layers.value_head import ValueHead, attach_value_head
 from mcore_engine.platform import apply_cpu_device_layer, apply_moe_compat
@@ -116,6 +119,8 @@ def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
         sequence_parallel=p.sequence_parallel,
+        context_parallel_size=p.context_parallel_size,
+        cp_comm_type=p.cp_comm_type,
         batch_p2p_comm=p.batch_p2p_comm,
         # free each stage's sent activations right after the send (Megatron's training default)
         deallocate_pipeline_outputs=p.pipeline_model_parallel_size > 1,
@@ -178,12 +183,16 @@ def _moe_config_kwargs(cfg: EngineConfig) -> dict:
 
 
 def _z_loss_coeff(cfg: EngineConfig) -> float | None:
-    """The router's z-loss coefficient. Megatron-Core 0.16's router divides it by the TP size and,
-    with ``calculate_per_token_loss``, weights the loss by the rank's routed tokens; under sequence
-    parallelism (``s / tp`` tokens a rank) that makes the z term ``1 / tp`` of the TP=1 objective,
-    so it gets ``coeff * tp`` (the logged z-loss is unchanged)."""
+    """The router's z-loss coefficient. Megatron-Core 0.16's router divides it by the TP x CP size
+    and, with ``calculate_per_token_loss``, weights the loss by the rank's routed tokens; with the
+    tokens split (``s / tp`` a rank under sequence parallelism, ``s / cp`` under context
+    parallelism) that makes the z term ``1 / (tp cp)`` of the one-rank objective, so it gets
+    ``coeff * tp * cp`` (the logged z-loss is unchanged)."""
     coeff, par = cfg.model.moe.z_loss_coeff, cfg.parallel
-    return coeff * par.tensor_model_parallel_size if coeff is not None and par.sequence_parallel else coeff
+    if coeff is None:
+        return None
+    split = (par.tensor_model_parallel_size if par.sequence_parallel else 1) * par.context_parallel_size
+    return coeff * split
 
 
 def _has_grouped_gemm() -> bool:
@@ -198,7 +207,7 @@ def _decoder_spec(cfg: EngineConfig, config: TransformerConfig, vp_stage: int | 
     """The layer spec (Transformer Engine, dense) or this stage's block spec: the local layer spec
     repeated (dense) or Megatron's ``get_gpt_decoder_block_spec`` (MoE: dense and ``MoELayer`` layers
     by ``moe.layer_freq``); local specs get :class:`~mcore_engine.layers.norm.TorchNorm` norms (sequence
-    parallel capable) and :class:`PackedDotProductAttention`."""
+    parallel capable) and the core attention of ``model.core_attention``."""
     te = has_te()
     if cfg.model.moe is None:
         if te:
@@ -213,9 +222,14 @@ def _decoder_spec(cfg: EngineConfig, config: TransformerConfig, vp_stage: int | 
                                        normalization=cfg.model.normalization, vp_stage=vp_stage)
     if not te:
         for spec in {id(s): s for s in block.layer_specs}.values():
-            spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+            spec.submodules.self_attention.submodules.core_attention = _core_attention(cfg)
         with_torch_norms(block)
     return block
+
+
+def _core_attention(cfg: EngineConfig) -> type:
+    """The local spec's core attention: ``model.core_attention`` ("sdpa" or Megatron's "local")."""
+    return SDPACoreAttention if cfg.model.core_attention == "sdpa" else PackedDotProductAttention
 
 
 def _layer_spec(cfg: EngineConfig) -> ModuleSpec:
@@ -225,7 +239,7 @@ def _layer_spec(cfg: EngineConfig) -> ModuleSpec:
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=m.qk_layernorm)
     spec = get_gpt_layer_local_spec(qk_layernorm=m.qk_layernorm, normalization=m.normalization)
-    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    spec.submodules.self_attention.submodules.core_attention = _core_attention(cfg)
     return spec
 
 

@@ -159,6 +159,9 @@ class MoERuntime:
         self._sp_group = parallel_state.get_tensor_model_parallel_group() if sp else None
         self._tp_size = parallel_state.get_tensor_model_parallel_world_size() if sp else 1
         self._tp_rank = parallel_state.get_tensor_model_parallel_rank() if sp else 0
+        # context parallelism: each CP rank routes its share of every micro-batch (MicroBatch.cp)
+        cp = cfg.parallel.context_parallel_size
+        self._cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
         self._training = False
         self._valid = torch.ones(0, dtype=torch.bool)
         self._snapshot: dict[int, dict[str, float]] = {}
@@ -255,7 +258,7 @@ class MoERuntime:
                                   device=mb.inputs.input_ids.device)
             flat.append(rec)
         joined = torch.cat(flat)
-        for group in (pp_group, self._sp_group):  # each stage / sequence slice filled its own rows
+        for group in (pp_group, self._sp_group, self._cp_group):  # each stage / share filled its own rows
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(joined, group=group)
         start = 0
@@ -270,7 +273,7 @@ class MoERuntime:
         moe = self.cfg.model.moe
         packed = torch.cat([self._stats["load_balancing_loss"], self._stats["z_loss"],
                             self._stats["tokens_per_expert"].reshape(-1)])
-        for group in (pp_group, parallel_state.get_data_parallel_group(), self._sp_group):
+        for group in (pp_group, parallel_state.get_data_parallel_group(), self._sp_group, self._cp_group):
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(packed, group=group)
         n_layers = self.num_moe_layers
@@ -313,7 +316,7 @@ class MoERuntime:
             self._active[chunk] = mb
             inputs = mb.inputs
             rows, cols = inputs.input_ids.shape
-            local = self._local_rows(rows * cols)
+            local = self._local_rows(mb)
             action = RouterReplayAction.REPLAY_FORWARD if target is not None else RouterReplayAction.RECORD
             for index, router in self.chunk_routers[chunk]:
                 replay = router.router_replay
@@ -326,16 +329,25 @@ class MoERuntime:
             padding = padding.reshape(rows, cols)
             self._mb_tokens = int(inputs.token_index.numel())
             self._valid = ~_to_router_order(padding)[local]
+            if mb.cp is not None:  # the model sees this CP rank's share
+                padding = padding.reshape(-1)[mb.cp.slots[mb.cp.rank]].reshape(mb.cp.local_shape)
             if self._tp_size > 1 and not module.pre_process:  # GPTModel scatters it on the first stage only
                 padding = padding.chunk(self._tp_size, dim=1)[self._tp_rank]
             return args, {**kwargs, "padding_mask": padding}
         return hook
 
-    def _local_rows(self, num_tokens: int) -> slice:
-        """This rank's rows of a micro-batch's ``num_tokens`` in router order: all of them, or under
-        sequence parallelism its ``s / tp`` sequence slice (router order is s-major)."""
-        per_rank = num_tokens // self._tp_size
-        return slice(self._tp_rank * per_rank, (self._tp_rank + 1) * per_rank)
+    def _local_rows(self, mb: Any) -> slice | torch.Tensor:
+        """This rank's rows of micro-batch ``mb`` in the whole pack's router order (s-major): all of
+        them, or its context-parallel share (``mb.cp``, in the local router order), then under
+        sequence parallelism its ``s / tp`` slice of those."""
+        rows, cols = mb.inputs.input_ids.shape
+        if mb.cp is None:
+            per_rank = rows * cols // self._tp_size
+            return slice(self._tp_rank * per_rank, (self._tp_rank + 1) * per_rank)
+        column = mb.cp.slots[mb.cp.rank].reshape(rows, -1) % cols      # [rows, cols / cp] global columns
+        order = (column * rows + torch.arange(rows, device=column.device)[:, None]).T.reshape(-1)
+        per_rank = order.numel() // self._tp_size
+        return order[self._tp_rank * per_rank:(self._tp_rank + 1) * per_rank]
 
     def _make_post_hook(self, chunk: int):
         def hook(module, args, output):
@@ -351,7 +363,7 @@ class MoERuntime:
                 rec = torch.zeros(rows * cols, self.num_moe_layers, self.topk, dtype=torch.int64,
                                   device=mb.inputs.input_ids.device)
                 self._records[mb.index] = rec
-            local = self._local_rows(rows * cols)
+            local = self._local_rows(mb)
             for index, router in self.chunk_routers[chunk]:
                 replay = router.router_replay
                 ids = replay.recorded_topk_idx if replay.recorded_topk_idx is not None else \

@@ -41,17 +41,19 @@ _OWNS_DEFAULT_GROUP = False
 # ----------------------------------------------------------------------------------------------------
 # Third-party hints that say nothing on a CPU machine
 # ----------------------------------------------------------------------------------------------------
-# Megatron-Core warns at import that Transformer Engine / Apex are missing (GPU-only extras here: the
-# torch fallbacks are the intended CPU path), on every TransformerConfig that its default CUDA-graph
-# scope "full" is deprecated, and on the first TP linear that CUDA_DEVICE_MAX_CONNECTIONS=1 speeds
-# up async all-reduces (a CUDA stream setting); torch.fx logs an is_fx_tracing deprecation hint from
-# Megatron's forward; torch 2.13 deprecates ``all_gather_into_tensor``, which Megatron's MoE
-# dispatcher and distributed optimizer call (a FutureWarning for Megatron, not for our users).
+# Megatron-Core warns at import that Transformer Engine / Apex (from 0.19 also absl) are missing
+# (extras here: the torch fallbacks are the intended CPU path), on every TransformerConfig that its
+# default CUDA-graph scope "full" is deprecated, and on the first TP linear that
+# CUDA_DEVICE_MAX_CONNECTIONS=1 speeds up async all-reduces (a CUDA stream setting); torch.fx logs an
+# is_fx_tracing deprecation hint from Megatron's forward; torch 2.13 deprecates
+# ``all_gather_into_tensor``, which Megatron's MoE dispatcher and distributed optimizer call (a
+# FutureWarning for Megatron, not for our users).
 # Filtered once per process, before megatron.core is imported (mcore_engine's package import calls
 # quiet_cpu_warnings), and only without CUDA: GPU runs keep every warning.
 _CPU_NOISE = (
     r"Transformer Engine and Apex are not installed",
     r"Apex is not installed",
+    r"absl\.logging is not installed",  # Megatron-Core >= 0.19 (hyper_comm_grid), at import
     r"full scope is deprecated",
     r"When using (sequence parallelism|async grad allreduce) it is recommended to set the environment "
     r"variable CUDA_DEVICE_MAX_CONNECTIONS",
@@ -342,13 +344,14 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> None:
 
     wanted = _layout_text(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                           parallel.virtual_pipeline_model_parallel_size, parallel.expert_model_parallel_size,
-                          parallel.expert_tensor_size)
+                          parallel.expert_tensor_size, parallel.context_parallel_size)
     if parallel_state.model_parallel_is_initialized():
         current = _layout_text(parallel_state.get_tensor_model_parallel_world_size(),
                                parallel_state.get_pipeline_model_parallel_world_size(),
                                parallel_state.get_virtual_pipeline_model_parallel_world_size(),
                                parallel_state.get_expert_model_parallel_world_size(),
-                               parallel_state.get_expert_tensor_parallel_world_size())
+                               parallel_state.get_expert_tensor_parallel_world_size(),
+                               parallel_state.get_context_parallel_world_size())
         if current != wanted:
             raise ValueError(f"init_distributed: parallel_state is already initialised with {current}, but "
                              f"parallel asks for {wanted}; call mcore_engine.platform.destroy_distributed() "
@@ -360,14 +363,17 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> None:
             virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
             expert_model_parallel_size=parallel.expert_model_parallel_size,
             expert_tensor_parallel_size=parallel.expert_tensor_size,
+            context_parallel_size=parallel.context_parallel_size,
             create_gloo_process_groups=True,
         )
     seed_everything(seed)
 
 
-def _layout_text(tp: int, pp: int, vpp: int | None, ep: int = 1, etp: int | None = None) -> str:
+def _layout_text(tp: int, pp: int, vpp: int | None, ep: int = 1, etp: int | None = None, cp: int = 1) -> str:
     text = (f"tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}, "
             f"virtual_pipeline_model_parallel_size={vpp}")
+    if cp != 1:
+        text += f", context_parallel_size={cp}"
     if ep != 1 or (etp or tp) != tp:
         text += f", expert_model_parallel_size={ep}, expert_tensor_parallel_size={etp}"
     return text

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 
+from mcore_engine.data.context_parallel import ContextParallelSplit, context_parallel_split, split_inputs
 from mcore_engine.data.flags import StepFlags, parse_step_flags
 from mcore_engine.data.micro_batching import merge_micro_batches, split_micro_batches
 from mcore_engine.data.packing import ModelInputs, flatten_per_token, pack_micro_batch, unpack_per_token
@@ -44,9 +45,18 @@ class MicroBatch:
     data: TensorDictBase
     """The micro-batch's slice of the user's batch."""
     inputs: ModelInputs
-    """Its packed model inputs, ``attention_mask`` dropped (see :func:`attention_mask`)."""
+    """Its packed model inputs, ``attention_mask`` dropped (see :func:`attention_mask`): the whole
+    pack, what the loss and the outputs' unpacking see."""
     sample_ids: torch.Tensor
     """int64 ``[b]``: global batch indices of the micro-batch's sequences (lower DP ranks first)."""
+    cp: ContextParallelSplit | None = None
+    """Context parallelism: this rank's share of the pack (None at CP = 1)."""
+    model_inputs: ModelInputs | None = None
+    """What this rank's model and lm-head see: ``inputs`` cut to the CP share (``inputs`` at CP = 1)."""
+
+    def __post_init__(self) -> None:
+        if self.model_inputs is None:
+            object.__setattr__(self, "model_inputs", self.inputs)
 
 
 @dataclass(frozen=True)
@@ -68,10 +78,13 @@ class PreparedStep:
 def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length: int, data_format: str,
                  default_micro_batch_size: int, has_logits_processor_func: bool, pad_multiple: int,
                  min_num_micro_batches: int, device: torch.device,
-                 dp_group: Any, common_shape: bool = False) -> PreparedStep:
+                 dp_group: Any, common_shape: bool = False,
+                 context_parallel: tuple[int, int, Any] = (1, 0, None)) -> PreparedStep:
     """Validate and pack ``batch`` for one step; one host sync beyond ``validate_batch``'s. The
     micro-batch count is a multiple of ``min_num_micro_batches``. Teacher tensors are required under
-    ``distillation_use_topk`` unless a custom logits processor brings its own."""
+    ``distillation_use_topk`` unless a custom logits processor brings its own. ``context_parallel``
+    ``(size, rank, group)``: each micro-batch also gets this rank's share (``pad_multiple`` must be
+    a multiple of ``2 * size``; :mod:`mcore_engine.data.context_parallel`)."""
     error: Exception | None = None
     prepared = None
     local_tokens = torch.zeros((), dtype=torch.float64, device=device)
@@ -103,8 +116,11 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
             local_tokens = local_tokens + inputs.loss_mask.sum(dtype=torch.float64)
         if common_shape:
             shape = tuple(max(int(mb.inputs.input_ids.shape[d]) for mb in micro_batches) for d in (0, 1))
-            micro_batches = [dataclasses.replace(mb, inputs=pad_inputs(mb.inputs, shape))
+            micro_batches = [dataclasses.replace(mb, inputs=pad_inputs(mb.inputs, shape), model_inputs=None)
                              for mb in micro_batches]
+        cp_size, cp_rank, cp_group = context_parallel
+        if cp_size > 1:
+            micro_batches = [_with_cp_share(mb, cp_size, cp_rank, cp_group) for mb in micro_batches]
         local_seqs = batch.batch_size[0]
         prepared = (flags, micro_batches, order)
     except Exception as exc:  # any failure, not only validation: the other DP ranks must hear of it
@@ -140,6 +156,11 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
     max_rows = max(int(mb.inputs.input_ids.shape[0]) for mb in micro_batches)
     return PreparedStep(flags=flags, micro_batches=micro_batches, order=order, ctx=ctx,
                         batch_size=batch.batch_size[0], max_seq_len=max_len, max_rows=max_rows)
+
+
+def _with_cp_share(mb: MicroBatch, size: int, rank: int, group: Any) -> MicroBatch:
+    split = context_parallel_split(mb.inputs, size, rank, group)
+    return dataclasses.replace(mb, cp=split, model_inputs=split_inputs(mb.inputs, split))
 
 
 def _pad(t: torch.Tensor, shape: tuple[int, int], fill: float | int = 0) -> torch.Tensor:

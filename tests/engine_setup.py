@@ -47,11 +47,14 @@ def _nested(rows: list[torch.Tensor]) -> torch.Tensor:
 
 
 def make_batch(seed: int, num_seqs: int = 6, *, min_len: int = 3, max_len: int = 17,
-               teacher_k: int | None = None, **flags) -> TensorDict:
+               teacher_k: int | None = None, lengths: list[int] | None = None, **flags) -> TensorDict:
     """Jagged batch: ``input_ids``, ``advantages``, ``loss_mask`` (a few zeros), optional teacher
-    top-k (``teacher_ids`` distinct ids, ``teacher_logprobs`` < 0), and the given non-tensor flags."""
+    top-k (``teacher_ids`` distinct ids, ``teacher_logprobs`` < 0), and the given non-tensor flags.
+    ``lengths`` (one per sequence) overrides the random ones."""
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(min_len, max_len + 1, (num_seqs,), generator=g).tolist()
+    if lengths is None:
+        lengths = torch.randint(min_len, max_len + 1, (num_seqs,), generator=g).tolist()
+    num_seqs = len(lengths)
     fields = {
         "input_ids": [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths],
         "advantages": [torch.randn(n, generator=g) for n in lengths],

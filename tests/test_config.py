@@ -83,6 +83,11 @@ def _engine(model=None, parallel=None, optimizer=None, **kw) -> EngineConfig:
      ["recompute_num_layers", "pipeline_model_parallel_size"]),
     (dict(model=dict(moe=dict(num_experts=2)), recompute_granularity="full"),
      ["recompute_granularity", "moe"]),
+    (dict(parallel=dict(context_parallel_size=0)), ["context_parallel_size"]),
+    (dict(parallel=dict(context_parallel_size=2, cp_comm_type="ring")), ["cp_comm_type"]),
+    (dict(parallel=dict(context_parallel_size=2), model=dict(core_attention="local")),
+     ["context_parallel_size", "core_attention"]),
+    (dict(model=dict(core_attention="flash")), ["core_attention"]),
 ])
 def test_invalid_combinations_name_their_fields(kwargs, fields):
     with pytest.raises(ValueError) as err:
@@ -123,6 +128,26 @@ def test_world_size_checked_without_process_groups():
     for world in (2, 6, 0):
         with pytest.raises(ValueError, match="tensor_model_parallel_size.*pipeline_model_parallel_size"):
             cfg.validate_world_size(world)
+
+
+def test_context_parallel_world_size_checked_without_process_groups(monkeypatch):
+    """World = TP x PP x CP x DP: a CP that does not divide world / (TP x PP) is refused by
+    ``initialize()`` naming context_parallel_size, before any process-group work."""
+    import torch.distributed as dist
+
+    from mcore_engine import MegatronEngine
+
+    cfg = _engine(parallel=dict(tensor_model_parallel_size=2, context_parallel_size=2))
+    assert cfg.validate_world_size(8) == 2
+    for world in (2, 6):
+        with pytest.raises(ValueError, match="context_parallel_size \\(2\\)"):
+            cfg.validate_world_size(world)
+    if dist.is_initialized():
+        pytest.skip("a default process group exists in this process")
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("group work started"))
+    with pytest.raises(ValueError, match="context_parallel_size"):
+        MegatronEngine(cfg).initialize()
 
 
 def test_init_distributed_rejects_world_size_before_group_work(monkeypatch):

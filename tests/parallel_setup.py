@@ -1,0 +1,136 @@
+"""Shared pieces of the layout-equivalence tests (sequence and context parallelism; a helper, not
+collected): the tiny dense / MoE / critic configs, their batches, the steps each layout runs and the
+comparison against the one-rank reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tests.engine_setup import flat_values, make_batch, policy_loss, tiny_config
+from tests.utils import REL_TOL, assert_rel_close
+
+TOL = REL_TOL[torch.float32]
+SEED = 23
+NUM_SEQS = 6
+FLAGS = dict(calculate_entropy=True, temperature=0.8)
+MOE = dict(num_experts=4, router_topk=2, ffn_hidden_size=32, aux_loss_coeff=0.01, z_loss_coeff=1e-3,
+           layer_freq=[0, 1, 1, 1])
+
+
+def config(model: str, *, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1,
+           etp: int | None = None, sp: bool = False, cp: int = 1, data_format: str = "thd",
+           fused_lm_head: bool = False, precision: str = "fp32", dispatcher: str = "alltoall",
+           micro_batch_size: int = 2):
+    """The tiny GPT of ``tests.engine_setup`` as ``model`` ``"dense"``, ``"moe"`` (with QK-norm) or
+    ``"value"``."""
+    from mcore_engine.moe_config import MoEConfig
+
+    cfg = tiny_config(tp=tp, pp=pp, vpp=vpp, data_format=data_format, micro_batch_size=micro_batch_size,
+                      fused_lm_head=fused_lm_head, precision=precision, lr=3e-3)
+    m = cfg.model
+    if model == "moe":
+        m = dataclasses.replace(m, qk_layernorm=True, moe=MoEConfig(**MOE, token_dispatcher=dispatcher))
+    elif model == "value":
+        m = dataclasses.replace(m, head="value")
+    parallel = dataclasses.replace(cfg.parallel, sequence_parallel=sp, expert_model_parallel_size=ep,
+                                   expert_tensor_parallel_size=etp, context_parallel_size=cp)
+    return dataclasses.replace(cfg, model=m, parallel=parallel)
+
+
+def batches(lengths: list[list[int]] | None = None, **extra) -> list:
+    """Two batches of random lengths (3..17), or of ``lengths[i]``; ``extra`` for ``make_batch``."""
+    if lengths is None:
+        return [make_batch(SEED + i, NUM_SEQS, **FLAGS, **extra) for i in range(2)]
+    return [make_batch(SEED + i, lengths=n, **FLAGS, **extra) for i, n in enumerate(lengths)]
+
+
+OUTPUT_KEYS = {"dense": ("log_probs", "entropy"), "moe": ("log_probs", "entropy"), "value": ("values",),
+               "distill": ("log_probs", "distillation_losses", "student_mass")}
+
+
+def distill_policy_loss(outputs: dict, data, ctx):
+    """The policy loss plus the top-k distillation loss, as contributions."""
+    loss, metrics = policy_loss(outputs, data, ctx)
+    return loss + (outputs["distillation_losses"] * data["loss_mask"]).sum() / ctx.global_num_tokens, metrics
+
+
+def run_steps(engine, model: str, select: bool = False, data: list | None = None) -> dict:
+    """Inference, then two train steps: outputs (flat, real tokens), loss, grad norm, metrics, and
+    the first step's gradients per model chunk. ``model="distill"``: the dense model with the
+    teacher's top-k (``data`` must carry it) and the distillation loss added."""
+    keys = OUTPUT_KEYS[model]
+    flags = {"value": {"calculate_entropy": False},
+             "distill": {"distillation_use_topk": True}}.get(model, {})
+    loss_fn = {"value": value_loss, "distill": distill_policy_loss}.get(model, policy_loss)
+    got: dict = {"steps": []}
+    data = batches() if data is None else data
+    for batch in data:
+        for key, value in {**flags, "outputs_on_loss_mask_only": select}.items():
+            batch.set_non_tensor(key, value)
+    infer = engine.infer_batch(data[0])
+    got["infer"] = {k: flat_values(infer[k]) for k in keys}
+    if model == "moe":
+        got["routed_experts"] = flat_values(infer["routed_experts"])
+    for batch in data:
+        out = engine.train_batch(batch, loss_fn)
+        if "grads" not in got:  # the first step's gradients (clipped in place, as on every layout)
+            got["grads"] = [{k: p.main_grad.detach().float().clone()
+                             for k, p in chunk.module.named_parameters()} for chunk in engine.model]
+        engine.lr_scheduler_step()
+        metrics = out.get_non_tensor("metrics")
+        got["steps"].append({"loss": out.get_non_tensor("loss").clone(),
+                             "grad_norm": torch.tensor(metrics["grad_norm"], dtype=torch.float64),
+                             "outputs": {k: flat_values(out[k]) for k in keys},
+                             "moe": {k: v for k, v in metrics.items() if k.startswith("moe/")}})
+        assert metrics["update_skipped"] == 0.0
+    return got
+
+
+def value_loss(outputs: dict, data, ctx):
+    """Token-mean squared error of the values against the advantages, as a contribution."""
+    mask = data["loss_mask"]
+    loss = (((outputs["values"] - data["advantages"]) ** 2) * mask).sum() / ctx.global_num_tokens
+    return loss, {}
+
+
+def compare(name: str, got: dict, ref: dict, select: bool, tol: float, data) -> None:
+    masks = []
+    for b in data:  # selected rows: the packed loss mask (each sequence's last token dropped)
+        mask = flat_values(b["loss_mask"]).bool()
+        mask[b["input_ids"].offsets()[1:] - 1] = False
+        masks.append(mask)
+
+    def same(a: torch.Tensor, b: torch.Tensor, what: str, mask: torch.Tensor) -> None:
+        if select:
+            a, b = a[mask], b[mask]
+        assert_rel_close(a, b, tol, f"{name}: {what}")
+
+    for key, value in ref["infer"].items():
+        same(got["infer"][key], value, f"infer {key}", masks[0])
+    if "routed_experts" in ref:  # every token's top-k experts in every MoE layer, as at TP=1
+        assert torch.equal(got["routed_experts"], ref["routed_experts"]), f"{name}: routed_experts"
+    for i, (g, r) in enumerate(zip(got["steps"], ref["steps"], strict=True)):
+        assert_rel_close(g["loss"], r["loss"], tol, f"{name}: step {i} loss")
+        assert_rel_close(g["grad_norm"], r["grad_norm"], tol, f"{name}: step {i} grad norm")
+        for key, value in r["outputs"].items():
+            same(g["outputs"][key], value, f"step {i} {key}", masks[i])
+        assert g["moe"].keys() == r["moe"].keys(), f"{name}: router metrics {sorted(g['moe'])}"
+        for key, value in r["moe"].items():
+            assert abs(g["moe"][key] - value) <= tol * max(abs(value), 1e-6), \
+                f"{name}: step {i} {key} {g['moe'][key]} vs {value}"
+
+
+def same_tensors(what: str, got: list[dict], want: list[dict], tol: float) -> None:
+    """Every tensor of ``got`` (per model chunk) against ``want`` at ``tol``; bf16 (against the fp32
+    run) on all of them at once, where the zero-initialised biases' updates are rounding noise."""
+    pairs = [(key, g[key], w[key]) for g, w in zip(got, want, strict=True) for key in g]
+    if tol == TOL:
+        for key, g, w in pairs:
+            assert_rel_close(g, w, tol, f"{what}: {key}")
+    else:
+        assert_rel_close(torch.cat([g.reshape(-1) for _, g, _ in pairs]),
+                         torch.cat([w.reshape(-1) for _, _, w in pairs]), tol, what)
+
+
