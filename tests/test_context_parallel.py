@@ -8,7 +8,8 @@ CP = 2 x PP = 2, CP = 2 x DP = 2 with the distributed optimizer) replay them: in
 two ``train_batch`` steps (outputs, global loss, grad norm), every gradient of step 1 and every
 weight after two steps (fp32 1e-5, bf16 2e-2). The sequences are 1, 2 and 3 tokens (shorter than
 2 x CP), odd, and one at ``max_sequence_length`` (64). Layouts: thd, bshd, the fused lm-head,
-selected rows, bf16, the critic, top-k distillation, full activation recompute, MoE (EP=1, EP=2 and
+selected rows, bf16, the critic, top-k distillation, full activation recompute, dynamic batch size,
+the interleaved pipeline schedule (CP = 2 x PP = 2 x VPP = 2), MoE (EP=1, EP=2 and
 CP = 2 x TP = 2 + SP: every token routed to the CP = 1 experts, router metrics equal, replaying the
 recorded routing reproduces it). A checkpoint
 written at CP = 2 loads at CP = 1 (DP = 2 on the same ranks) bit for bit, the next step equal, and
@@ -40,8 +41,8 @@ LENGTHS = [[1, 2, 3, 64, 17, 30], [5, 63, 1, 8, 11, 2]]
 TEACHER_K = 3
 
 
-def cp_batches(model: str) -> list:
-    return batches(LENGTHS, **({"teacher_k": TEACHER_K} if model == "distill" else {}))
+def cp_batches(model: str, **flags) -> list:
+    return batches(LENGTHS, **({"teacher_k": TEACHER_K} if model == "distill" else {}), **flags)
 
 
 def cp_config(model: str, *, cp: int = 2, recompute: bool = False, attention: str = "sdpa", **kwargs):
@@ -96,11 +97,15 @@ LAYOUTS_2 = [
     ("distill-cp2", "distill", "thd", dict(), False, TOL),
     ("moe-cp2", "moe", "thd", dict(), False, TOL),
     ("moe-cp2-ep2", "moe", "thd", dict(ep=2, etp=1), False, TOL),
+    # the token budget counts whole sequences (each CP rank holds 1 / CP of them)
+    ("dense-cp2-dynamic-bsz", "dense", "thd",
+     dict(flags=dict(use_dynamic_bsz=True, max_token_len_per_gpu=70)), False, TOL),
 ]
 LAYOUTS_4 = [
     ("dense-cp2-tp2-sp", "dense", "thd", dict(tp=2, sp=True), False, TOL),
     ("dense-cp2-tp2-sp-bshd", "dense", "bshd", dict(tp=2, sp=True, data_format="bshd"), False, TOL),
     ("dense-cp2-pp2", "dense", "thd", dict(pp=2), False, TOL),
+    ("dense-cp2-pp2-vpp2", "dense", "thd", dict(pp=2, vpp=2, micro_batch_size=3), False, TOL),
     ("dense-cp2-dp2", "dense", "thd", dict(), False, TOL),
     ("moe-cp2-tp2-sp", "moe", "thd", dict(tp=2, sp=True), False, TOL),
 ]
@@ -129,11 +134,13 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
     refs = torch.load(path, weights_only=False)
     for name, model, fmt, kwargs, select, tol in (LAYOUTS_2 if world_size == 2 else LAYOUTS_4):
         ref = refs[(model, fmt)]
+        kwargs = dict(kwargs)
+        flags = kwargs.pop("flags", {})
         engine = MegatronEngine(cp_config(model, **kwargs))
         engine.initialize()
         assert parallel_state.get_context_parallel_world_size() == 2, name
         load_full_state(engine, ref["full0"])
-        data = cp_batches(model)
+        data = cp_batches(model, **flags)
         if parallel_state.get_data_parallel_world_size() > 1:
             data, slices = _dp_share(data)
             got = run_steps(engine, model, select, data=data)
