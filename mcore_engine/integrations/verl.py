@@ -1,7 +1,9 @@
 """mcore-engine as a verl training engine (verl 0.9.1 ``BaseEngine``, backend ``"mcore_engine"``).
 
     import mcore_engine.integrations.verl   # registers the engines with verl's EngineRegistry
-    # verl config: actor.strategy=mcore_engine, its engine block a McoreEngineVerlConfig
+    # verl config: actor.strategy=mcore_engine, its engine block a McoreEngineVerlConfig; for verl's
+    # trainer, every role at once: --config-path pkg://mcore_engine.integrations.verl_hydra
+    #                              --config-name ppo_mcore_engine_trainer
 
 Two registrations: ``model_type="language_model"`` (:class:`McoreEngineVerl`, the lm-head) and
 ``"value_model"`` (:class:`McoreEngineVerlValue`, the core's value head: verl's critic, outputs
@@ -12,7 +14,10 @@ verl's ``TrainingWorker`` builds :class:`McoreEngineVerl` from ``model_config`` 
 ``engine_config`` (:class:`McoreEngineVerlConfig`: verl's Megatron engine fields), ``optimizer_config``
 and ``checkpoint_config``. :func:`engine_config_from_verl` maps every field with a meaning here onto
 an :class:`mcore_engine.EngineConfig` and raises ``ValueError`` naming the field for every setting the
-engine cannot honour; the fields in :data:`NOT_APPLICABLE` have no meaning for this engine.
+engine cannot honour; the fields in :data:`NOT_APPLICABLE` have no meaning for this engine. The
+config classes live here, beside the registration: whatever process builds or unpickles one (verl's
+workers instantiate the actor's and the reference's from ``_target_``; the critic's arrives pickled
+from the driver) has the backend registered, so the packaged Hydra config is the only switch.
 Expert-parallel sizes go to ``ParallelConfig``, whose layout checks (a dense model has no experts)
 reach the user naming both the verl and the core field.
 
@@ -44,6 +49,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,24 +58,53 @@ from tensordict import TensorDict
 
 try:
     from verl.utils import tensordict_utils as tu
+    from verl.workers.config.actor import McoreActorConfig
+    from verl.workers.config.engine import EngineConfig as _VerlEngineConfig
+    from verl.workers.config.engine import McoreEngineConfig as _VerlMcoreEngineConfig
     from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 except ImportError as exc:  # pragma: no cover - exercised only without verl
     raise ImportError("mcore_engine.integrations.verl needs verl: pip install --no-deps verl==0.9.1 "
                       "plus its light dependencies (`pip install -e '.[verl]' -c constraints.txt`)") from exc
 
 from mcore_engine import MegatronEngine
-from mcore_engine.integrations.verl_config import (
-    BACKEND,
-    NOT_APPLICABLE,
-    McoreEngineActorConfig,
-    McoreEngineVerlConfig,
-    _refuse,
-    engine_config_from_verl,
-)
+from mcore_engine.integrations.verl_config import BACKEND, NOT_APPLICABLE, _refuse, engine_config_from_verl
 from mcore_engine.integrations.verl_loss import VerlLossBridge, _topk_clamp, verl_results
 
 __all__ = ["BACKEND", "NOT_APPLICABLE", "McoreEngineActorConfig", "McoreEngineVerl", "McoreEngineVerlConfig",
            "McoreEngineVerlValue", "VerlLossBridge", "engine_config_from_verl"]
+
+
+# --- the config classes that select the backend: here, with the registration, so a process that
+# unpickles one (verl sends the critic's config pickled to its workers) registers the engines
+@dataclass
+class McoreEngineVerlConfig(_VerlMcoreEngineConfig):
+    """verl's Megatron engine config, selecting this backend (``strategy="mcore_engine"``).
+
+    Same fields and YAML keys as verl's ``McoreEngineConfig`` (``tensor_model_parallel_size`` ...),
+    plus ``logits_chunk_size`` (tokens per chunk of the lm-head pass; None: the ops' default).
+    ``dtype`` may also be ``"float32"``; ``sequence_parallel`` defaults to True like verl's (off at
+    TP=1), on CPU and GPU."""
+
+    strategy: str = BACKEND
+    dtype: str = "bfloat16"
+    sequence_parallel: bool = True
+    logits_chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _VerlEngineConfig.__post_init__(self)  # not verl's Megatron checks: strategy / bf16 only
+        if self.strategy != BACKEND:
+            raise ValueError(f"engine_config.strategy must be {BACKEND!r}, got {self.strategy!r}")
+        if self.tensor_model_parallel_size == 1:
+            self.sequence_parallel = False
+
+
+@dataclass
+class McoreEngineActorConfig(McoreActorConfig):
+    """verl's Megatron actor config with ``strategy="mcore_engine"`` and the engine block
+    (``megatron:``) a :class:`McoreEngineVerlConfig`."""
+
+    strategy: str = BACKEND
+    megatron: McoreEngineVerlConfig = field(default_factory=McoreEngineVerlConfig)
 
 
 def _device_type(device: str) -> str | None:
@@ -252,7 +287,7 @@ class McoreEngineVerl(BaseEngine):
     def is_mp_src_rank_with_outputs(self) -> bool:
         from megatron.core import parallel_state as ps
 
-        return (ps.get_tensor_model_parallel_rank() == 0
+        return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
                 and ps.get_pipeline_model_parallel_rank() == ps.get_pipeline_model_parallel_world_size() - 1)
 
     # --- optimizer

@@ -1,29 +1,25 @@
-"""verl's config objects for the mcore_engine backend and their mapping onto the core's config.
+"""The mapping of verl's configs onto the core's config.
 
-:class:`McoreEngineVerlConfig` / :class:`McoreEngineActorConfig` are verl's Megatron engine / actor
-configs selecting the backend; :func:`engine_config_from_verl` maps every field with a meaning here
-onto an :class:`mcore_engine.EngineConfig` and raises ``ValueError`` naming the field for every
-setting the engine cannot honour; the fields in :data:`NOT_APPLICABLE` have no meaning for this
-engine (see ``mcore_engine.integrations.verl``).
+:func:`engine_config_from_verl` maps every field of verl's model / engine / optimizer / checkpoint
+configs with a meaning here onto an :class:`mcore_engine.EngineConfig` and raises ``ValueError``
+naming the field for every setting the engine cannot honour; the fields in :data:`NOT_APPLICABLE`
+have no meaning for this engine. The config classes that select the backend
+(``McoreEngineVerlConfig`` / ``McoreEngineActorConfig``) live with the registered engines in
+``mcore_engine.integrations.verl``.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
-from verl.workers.config.actor import McoreActorConfig
-from verl.workers.config.engine import EngineConfig as _VerlEngineConfig
-from verl.workers.config.engine import McoreEngineConfig as _VerlMcoreEngineConfig
 from verl.workers.config.optimizer import McoreOptimizerConfig, OptimizerConfig
 
 from mcore_engine import EngineConfig
 from mcore_engine.config import OptimizerConfig as CoreOptimizerConfig
 from mcore_engine.config import ParallelConfig
 
-__all__ = ["BACKEND", "NOT_APPLICABLE", "McoreEngineActorConfig", "McoreEngineVerlConfig",
-           "engine_config_from_verl"]
+__all__ = ["BACKEND", "NOT_APPLICABLE", "engine_config_from_verl"]
 
 BACKEND = "mcore_engine"
 
@@ -55,38 +51,6 @@ _DTYPES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16"
 _CKPT_CONTENTS = {"model", "optimizer", "extra"}
 
 
-@dataclass
-class McoreEngineVerlConfig(_VerlMcoreEngineConfig):
-    """verl's Megatron engine config, selecting this backend (``strategy="mcore_engine"``).
-
-    Same fields and YAML keys as verl's ``McoreEngineConfig`` (``tensor_model_parallel_size`` ...),
-    plus ``logits_chunk_size`` (tokens per chunk of the lm-head pass; None: the ops' default).
-    ``dtype`` may also be ``"float32"``; ``sequence_parallel`` defaults to True like verl's (off at
-    TP=1), on CPU and GPU."""
-
-    strategy: str = BACKEND
-    dtype: str = "bfloat16"
-    sequence_parallel: bool = True
-    logits_chunk_size: int | None = None
-
-    def __post_init__(self) -> None:
-        _VerlEngineConfig.__post_init__(self)  # not verl's Megatron checks: strategy / bf16 only
-        if self.strategy != BACKEND:
-            raise ValueError(f"engine_config.strategy must be {BACKEND!r}, got {self.strategy!r}")
-        if self.tensor_model_parallel_size == 1:
-            self.sequence_parallel = False
-
-
-@dataclass
-class McoreEngineActorConfig(McoreActorConfig):
-    """verl's Megatron actor config with ``strategy="mcore_engine"`` and the engine block
-    (``megatron:``) a :class:`McoreEngineVerlConfig`."""
-
-    strategy: str = BACKEND
-    megatron: McoreEngineVerlConfig = field(default_factory=McoreEngineVerlConfig)
-
-
-
 def _refuse(field: str, value: Any, why: str) -> None:
     raise ValueError(f"{field}={value!r} is not supported by the mcore_engine backend: {why}")
 
@@ -108,10 +72,8 @@ def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_con
            f"build the engine block as McoreEngineVerlConfig (strategy={BACKEND!r})")
     # --- engine_config
     _check(e.dtype in _DTYPES, "engine_config.dtype", e.dtype, "use float32 or bfloat16")
-    _check(e.context_parallel_size == 1, "engine_config.context_parallel_size", e.context_parallel_size,
-           "only TP / PP / VPP / EP / DP")
     flags_off = {
-        "dynamic_context_parallel": "no context parallelism",
+        "dynamic_context_parallel": "context parallelism is static (context_parallel_size)",
         "full_determinism": "no deterministic-kernel mode",
         "pad_to_length": "micro-batches are packed to their own length",
         "use_dist_checkpointing": "initial weights come from model_config.path (HF)",
@@ -122,15 +84,15 @@ def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_con
         _check(not getattr(e, name, False), f"engine_config.{name}", getattr(e, name, None), why)
     for name in ("max_seqlen_per_dp_cp_rank", "dist_checkpointing_path"):
         _check(getattr(e, name, None) is None, f"engine_config.{name}", getattr(e, name, None),
-               "no context parallelism / dist-checkpoint weight import")
+               "no dynamic context parallelism / dist-checkpoint weight import")
     for name in ("override_ddp_config", "override_mcore_model_config"):
         _check(not getattr(e, name, None), f"engine_config.{name}", getattr(e, name, None),
                "the model and DDP are built from the HF config and EngineConfig only")
     otc = dict(getattr(e, "override_transformer_config", None) or {})
-    extra = sorted(set(otc) - set(_RECOMPUTE_KEYS) - {"attention_backend"})
+    extra = sorted(set(otc) - set(_RECOMPUTE_KEYS) - {"attention_backend", "cp_comm_type"})
     _check(not extra, "engine_config.override_transformer_config", extra,
-           f"only {list(_RECOMPUTE_KEYS)} are mapped (attention_backend is not applicable); the model is "
-           "built from the HF config and EngineConfig")
+           f"only {[*_RECOMPUTE_KEYS, 'cp_comm_type']} are mapped (attention_backend is not applicable); the "
+           "model is built from the HF config and EngineConfig")
     backend = otc.get("attention_backend")
     _check(backend is None or str(getattr(backend, "name", backend)) in _ATTENTION_BACKENDS,
            "engine_config.override_transformer_config.attention_backend", backend,
@@ -193,7 +155,8 @@ def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_con
     parallel = {name: getattr(e, name) for name in _PARALLEL_FIELDS}
     recompute, recompute_source = _recompute_from_verl(m, e)
     try:
-        layout = ParallelConfig(**parallel, sequence_parallel=bool(e.sequence_parallel))
+        layout = ParallelConfig(**parallel, sequence_parallel=bool(e.sequence_parallel),
+                                cp_comm_type=otc.get("cp_comm_type", "p2p"))
         return EngineConfig(model=model, parallel=layout, optimizer=optimizer, precision=_DTYPES[e.dtype],
                             seed=int(e.seed), micro_batch_size=int(e.micro_batch_size_per_gpu or 1),
                             logits_chunk_size=getattr(e, "logits_chunk_size", None),
@@ -212,8 +175,8 @@ def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_con
 
 
 _PARALLEL_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                    "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
-                    "expert_tensor_parallel_size")
+                    "virtual_pipeline_model_parallel_size", "context_parallel_size",
+                    "expert_model_parallel_size", "expert_tensor_parallel_size")
 _RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
 
 
@@ -283,3 +246,4 @@ def _optimizer_from_verl(o: Any, e: Any) -> CoreOptimizerConfig:
                                lr_warmup_steps=int(warmup), lr_decay_style=style,
                                lr_decay_steps=int(decay) if style != "constant" else None,
                                use_distributed_optimizer=bool(e.use_distributed_optimizer))
+

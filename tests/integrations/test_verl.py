@@ -39,7 +39,7 @@ def verl_configs(hf_dir: str, **engine_overrides):
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreOptimizerConfig
 
-    from mcore_engine.integrations.verl_config import McoreEngineVerlConfig
+    from mcore_engine.integrations.verl import McoreEngineVerlConfig
 
     model = HFModelConfig(path=hf_dir, load_tokenizer=False, enable_gradient_checkpointing=False)
     engine = McoreEngineVerlConfig(**{**dict(dtype="float32", tensor_model_parallel_size=2,

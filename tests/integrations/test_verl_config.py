@@ -1,6 +1,8 @@
 """The mcore_engine backend's verl config mapping and refusals, in-process (no ranks): every verl field
 with a meaning maps onto the core's ``EngineConfig``, every one the engine cannot honour is refused
-by name; the value-model registration, ``to(...)`` device names and ``hdfs_path`` refusals."""
+by name; the value-model registration, ``to(...)`` device names and ``hdfs_path`` refusals; the
+packaged Hydra config (``mcore_engine/integrations/verl_hydra``): verl's ``ppo_megatron_trainer`` with
+actor, reference and critic on this backend in the actor's dtype."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from tests.integrations.verl_setup import VOCAB, make_hf_model  # noqa: E402
 # ---------------------------------------------------------------------------- refused config fields
 REFUSED = [
     ("engine", dict(dtype="float16"), "engine_config.dtype"),
-    ("engine", dict(context_parallel_size=2), "engine_config.context_parallel_size"),
+    ("engine", dict(override_transformer_config={"cp_comm_type": "ring"}), "cp_comm_type"),
     ("engine", dict(expert_model_parallel_size=2), "engine_config.expert_model_parallel_size"),
     ("engine", dict(expert_tensor_parallel_size=2), "engine_config.expert_tensor_parallel_size"),
     ("engine", dict(dynamic_context_parallel=True), "engine_config.dynamic_context_parallel"),
@@ -85,7 +87,7 @@ def build_configs(hf_dir: str, group: str, kw: dict):
     from verl.workers.config import FSDPOptimizerConfig, HFModelConfig, McoreOptimizerConfig
     from verl.workers.config.engine import EngineRouterReplayConfig, QATEngineConfig
 
-    from mcore_engine.integrations.verl_config import McoreEngineVerlConfig
+    from mcore_engine.integrations.verl import McoreEngineVerlConfig
 
     kw = dict(kw)
     model = dict(path=hf_dir, load_tokenizer=False, enable_gradient_checkpointing=False)
@@ -212,6 +214,17 @@ def test_verl_default_transformer_overrides_accepted(hf_dir):
     assert "engine_config.override_transformer_config.attention_backend" in NOT_APPLICABLE
 
 
+def test_verl_context_parallel(hf_dir):
+    """``context_parallel_size`` (and ``override_transformer_config.cp_comm_type``) reach the core."""
+    from mcore_engine.integrations.verl_config import engine_config_from_verl
+
+    cfg = engine_config_from_verl(*build_configs(hf_dir, "engine", dict(
+        context_parallel_size=2, override_transformer_config={"cp_comm_type": "a2a"})))
+    assert (cfg.parallel.context_parallel_size, cfg.parallel.cp_comm_type) == (2, "a2a")
+    assert cfg.parallel.data_parallel_size(8) == 2
+    assert engine_config_from_verl(*build_configs(hf_dir, "engine", {})).parallel.cp_comm_type == "p2p"
+
+
 def test_verl_sequence_parallel(hf_dir):
     """verl's default ``sequence_parallel=True`` reaches the core at TP > 1 (CPU too), off at TP=1."""
     from mcore_engine.integrations.verl_config import engine_config_from_verl
@@ -271,6 +284,120 @@ def test_verl_refused_hdfs_path():
     for method in (McoreEngineVerl.save_checkpoint, McoreEngineVerl.load_checkpoint):
         with pytest.raises(ValueError, match="hdfs_path"):
             method(engine, "ckpt", hdfs_path="hdfs://x")
+
+
+# ------------------------------------------------------------------------- the packaged Hydra config
+CONFIG_MODULE, CONFIG_NAME = "mcore_engine.integrations.verl_hydra", "ppo_mcore_engine_trainer"
+ARR = "actor_rollout_ref"
+# what the packaged config changes in verl's ppo_megatron_trainer (unresolved values), and adds
+CHANGED = {f"{ARR}.actor._target_", f"{ARR}.actor.strategy", f"{ARR}.actor.megatron._target_",
+           f"{ARR}.ref._target_", f"{ARR}.ref.strategy", f"{ARR}.ref.megatron._target_",
+           f"{ARR}.ref.megatron.dtype", f"{ARR}.ref.megatron.sequence_parallel",
+           "critic.strategy", "critic.megatron._target_", "critic.megatron.dtype"}
+ADDED = {f"{ARR}.actor.megatron.logits_chunk_size", f"{ARR}.ref.megatron.logits_chunk_size"}
+
+
+def compose_trainer(module: str, name: str, overrides: tuple[str, ...] = ()):
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module=module, version_base=None):
+        return compose(config_name=name, overrides=list(overrides))
+
+
+def flat(cfg) -> dict:
+    from omegaconf import OmegaConf
+
+    out = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict) and node:
+            for key, value in node.items():
+                walk(value, f"{prefix}.{key}" if prefix else str(key))
+        else:
+            out[prefix] = node
+
+    walk(OmegaConf.to_container(cfg, resolve=False), "")
+    return out
+
+
+def test_verl_trainer_config_is_verl_megatron_trainer_plus_backend(tmp_path):
+    """The packaged config is verl's whole ``ppo_megatron_trainer`` (every key, every value) except
+    the role blocks that select the backend and the reference / critic dtype (the actor's); the same
+    when a user's own primary config includes ``mcore_engine_backend`` through ``hydra.searchpath``."""
+    from hydra import compose, initialize_config_dir
+
+    ours = flat(compose_trainer(CONFIG_MODULE, CONFIG_NAME))
+    verl = flat(compose_trainer("verl.trainer.config", "ppo_megatron_trainer"))
+    assert set(ours) - set(verl) == ADDED and not set(verl) - set(ours)
+    assert {k for k in verl if ours[k] != verl[k]} == CHANGED
+    assert verl[f"{ARR}.ref.strategy"] == "megatron" and verl[f"{ARR}.ref.megatron.dtype"] == "bfloat16"
+    (tmp_path / "my_run.yaml").write_text(
+        f"hydra:\n  searchpath: [pkg://{CONFIG_MODULE}, pkg://verl.trainer.config]\n"
+        "defaults: [mcore_engine_backend, _self_]\n")
+    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+        assert flat(compose(config_name="my_run")) == ours
+
+
+def test_verl_trainer_config_selects_backend_for_every_role(hf_dir):
+    """One switch: actor, reference policy and critic build this backend's engine configs (what verl's
+    workers instantiate), the reference forward-only; reference and critic take the actor's dtype
+    (verl's megatron_ref.yaml fixes ``strategy: megatron`` and bfloat16 for the reference)."""
+    from omegaconf import open_dict
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.engine.base import EngineRegistry
+
+    from mcore_engine.integrations.verl import (
+        McoreEngineActorConfig,
+        McoreEngineVerl,
+        McoreEngineVerlConfig,
+        McoreEngineVerlValue,
+    )
+
+    run = (f"{ARR}.actor.ppo_micro_batch_size_per_gpu=2", f"{ARR}.ref.log_prob_micro_batch_size_per_gpu=2",
+           "critic.ppo_micro_batch_size_per_gpu=2", f"critic.model.path={hf_dir}",
+           f"critic.model.tokenizer_path={hf_dir}", "+critic.model.load_tokenizer=False")
+    for dtype in ("bfloat16", "float32"):
+        cfg = compose_trainer(CONFIG_MODULE, CONFIG_NAME, (*run, f"{ARR}.actor.megatron.dtype={dtype}"))
+        actor = omega_conf_to_dataclass(cfg[ARR].actor)
+        ref_cfg = cfg[ARR].ref
+        with open_dict(ref_cfg):  # what ActorRolloutRefWorker.init_model does before instantiating it
+            ref_cfg.ppo_mini_batch_size = cfg[ARR].actor.ppo_mini_batch_size
+            for name in ("micro_batch_size", "micro_batch_size_per_gpu", "max_token_len_per_gpu"):
+                ref_cfg[f"ppo_{name}"] = ref_cfg.pop(f"log_prob_{name}")
+            ref_cfg.use_dynamic_bsz = ref_cfg.pop("log_prob_use_dynamic_bsz")
+        ref = omega_conf_to_dataclass(ref_cfg)
+        critic = omega_conf_to_dataclass(cfg.critic)
+        for role, config in (("actor", actor), ("ref", ref), ("critic", critic)):
+            assert config.strategy == config.engine.strategy == "mcore_engine", role
+            assert type(config.engine) is McoreEngineVerlConfig and config.engine.dtype == dtype, role
+        assert type(actor) is type(ref) is McoreEngineActorConfig
+        assert (actor.engine.forward_only, ref.engine.forward_only, critic.engine.forward_only) == (
+            False, True, False)
+        assert EngineRegistry.get_engine_cls("language_model", ref.engine.strategy) is McoreEngineVerl
+        assert EngineRegistry.get_engine_cls("value_model", critic.engine.strategy) is McoreEngineVerlValue
+    # the reference follows the actor's layout and lm-head settings too
+    cfg = compose_trainer(CONFIG_MODULE, CONFIG_NAME, (
+        f"{ARR}.actor.megatron.tensor_model_parallel_size=2", f"{ARR}.actor.megatron.sequence_parallel=False",
+        f"{ARR}.actor.megatron.logits_chunk_size=64"))
+    ref = cfg[ARR].ref.megatron
+    assert (ref.tensor_model_parallel_size, ref.sequence_parallel, ref.logits_chunk_size) == (2, False, 64)
+
+
+def test_verl_config_registers_backend_when_unpickled():
+    """verl's driver pickles the critic's engine config to the worker: unpickling one registers the
+    backend in a fresh process (no other import of mcore_engine.integrations.verl)."""
+    import pickle
+    import subprocess
+    import sys
+
+    from mcore_engine.integrations.verl import McoreEngineVerlConfig
+
+    code = ("import pickle, sys; c = pickle.loads(sys.stdin.buffer.read()); "
+            "from verl.workers.engine.base import EngineRegistry; "
+            "print(EngineRegistry.get_engine_cls('value_model', c.strategy).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(McoreEngineVerlConfig()),
+                         capture_output=True, check=True)
+    assert out.stdout.decode().split()[-1] == "McoreEngineVerlValue", out
 
 
 def test_import_mcore_engine_does_not_import_verl():

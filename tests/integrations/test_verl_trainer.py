@@ -1,13 +1,16 @@
-"""verl 0.9.1's own trainer end to end on CPU with ``strategy=mcore_engine``: ``python -m
-verl.trainer.main_ppo`` (verl's config ``ppo_megatron_trainer``, its legacy ``RayPPOTrainer`` loop on the
-engine workers ``verl.workers.engine_workers.ActorRolloutRefWorker`` / ``TrainingWorker``, Ray) for
-two steps, twice:
+"""verl 0.9.1's own trainer end to end on CPU on the mcore_engine backend: ``python -m
+verl.trainer.main_ppo`` with the packaged config (``--config-path pkg://mcore_engine.integrations.
+verl_hydra --config-name ppo_mcore_engine_trainer``: verl's ``ppo_megatron_trainer`` with actor,
+reference and critic on this backend, the reference and critic in the actor's dtype), its legacy
+``RayPPOTrainer`` loop on the engine workers ``verl.workers.engine_workers.ActorRolloutRefWorker`` /
+``TrainingWorker``, Ray, for two steps, three times:
 
 - GRPO (n=4) with a KL loss, so actor + reference policy, and verl's critic enabled
   (``critic.enable=True``), every role at TP=2 on two ranks with sequence parallelism (verl's
   default): rollout on the harness's ``hf_cpu`` server (TP=2 replica), verl's reward loop with a
   rule-based custom reward, GRPO advantages, actor and critic updates, weight sync back to the
   rollout through verl's naive checkpoint engine, a checkpoint with an HF export at the end;
+- the same with every role at context parallelism 2 (``megatron.context_parallel_size=2``, TP=1);
 - verl's on-policy distillation (``distillation.enabled=True``, top-k forward KL) with a teacher
   served by an ``hf_cpu`` teacher replica (prompt top-k log-probs, verl's teacher loop), at TP=1.
 
@@ -106,14 +109,20 @@ def check_weight_sync(run: dict, server: str = "hf_cpu_server_0_0") -> list[dict
     return generated
 
 
-def check_engines(run: dict, expected: set[tuple[str, bool]], tp: int = 1) -> None:
+def check_engines(run: dict, expected: set[tuple[str, bool]], tp: int = 1, cp: int = 1) -> None:
     """Every engine verl's workers built is this backend's: (model type, forward_only) as expected,
-    at TP ``tp`` on ``tp`` ranks a role, with sequence parallelism (verl's default) when ``tp > 1``."""
+    at TP ``tp`` x CP ``cp`` on ``tp * cp`` ranks a role, with sequence parallelism (verl's default)
+    when ``tp > 1``,
+    in fp32: the command line sets only the actor's dtype, the packaged config makes the reference
+    (verl's megatron_ref.yaml: bfloat16) and the critic follow it."""
     engines = run["records"]("engines")
-    assert all(e["tp"] == tp and e["sequence_parallel"] is (tp > 1) for e in engines), engines
+    assert all(e["tp"] == tp and e["cp"] == cp and e["sequence_parallel"] is (tp > 1)
+               for e in engines), engines
+    assert {(e["model_type"], e["forward_only"], e["precision"]) for e in engines} == {
+        (model_type, forward_only, "fp32") for model_type, forward_only in expected}, engines
     for key in expected:
         ranks = {e["pid"] for e in engines if (e["model_type"], e["forward_only"]) == key}
-        assert len(ranks) == tp, (key, engines)
+        assert len(ranks) == tp * cp, (key, engines)
     assert {e["backend"] for e in engines} == {"mcore_engine"}, engines
     classes = {"language_model": "mcore_engine.integrations.verl.McoreEngineVerl",
                "value_model": "mcore_engine.integrations.verl.McoreEngineVerlValue"}
@@ -122,12 +131,14 @@ def check_engines(run: dict, expected: set[tuple[str, bool]], tp: int = 1) -> No
 
 
 @pytest.mark.slow
-def test_verl_main_ppo_grpo_with_critic(tmp_path):
-    run = run_trainer(str(tmp_path), critic=True, tp=2)
+@pytest.mark.parametrize("tp, cp", [(2, 1), (1, 2)], ids=["tp2-sp", "cp2"])
+def test_verl_main_ppo_grpo_with_critic(tmp_path, tp, cp):
+    run = run_trainer(str(tmp_path), critic=True, tp=tp, cp=cp)
     steps = run["steps"]
     finite_metrics(steps)
     # actor, reference policy (forward_only) and critic, all on mcore_engine
-    check_engines(run, {("language_model", False), ("language_model", True), ("value_model", False)}, tp=2)
+    check_engines(run, {("language_model", False), ("language_model", True), ("value_model", False)},
+                  tp=tp, cp=cp)
     check_weight_sync(run)
     for step, m in steps.items():
         # the rollout's sampling log-probs are the actor's (same weights, fp32): verl's own check
@@ -149,11 +160,16 @@ def test_verl_main_ppo_distillation_with_teacher(tmp_path):
     steps = run["steps"]
     finite_metrics(steps)
     check_engines(run, {("language_model", False), ("language_model", True)})
-    check_weight_sync(run)
+    generated = check_weight_sync(run)
+    # the student's server samples at most rollout.response_length (12) tokens when the request
+    # has no max_tokens, as vLLM's does: verl truncates nothing, and the teacher scored exactly
+    # each sample's prompt + response, token for token (one request per sample)
+    lengths = [e["response_len"] for e in generated]
+    assert min(lengths) >= 1 and max(lengths) == 12, lengths  # ~1/250 EOS a token: most reach the bound
     teacher = [e for e in run["records"]("hf_cpu_server_teacher_0_0_default") if e["event"] == "generate"]
-    # the teacher scored one prompt + response sequence per generated sample, within the lengths
     assert len(teacher) == STEPS * PER_STEP, len(teacher)
-    assert all(6 < e["prompt_len"] <= 16 + 12 for e in teacher), teacher
+    student_seqs = sorted(e["prompt_ids"] + e["token_ids"] for e in generated)
+    assert sorted(e["prompt_ids"] for e in teacher) == student_seqs, "teacher != student prompt + response"
     for step, m in steps.items():
         assert m["training/rollout_probs_diff_max"] < 1e-4, step
         assert m["actor/distillation/loss"] > 0 and m["actor/grad_norm"] > 0, step

@@ -27,13 +27,17 @@ What verl lacks on CPU, and what is added here:
   ``rollout.update_weights``) hands it the actor's HF-named tensors, which it ships to its server.
   The server refuses to generate while asleep (verl sleeps the replicas after each rollout and
   wakes them in the weight sync) and records, per weight version, the tensors it received and the
-  requests it served under ``VERL_HARNESS_REPORT_DIR``, for the test to check.
+  requests it served (token ids in and out) under ``VERL_HARNESS_REPORT_DIR``, for the test to
+  check. A request without ``max_tokens`` samples at most the rollout config's ``response_length``
+  tokens (capped by what is left of ``prompt_length + response_length``), as verl's vLLM server does.
 - **The teacher's inference engine name.** ``DistillationTeacherModelConfig`` validates the top-k
   log-prob cap for ``vllm`` / ``sglang`` by name and refuses other engines; ``hf_cpu`` is let
   through (it takes the top-k per request, as SGLang does).
 
 The harness also records every engine verl's workers build (``EngineRegistry.new``) in
 ``engines.jsonl``, so the test can check that actor, reference and critic ran on ``mcore_engine``.
+It does not register the backend: the packaged config (``mcore_engine/integrations/verl_hydra``)
+does, as for a user.
 """
 
 from __future__ import annotations
@@ -160,11 +164,15 @@ class HFRolloutServer:
     """A rollout server (Ray actor) on a ``transformers`` causal LM, fp32 on CPU: the methods verl's
     replicas, agent loop, teacher manager and checkpoint manager call on vLLM's server."""
 
-    def __init__(self, name: str, model_path: str, teacher: bool = False) -> None:
+    def __init__(self, name: str, model_path: str, teacher: bool = False, prompt_length: int = 512,
+                 response_length: int = 512, max_model_len: int | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         self.name, self.teacher = name, teacher
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        # the replica's rollout config (RolloutConfig), as vLLM's server reads it
+        self.prompt_length, self.response_length = prompt_length, response_length
+        self.max_model_len = max_model_len or self.model.config.max_position_embeddings
         self.awake = True
         self.version = 0  # weight updates received
         self.global_steps = None
@@ -250,13 +258,30 @@ class HFRolloutServer:
             else:
                 out = self._sample(prompt_ids, sampling_params)
         _report(self.name, {"event": "generate", "version": self.version, "global_steps": self.global_steps,
-                            "prompt_len": len(prompt_ids), "response_len": len(out["token_ids"])})
+                            "prompt_len": len(prompt_ids), "response_len": len(out["token_ids"]),
+                            "prompt_ids": prompt_ids, "token_ids": out["token_ids"]})
         out["extra_fields"]["global_steps"] = self.global_steps
         return TokenOutput(**out)
 
+    def _max_new_tokens(self, prompt_len: int, sp: dict[str, Any]) -> int:
+        """vLLM's server in verl (``vLLMHttpServer.generate``): ``max_tokens`` (or SGLang's
+        ``max_new_tokens``) when the request has it, else the rollout's ``response_length`` capped
+        by what is left of ``prompt_length + response_length``; within ``[1, max_model_len - prompt]``."""
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise ValueError(f"{self.name}: prompt of {prompt_len} tokens leaves no room in "
+                             f"max_model_len={self.max_model_len}")
+        if sp.get("max_tokens") is not None:
+            wanted = int(sp["max_tokens"])
+        elif sp.get("max_new_tokens") is not None:
+            wanted = int(sp["max_new_tokens"])
+        else:
+            wanted = min(self.response_length, self.prompt_length + self.response_length - prompt_len)
+        return max(1, min(wanted, room))
+
     def _sample(self, prompt_ids: list[int], sp: dict[str, Any]) -> dict:
         temperature = float(sp.get("temperature", 1.0))
-        max_new = int(sp.get("max_tokens") or sp.get("max_new_tokens") or 16)
+        max_new = self._max_new_tokens(len(prompt_ids), sp)
         top_k, top_p = int(sp.get("top_k", -1)), float(sp.get("top_p", 1.0))
         eos = self.model.generation_config.eos_token_id
         g = torch.Generator().manual_seed(self.seed)
@@ -339,7 +364,9 @@ def _make_replica_class():
             path = model_config.local_path or model_config.path
             name = _server_name(self.replica_rank, 0, self.is_teacher_model, self.name_suffix)
             server = ray.remote(HFRolloutServer).options(name=name, num_cpus=0, max_concurrency=8).remote(
-                name=name, model_path=path, teacher=self.is_teacher_model)
+                name=name, model_path=path, teacher=self.is_teacher_model,
+                prompt_length=self.config.prompt_length, response_length=self.config.response_length,
+                max_model_len=self.config.max_model_len)
             self.servers = [server]
             self._server_handle = server
             self._server_address = f"{ROLLOUT_NAME}://{name}"
@@ -425,7 +452,7 @@ def _allow_teacher_rollout() -> None:
 
 def _record_engines() -> None:
     """Record each engine verl's workers build (``EngineRegistry.new``: model type, backend, class, TP
-    size and sequence parallelism of the core config) in
+    size, sequence parallelism and precision of the core config) in
     ``engines.jsonl`` of the report folder: the test checks that every role ran on mcore_engine."""
     from verl.workers.engine.base import EngineRegistry
 
@@ -441,7 +468,9 @@ def _record_engines() -> None:
                             "class": f"{type(engine).__module__}.{type(engine).__qualname__}",
                             "forward_only": bool(getattr(config, "forward_only", False)),
                             "tp": getattr(parallel, "tensor_model_parallel_size", None),
-                            "sequence_parallel": getattr(parallel, "sequence_parallel", None)})
+                            "cp": getattr(parallel, "context_parallel_size", None),
+                            "sequence_parallel": getattr(parallel, "sequence_parallel", None),
+                            "precision": getattr(getattr(engine, "config", None), "precision", None)})
         return engine
 
     new._cpu_harness = True
@@ -457,7 +486,6 @@ def _install() -> None:
     _register_rollout()
     _allow_teacher_rollout()
     _record_engines()
-    import mcore_engine.integrations.verl  # noqa: F401  (registers the mcore_engine backend)
 
 
 HFReplica = None

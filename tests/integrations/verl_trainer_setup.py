@@ -1,7 +1,8 @@
 """Assets and command line of the verl trainer test (``test_verl_trainer.py``): a tiny random Qwen2
 student and teacher with a character-level tokenizer, a parquet prompt set, and the
-``python -m verl.trainer.main_ppo`` overrides that put the actor / reference (and critic) on the
-``mcore_engine`` backend and the rollout / teacher on the harness's ``hf_cpu`` servers."""
+``python -m verl.trainer.main_ppo`` command line: the packaged config that puts actor, reference (and
+critic) on the ``mcore_engine`` backend (the one a user passes, README "Use it from verl"), the
+overrides of a tiny fp32 CPU run, and the rollout / teacher on the harness's ``hf_cpu`` servers."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from tests.integrations.verl_setup import VOCAB
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HARNESS = "tests.integrations.verl_trainer_harness"
+# the backend's verl config (mcore_engine/integrations/verl_hydra), exactly as the README shows it
+CONFIG = ["--config-path", "pkg://mcore_engine.integrations.verl_hydra",
+          "--config-name", "ppo_mcore_engine_trainer"]
 REWARD_FILE = os.path.join(ROOT, "tests", "integrations", "verl_trainer_reward.py")
 SPECIALS = ["<pad>", "<s>", "</s>"]
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -77,27 +81,19 @@ def make_dataset(path: str, n: int = 16, seed: int = 0) -> None:
     pd.DataFrame(rows).to_parquet(path)
 
 
-def engine_overrides(prefix: str, *, forward_only: bool = False, tp: int = 1) -> list[str]:
-    """Hydra overrides putting one verl role (``prefix``: actor / ref / critic) on this backend."""
-    cfg = "mcore_engine.integrations.verl_config"
-    out = [f"{prefix}.strategy=mcore_engine", f"{prefix}.megatron._target_={cfg}.McoreEngineVerlConfig",
-           f"{prefix}.megatron.dtype=float32",
-           f"{prefix}.megatron.use_distributed_optimizer=False",
-           f"{prefix}.megatron.tensor_model_parallel_size={tp}"]
-    if prefix.endswith("actor"):
-        out.append(f"{prefix}._target_={cfg}.McoreEngineActorConfig")
-    return out
-
-
 def trainer_command(work: str, model_dir: str, data_file: str, *, steps: int, teacher_dir: str | None = None,
-                    critic: bool = False, tp: int = 1) -> list[str]:
-    """``python -m verl.trainer.main_ppo`` with verl's own config (``ppo_megatron_trainer``) and the
-    overrides of a tiny CPU run: GRPO (n=4) with a KL loss (so a reference policy), 4 prompts a
-    step, responses of at most 12 tokens; ``teacher_dir``: verl's on-policy distillation with that
-    teacher (top-k forward KL); ``critic``: verl's critic (``critic.enable``) on this backend too."""
+                    critic: bool = False, tp: int = 1, cp: int = 1) -> list[str]:
+    """``python -m verl.trainer.main_ppo`` with the backend's config (:data:`CONFIG`: verl's
+    ``ppo_megatron_trainer`` with every role on mcore_engine, no per-role strategy overrides) and the
+    overrides of a tiny CPU run: fp32 (the actor's dtype, which reference and critic follow), GRPO
+    (n=4) with a KL loss (so a reference policy), 4 prompts a step, responses of at most 12 tokens;
+    ``teacher_dir``: verl's on-policy distillation with that teacher (top-k forward KL); ``critic``:
+    verl's critic (``critic.enable``) too; ``tp`` x ``cp`` ranks, actor / reference / critic at TP
+    ``tp`` and CP ``cp``, one rollout replica over all of them."""
     arr = "actor_rollout_ref"
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-name", "ppo_megatron_trainer",
-           "trainer.use_v1=False", "trainer.device=cpu", f"trainer.n_gpus_per_node={tp}", "trainer.nnodes=1",
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *CONFIG,
+           "trainer.use_v1=False", "trainer.device=cpu", f"trainer.n_gpus_per_node={tp * cp}",
+           "trainer.nnodes=1",
            f"trainer.total_training_steps={steps}", "trainer.total_epochs=10",
            "trainer.logger=[console,file]",
            "trainer.val_before_train=False", "trainer.test_freq=-1", f"trainer.save_freq={steps}",
@@ -115,11 +111,13 @@ def trainer_command(work: str, model_dir: str, data_file: str, *, steps: int, te
            f"{arr}.actor.optim.lr_warmup_steps_ratio=0", f"{arr}.actor.use_kl_loss=True",
            f"{arr}.actor.kl_loss_coef=0.01", f"{arr}.actor.entropy_coeff=0",
            f"{arr}.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
-           *engine_overrides(f"{arr}.actor", tp=tp), *engine_overrides(f"{arr}.ref", tp=tp),
+           f"{arr}.actor.megatron.dtype=float32", f"{arr}.actor.megatron.use_distributed_optimizer=False",
+           f"{arr}.actor.megatron.tensor_model_parallel_size={tp}",
+           f"{arr}.actor.megatron.context_parallel_size={cp}",
            f"{arr}.ref.log_prob_micro_batch_size_per_gpu=8",
            f"{arr}.rollout.name=hf_cpu", f"{arr}.rollout.mode=async", f"{arr}.rollout.n=4",
            f"{arr}.rollout.temperature=1.0", f"{arr}.rollout.top_p=1.0", f"{arr}.rollout.top_k=-1",
-           f"{arr}.rollout.calculate_log_probs=True", f"{arr}.rollout.tensor_model_parallel_size={tp}",
+           f"{arr}.rollout.calculate_log_probs=True", f"{arr}.rollout.tensor_model_parallel_size={tp * cp}",
            f"{arr}.rollout.log_prob_micro_batch_size_per_gpu=8", f"{arr}.rollout.agent.num_workers=1",
            f"{arr}.rollout.prompt_length=16", f"{arr}.rollout.response_length=12",
            f"{arr}.rollout.checkpoint_engine.backend=naive", f"{arr}.rollout.free_cache_engine=True",
@@ -131,7 +129,9 @@ def trainer_command(work: str, model_dir: str, data_file: str, *, steps: int, te
                 f"critic.model.tokenizer_path={tokenizer_dir(work)}",
                 "critic.ppo_micro_batch_size_per_gpu=8",
                 "critic.optim.lr=1e-2", "critic.optim.lr_warmup_steps_ratio=0",
-                *engine_overrides("critic", tp=tp)]
+                "critic.megatron.use_distributed_optimizer=False",
+                f"critic.megatron.tensor_model_parallel_size={tp}",
+                f"critic.megatron.context_parallel_size={cp}"]
     if teacher_dir is not None:
         teacher = "distillation.teacher_models.teacher_model"
         cmd += ["distillation.enabled=True", "distillation.n_gpus_per_node=1", "distillation.nnodes=1",
