@@ -79,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sp", action="store_true",
                    help="the sequence-parallelism table instead (tools/bench_moe.py --sp: TP=2 with / "
                         "without SP, MoE at TP=2 + SP, one train_batch step; --quick applies)")
+    p.add_argument("--cp", action="store_true",
+                   help="the context-parallelism table instead (tools/bench_cp.py: one long sequence at "
+                        "CP=1 / CP=2, the SDPA core attention vs Megatron's local attention)")
     p.add_argument("--selected", action="store_true",
                    help="the selected-rows table instead (tools/bench_selected.py): lm-head + processor "
                         "on every row vs only the response rows (outputs_on_loss_mask_only)")
@@ -308,6 +311,10 @@ COLUMNS = ["cfg", "outputs", "TP", "ours peak MB (xL)", "naive peak MB (xL)", "m
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     load_start = os.getloadavg()[0]
+    if args.cp:
+        import bench_cp
+
+        return bench_cp.main(["--quick"] * args.quick + ["--markdown"] * args.markdown)
     if args.moe or args.sp:
         import bench_moe
 

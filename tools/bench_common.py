@@ -1,5 +1,5 @@
-"""What the benchmark scripts in tools/ share: the machine / versions header, the result table and
-/proc/self/status memory figures.
+"""What the benchmark scripts in tools/ share: the machine / versions header, the result table,
+/proc/self/status memory figures and the activations saved for backward.
 
 The scripts run from tools/ (``python tools/bench_moe.py``), so they import this module by its bare name.
 """
@@ -27,6 +27,36 @@ def proc_status_mib(field: str) -> float:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+class SavedActivations:
+    """``saved_tensors_hooks`` that add up the distinct non-parameter storages autograd saves (the
+    activations kept for backward; exact on any device). ``mb``: their total in MiB."""
+
+    def __init__(self, params) -> None:
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.storages: dict[int, int] = {}
+        self.hooks = None
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.params:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def __enter__(self):
+        import torch
+
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.hooks.__exit__(*exc)
+
+    @property
+    def mb(self) -> float:
+        return sum(self.storages.values()) / 2**20
 
 
 def usable_cores() -> int:

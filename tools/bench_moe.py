@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 
-from bench_common import format_table, machine_header
+from bench_common import SavedActivations, format_table, machine_header, proc_status_mib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("dense", "moe-ep1", "moe-ep2")
@@ -79,40 +79,6 @@ def _loss(outputs, data, ctx):
     return (-data["advantages"] * outputs["log_probs"] * mask).sum() / ctx.global_num_tokens, {}
 
 
-class _SavedActivations:
-    """``saved_tensors_hooks`` that add up the distinct non-parameter storages autograd saves."""
-
-    def __init__(self, params) -> None:
-        self.params = {p.untyped_storage().data_ptr() for p in params}
-        self.storages: dict[int, int] = {}
-        self.hooks = None
-
-    def pack(self, t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self.params:
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    def __enter__(self):
-        import torch
-
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.hooks.__exit__(*exc)
-
-    @property
-    def mb(self) -> float:
-        return sum(self.storages.values()) / 2**20
-
-
-def _rss_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        return next(int(ln.split()[1]) for ln in f if ln.startswith(field + ":")) / 1024.0
-
-
 def worker(kind: str, args: argparse.Namespace) -> dict | None:
     import torch
     import torch.distributed as dist
@@ -144,11 +110,11 @@ def worker(kind: str, args: argparse.Namespace) -> dict | None:
     else:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        base = _rss_mb("VmRSS")
-    with _SavedActivations(p for chunk in engine.model for p in chunk.module.parameters()) as saved:
+        base = proc_status_mib("VmRSS")
+    with SavedActivations(p for chunk in engine.model for p in chunk.module.parameters()) as saved:
         engine.train_batch(batch, _loss)
     sync()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else _rss_mb("VmHWM") - base
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else proc_status_mib("VmHWM") - base
     figures = torch.tensor([peak, statistics.median(wall), statistics.median(cpu), saved.mb],
                            dtype=torch.float64)
     figures = figures.to("cuda") if cuda else figures
