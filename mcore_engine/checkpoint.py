@@ -11,7 +11,8 @@ Folder ``path/``::
 Holds each model chunk's ``sharded_state_dict()`` (global layer and expert ids: any TP / PP / VPP /
 EP cut loads it), the optimizer's fp32 main weights and Adam moments (none before the first step;
 loading that clears Adam state), scheduler, step counters and each rank's RNG states (restored for
-the same layout only).
+the same layout only). A LoRA engine's checkpoint holds only the adapters and their optimizer state;
+the base comes from ``model.hf_path``, which the marker records and a load requires to be the same.
 
 A save writes ``path.tmp/``; rank 0 then writes the marker and swaps it in through ``path.old``, so
 a crash leaves a loadable checkpoint; a folder holding other files is never deleted. A load checks
@@ -102,8 +103,24 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def config_record(config: EngineConfig) -> dict[str, Any]:
-    """``{"model": ModelConfig as dict, "parallel": ParallelConfig as dict}`` for the marker."""
-    return {"model": asdict(config.model), "parallel": asdict(config.parallel)}
+    """``{"model": ModelConfig as dict, "parallel": ParallelConfig as dict}`` for the marker; with
+    LoRA also ``"lora": {"base_model": model.hf_path}`` (an adapter checkpoint holds no base weights:
+    it loads only on the same base) and ``model.lora`` without ``adapter_path`` (where the initial
+    adapters came from)."""
+    record = {"model": asdict(config.model), "parallel": asdict(config.parallel)}
+    if config.model.lora is not None:
+        record["model"]["lora"].pop("adapter_path", None)
+        record["lora"] = {"base_model": config.model.hf_path}
+    return record
+
+
+def _adapters_only(config: dict[str, Any]) -> bool:
+    """A LoRA engine's checkpoint holds the adapters (and their optimizer state) only."""
+    return (config.get("model") or {}).get("lora") is not None
+
+
+def _is_adapter(key: str) -> bool:
+    return ".lora_A." in key or ".lora_B." in key
 
 
 def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -144,11 +161,16 @@ def _rank() -> int:
 
 
 # ------------------------------------------------------------------ sharded state dicts
-def _model_sharded(chunks: list[torch.nn.Module]) -> dict[str, Any]:
-    """``{"model": ...}`` (one chunk) or ``{"model0": ..., "model1": ...}`` (virtual stages)."""
+def _model_sharded(chunks: list[torch.nn.Module], adapters_only: bool = False) -> dict[str, Any]:
+    """``{"model": ...}`` (one chunk) or ``{"model0": ..., "model1": ...}`` (virtual stages);
+    ``adapters_only``: the LoRA adapters' entries only."""
+    def one(chunk: torch.nn.Module) -> dict[str, Any]:
+        state = chunk.module.sharded_state_dict()
+        return {k: v for k, v in state.items() if _is_adapter(k)} if adapters_only else state
+
     if len(chunks) == 1:
-        return {"model": chunks[0].module.sharded_state_dict()}
-    return {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(chunks)}
+        return {"model": one(chunks[0])}
+    return {f"model{i}": one(chunk) for i, chunk in enumerate(chunks)}
 
 
 def _rng_object(layout: dict[str, Any], state: Any):
@@ -197,7 +219,7 @@ def save_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, 
     _agree(error, "save_checkpoint")
 
     stepped = optimizer is not None and _has_state(optimizer)
-    state = _model_sharded(chunks)
+    state = _model_sharded(chunks, _adapters_only(config))
     if stepped:
         state["optimizer"] = optimizer.sharded_state_dict(state, False, metadata=OPTIMIZER_METADATA)
     state["rng"] = _rng_object(layout, rng_state())
@@ -464,12 +486,13 @@ def load_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, 
                              f"optimizer.use_distributed_optimizer={saved_dist}, this engine has "
                              f"{dist_opt}: load it with the same setting")
         saved = _check_files(path)
-        _check_tensors(path, _model_sharded(chunks), saved, marker["optimizer_state"])
+        _check_tensors(path, _model_sharded(chunks, _adapters_only(config)), saved, marker["optimizer_state"])
     except ValueError as exc:
         error = str(exc)
     _agree(error, f"load_checkpoint({path!r})")
 
-    state = _model_sharded(chunks)
+    adapters_only = _adapters_only(config)
+    state = _model_sharded(chunks, adapters_only)
     with_optimizer = optimizer is not None and marker["optimizer_state"]
     if with_optimizer:
         init_optimizer_state(optimizer)
@@ -480,7 +503,10 @@ def load_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, 
     loaded = _load_fitted(state, path, optimizer)
     names = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for chunk, name in zip(chunks, names, strict=True):
-        chunk.module.load_state_dict(loaded[name], strict=True)
+        result = chunk.module.load_state_dict(loaded[name], strict=not adapters_only)
+        missing = [k for k in getattr(result, "missing_keys", ()) if _is_adapter(k)]
+        if missing:  # an adapter checkpoint must fill every adapter (the base stays as loaded)
+            raise ValueError(f"load_checkpoint: {path!r} lacks the adapters {missing[:4]}")
     if with_optimizer:
         with _adam_step_kept(optimizer):
             optimizer.load_state_dict(loaded["optimizer"])

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from mcore_engine.config_checks import _bools, _positive_int, _require
+from mcore_engine.lora_config import LoRAConfig
 from mcore_engine.moe_config import MoEConfig, _validate_moe_layout
 
 __all__ = ["EngineConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig"]
@@ -87,6 +88,8 @@ class ModelConfig:
     ``[b, heads, s, s]`` scores; CP = 1 only)."""
     moe: MoEConfig | None = None
     """Mixture-of-experts layers (a mapping in YAML); ``None`` means a dense model."""
+    lora: LoRAConfig | None = None
+    """Low-rank adapters on a frozen base (a mapping in YAML); ``None`` means full fine-tuning."""
     head: str = "lm"
     """Output layer of the last stage: ``"lm"`` (vocab-parallel lm-head: log-probs, entropy, ...) or
     ``"value"`` (a scalar head ``Linear(H, 1)`` with bias, replicated over tensor-parallel ranks:
@@ -123,6 +126,17 @@ class ModelConfig:
             self.moe = MoEConfig(**self.moe)
         _require(self.moe is None or isinstance(self.moe, MoEConfig),
                  f"ModelConfig.moe must be None, a MoEConfig or a mapping, got {type(self.moe).__name__}")
+        if isinstance(self.lora, dict):
+            _check_keys(LoRAConfig, self.lora, "ModelConfig.lora")
+            self.lora = LoRAConfig(**self.lora)
+        _require(self.lora is None or isinstance(self.lora, LoRAConfig),
+                 f"ModelConfig.lora must be None, a LoRAConfig or a mapping, got {type(self.lora).__name__}")
+        if self.lora is not None:
+            targets = self.lora.targets(self.swiglu)
+            _require(self.moe is None or not {"linear_fc1", "linear_fc2"} & set(targets),
+                     "ModelConfig.lora.target_modules: the MLP linears of a MoE model are its experts' "
+                     "(not supported: target the attention linears q_proj / k_proj / v_proj / o_proj)")
+            _require(self.head == "lm", "ModelConfig.lora needs ModelConfig.head='lm' (no LoRA critic)")
         if self.moe is not None and isinstance(self.moe.layer_freq, list):
             _require(len(self.moe.layer_freq) == self.num_layers,
                      f"MoEConfig.layer_freq has {len(self.moe.layer_freq)} entries, "

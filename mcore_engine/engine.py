@@ -33,6 +33,13 @@ from megatron.core.distributed import (
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from tensordict import TensorDict, TensorDictBase
 
+from mcore_engine.adapters import (
+    attach_lora,
+    gather_adapters,
+    iter_adapter_tensors,
+    merged_weight_overrides,
+    sum_partial_adapter_grads,
+)
 from mcore_engine.checkpoint import (
     checkpoint_layout,
     config_record,
@@ -44,6 +51,9 @@ from mcore_engine.checkpoint import (
 from mcore_engine.config import EngineConfig
 from mcore_engine.data.context_parallel import gather_tokens
 from mcore_engine.hf import export_hf, iter_hf_tensors, load_hf_weights
+from mcore_engine.hf.export import precision_dtype
+from mcore_engine.hf.peft import write_adapter
+from mcore_engine.layers.lora import adapters_disabled
 from mcore_engine.layers.value_head import sequence_scores
 from mcore_engine.lm_head_outputs import check_head_flags, lm_head_outputs, merge_logits_func
 from mcore_engine.loss_guard import LossGuard
@@ -75,7 +85,7 @@ from mcore_engine.step import (
     micro_batch_outputs,
     prepare_step,
 )
-from mcore_engine.weight_sync import BucketMeta, iter_weight_buckets
+from mcore_engine.weight_sync import BucketMeta, bucket_named_tensors, iter_weight_buckets
 
 __all__ = ["MegatronEngine"]
 
@@ -83,8 +93,10 @@ LossFunction = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 def _finalize_grads_without_token_rescale(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
-    """``finalize_model_grads`` with ``num_tokens=None``: the loss is already globally normalised."""
+    """``finalize_model_grads`` with ``num_tokens=None`` (the loss is already globally normalised),
+    then the TP sum of LoRA's partial adapter gradients (nothing without them)."""
     finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    sum_partial_adapter_grads(model)
 
 
 def _shapes(state: dict[str, Any]) -> dict[str, tuple]:
@@ -162,6 +174,8 @@ class MegatronEngine:
         chunks = build_model_chunks(cfg)
         if cfg.model.hf_path is not None:  # before the DDP wrap and the optimizer's main-weight copies
             load_hf_weights(chunks, cfg.model.hf_path, cfg)
+        if cfg.model.lora is not None:  # frozen base (no grad buffer, no optimizer state) + adapters
+            attach_lora(chunks, cfg)
         self._moe = MoERuntime(chunks, cfg) if cfg.model.moe is not None else None
         pipelined = cfg.parallel.pipeline_model_parallel_size > 1
         for chunk in chunks:
@@ -503,32 +517,75 @@ class MegatronEngine:
         return float(self.optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------------ weight export (Hugging Face names)
-    def per_tensor_generator(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def per_tensor_generator(self, dtype: torch.dtype | None = None, *, adapter_only: bool = False
+                             ) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream ``(hf_name, full_tensor)`` for the whole model in Hugging Face names and layouts
-        (TP shards gathered, vocab padding dropped). Collective over TP and PP: every model-parallel
-        rank consumes it to the end. ``dtype`` None: the training precision. No tensor shares
-        storage with a live parameter (the receiver may keep, change or ``.numpy()`` it). Memory:
-        one gathered parameter."""
+        (TP shards gathered, vocab padding dropped; with LoRA the merged ``W + scaling B A``), or
+        with ``adapter_only`` only the LoRA adapters in PEFT key names. Collective over TP and PP:
+        every model-parallel rank consumes it to the end. ``dtype`` None: the training precision. No
+        tensor shares storage with a live parameter (the receiver may keep, change or ``.numpy()``
+        it). Memory: one gathered parameter (``adapter_only``: the adapters)."""
         self._require_initialized()
         self._require_onloaded("per_tensor_generator", "params")
-        return iter_hf_tensors(self.model, self.config, dtype=dtype)
+        if adapter_only:
+            self._require_lora("per_tensor_generator(adapter_only=True)")
+            return iter_adapter_tensors(self.model, dtype=dtype or precision_dtype(self.config))
+        return iter_hf_tensors(self.model, self.config, dtype=dtype, overrides=self._merged())
 
-    def bucketed_weight_generator(self, bucket_bytes: int, dtype: torch.dtype | None = None
-                                  ) -> Iterator[tuple[torch.Tensor, BucketMeta]]:
+    def bucketed_weight_generator(self, bucket_bytes: int, dtype: torch.dtype | None = None, *,
+                                  adapter_only: bool = False) -> Iterator[tuple[torch.Tensor, BucketMeta]]:
         """``per_tensor_generator`` packed into ``(bucket, meta)``: flat 1-D buckets of one dtype, at
         most ``bucket_bytes`` (a larger tensor alone); ``weight_sync.unflatten_bucket`` splits one.
         Collective likewise; a bucket is valid until the next is requested. Memory: one bucket plus
         one gathered parameter. ``ValueError`` unless ``bucket_bytes`` is a positive int."""
         self._require_initialized()
         self._require_onloaded("bucketed_weight_generator", "params")
-        return iter_weight_buckets(self.model, self.config, bucket_bytes, dtype=dtype)
+        if adapter_only:
+            self._require_lora("bucketed_weight_generator(adapter_only=True)")
+            named = list(iter_adapter_tensors(self.model, dtype=dtype or precision_dtype(self.config)))
+            return bucket_named_tensors(named, bucket_bytes)
+        return iter_weight_buckets(self.model, self.config, bucket_bytes, dtype=dtype,
+                                   overrides=self._merged())
 
     def export_hf(self, out_dir: str | os.PathLike, **kwargs: Any) -> None:
         """Collective: write the model as a Hugging Face folder (safetensors + ``config.json``, the
-        tokenizer files of ``model.hf_path`` when set); ``kwargs``: ``dtype``, ``max_shard_bytes``."""
+        tokenizer files of ``model.hf_path`` when set; with LoRA the merged weights, what an inference
+        engine without LoRA loads); ``kwargs``: ``dtype``, ``max_shard_bytes``."""
         self._require_initialized()
         self._require_onloaded("export_hf", "params")
-        export_hf(self.model, self.config, out_dir, **kwargs)
+        export_hf(self.model, self.config, out_dir, overrides=self._merged(), **kwargs)
+
+    # ------------------------------------------------------------------ LoRA
+    def _require_lora(self, what: str) -> None:
+        if self.config.model.lora is None:
+            raise ValueError(f"{what} needs LoRA adapters: set EngineConfig.model.lora")
+
+    def _merged(self) -> dict | None:
+        return merged_weight_overrides(self.model) if self.config.model.lora is not None else None
+
+    @contextlib.contextmanager
+    def adapters_disabled(self) -> Iterator[None]:
+        """Inside, every LoRA linear runs its base forward: ``infer_batch`` gives the base model's
+        outputs (verl's reference policy from the actor: no second engine, no weight copy)."""
+        self._require_initialized()
+        self._require_lora("adapters_disabled()")
+        with adapters_disabled([chunk.module for chunk in self.model]):
+            yield
+
+    def export_adapter(self, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+        """Collective: write the LoRA adapters as a PEFT folder (``adapter_config.json`` +
+        ``adapter_model.safetensors``, PEFT key names; ``PeftModel.from_pretrained`` and vLLM's LoRA
+        loader read it) from global rank 0. ``dtype`` None: the training precision."""
+        self._require_initialized()
+        self._require_onloaded("export_adapter", "params")
+        self._require_lora("export_adapter")
+        adapters = gather_adapters(self.model)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            m = self.config.model
+            write_adapter(out_dir, adapters, m.lora, swiglu=m.swiglu, base_model=m.hf_path,
+                          dtype=dtype or precision_dtype(self.config))
+        if dist.is_initialized():
+            dist.barrier()
 
     # ------------------------------------------------------------------ state and checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -123,7 +123,7 @@ def fill_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
                  plan: Sequence[BucketMeta]) -> Iterator[tuple[torch.Tensor, BucketMeta]]:
     """``(bucket, meta)`` per ``plan`` entry, filled from ``named_tensors`` (matching the plan in name,
     shape and dtype, else ``ValueError``). Multi-tensor buckets are views of one reused buffer, valid
-    until the next step of the generator; a one-tensor bucket may share storage with a parameter.
+    until the next step of the generator; a one-tensor bucket is the tensor ``named_tensors`` gave.
     Memory: the buffer plus what ``named_tensors`` holds."""
     stream = iter(named_tensors)
     buffer_numel = max((m.numel for m in plan if not _is_one_tensor(m)), default=0)
@@ -152,17 +152,31 @@ def fill_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
 
 
 def iter_weight_buckets(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, bucket_bytes: int, *,
-                        dtype: torch.dtype | None = None) -> Iterator[tuple[torch.Tensor, BucketMeta]]:
-    """``iter_hf_tensors(model_chunks, cfg, dtype=dtype)`` packed by ``plan_buckets``. Collective over
-    TP, PP and, with MoE, EP: every rank consumes it to the end and gets the same buckets. Validity
-    and memory as in :func:`fill_buckets`."""
+                        dtype: torch.dtype | None = None, overrides: Mapping | None = None
+                        ) -> Iterator[tuple[torch.Tensor, BucketMeta]]:
+    """``iter_hf_tensors(model_chunks, cfg, dtype=dtype, overrides=overrides)`` packed by
+    ``plan_buckets``. Collective over TP, PP and, with MoE, EP: every rank consumes it to the end
+    and gets the same buckets. Validity and memory as in :func:`fill_buckets`."""
     from mcore_engine.hf.export import iter_hf_tensors, precision_dtype
     from mcore_engine.hf.mapping import hf_shapes
 
     _check_bucket_bytes(bucket_bytes)
     dtype = dtype or precision_dtype(cfg)
     plan = plan_buckets(hf_shapes(cfg.model), dtype, bucket_bytes)
-    return fill_buckets(iter_hf_tensors(model_chunks, cfg, dtype=dtype), plan)
+    return fill_buckets(iter_hf_tensors(model_chunks, cfg, dtype=dtype, overrides=overrides), plan)
+
+
+def bucket_named_tensors(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int
+                         ) -> Iterator[tuple[torch.Tensor, BucketMeta]]:
+    """``named`` tensors (one dtype, in order) packed by ``plan_buckets`` (the LoRA adapters)."""
+    _check_bucket_bytes(bucket_bytes)
+    if not named:
+        return iter(())
+    dtypes = {t.dtype for _, t in named}
+    if len(dtypes) != 1:
+        raise ValueError(f"named tensors must share one dtype, got {sorted(map(str, dtypes))}")
+    plan = plan_buckets({k: tuple(t.shape) for k, t in named}, dtypes.pop(), bucket_bytes)
+    return fill_buckets(named, plan)
 
 
 def unflatten_bucket(bucket: torch.Tensor, meta: BucketMeta) -> dict[str, torch.Tensor]:

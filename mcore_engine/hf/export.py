@@ -14,7 +14,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -57,14 +57,18 @@ def _stage_key(unit: str) -> str:
 
 
 def iter_hf_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, *,
-                    dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                    dtype: torch.dtype | None = None,
+                    overrides: Mapping[int, Callable[[], torch.Tensor]] | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, tensor)`` for the whole model in checkpoint order, on the parameters' device, in
     ``dtype`` (None: ``cfg.precision``; fp32 norms of a bf16 model are cast). Collective over the
     tensor-, pipeline- and (MoE) expert-parallel groups.
 
     A routed expert's weight is gathered over the expert-tensor-parallel group on the
     expert-parallel rank that holds it and broadcast over the expert-parallel group. No yielded
-    tensor shares storage with a parameter (unsharded ones are copied). Memory: one full tensor.
+    tensor shares storage with a parameter (unsharded ones are copied). ``overrides``: ``id(param) ->
+    callable`` giving the local tensor to export instead (LoRA's merged weights). Memory: one full
+    tensor.
     """
     model_cfg = cfg.model
     dtype = dtype or precision_dtype(cfg)
@@ -115,7 +119,8 @@ def iter_hf_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, 
             tensors = [(name, None) for name in rule.hf_names]
         elif not rule.expert:
             param, rule = local[unit]
-            full = _gather_tp(param.detach(), rule.tp_dim, tp_group, tp_size)
+            value = overrides[id(param)]() if overrides and id(param) in overrides else param.detach()
+            full = _gather_tp(value, rule.tp_dim, tp_group, tp_size)
             tensors = hf_from_gathered(rule, full, model_cfg, tp_size)
         else:  # --- a routed expert: ETP gather on its EP rank, EP broadcast ---
             holder = int(unit.split(".")[6]) // (moe.num_experts // ep_size)
@@ -151,7 +156,8 @@ def _copy_side_files(src: Path, dst: Path) -> None:
 
 
 def export_hf(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, out_dir: str | os.PathLike, *,
-              dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
+              dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30,
+              overrides: Mapping[int, Callable[[], torch.Tensor]] | None = None) -> None:
     """Write ``out_dir`` (shards of at most ``max_shard_bytes`` + ``config.json``) from global rank 0,
     memory one shard; call on every rank. ``cfg.model.hf_path`` supplies token ids and tokenizer files.
     """
@@ -163,7 +169,7 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, out_di
     first = (parallel_state.get_data_parallel_rank() if cfg.model.moe is None
              else parallel_state.get_expert_data_parallel_rank())
     if first == 0:
-        for name, tensor in iter_hf_tensors(model_chunks, cfg, dtype=dtype):
+        for name, tensor in iter_hf_tensors(model_chunks, cfg, dtype=dtype, overrides=overrides):
             if writer is not None:
                 writer.add(name, tensor)
     if writer is not None:

@@ -239,10 +239,13 @@ def iter_units(chunk: torch.nn.Module,
                cfg: ModelConfig) -> Iterator[tuple[str, torch.nn.Parameter, TensorRule]]:
     """``(unit, parameter, rule)`` per parameter of one (possibly wrapped) chunk; a tied output layer
     on the last stage (PP > 1) reads ``model.embed_tokens``; ``ValueError`` for undescribed parameters.
+    LoRA adapters (``.lora_A.`` / ``.lora_B.``) are not Hugging Face weights: skipped (``hf.peft``).
     """
     expected = set(model_units(cfg))
     model = unwrap_chunk(chunk)
     for name, param in model.named_parameters():
+        if ".lora_A." in name or ".lora_B." in name:
+            continue
         if cfg.head == "value" and name.startswith("output_layer."):
             name = name.replace("output_layer.", "value_head.", 1)
         global_layer = global_expert = None

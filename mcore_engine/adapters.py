@@ -1,0 +1,120 @@
+"""LoRA in the engine (``ModelConfig.lora``): adapters on the model chunks over a frozen base, the TP
+sum of the replicated adapters' partial gradients, and the adapters in PEFT's names.
+
+- :func:`attach_lora`: every base parameter ``requires_grad=False`` (so Megatron's DDP gives it no
+  grad buffer and its optimizer no state), then :func:`mcore_engine.layers.lora.apply_lora` on each
+  chunk and, with ``lora.adapter_path``, the PEFT folder's adapters sliced onto this rank.
+- :func:`sum_partial_adapter_grads`: after Megatron's gradient finalisation, one coalesced all-reduce
+  (SUM) over TP of the ``main_grad`` of every adapter marked ``lora_tp_partial_grad`` (column ``A``,
+  row ``B``: replicated, each TP rank computes a partial gradient).
+- :func:`gather_adapters`: the full ``(A, B)`` of every adapted projection, keyed ``(global layer,
+  projection)``; collective over TP (all-gather of the sharded dims) and PP (one object all-gather).
+- :func:`merged_weight_overrides`: ``W + scaling B A`` per adapted base weight, for exports of the
+  merged model. Memory: the adapters (small); one merged weight at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from mcore_engine.config import EngineConfig
+from mcore_engine.hf.peft import Adapters, peft_key, read_adapter
+from mcore_engine.layers.lora import LORA_TP_PARTIAL_GRAD, apply_lora, lora_modules
+
+__all__ = ["attach_lora", "gather_adapters", "iter_adapter_tensors", "merged_weight_overrides",
+           "sum_partial_adapter_grads"]
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    return getattr(chunk, "module", chunk)
+
+
+def attach_lora(chunks: Sequence[torch.nn.Module], cfg: EngineConfig) -> None:
+    """Freeze the base and put the adapters on every (unwrapped) chunk; load ``adapter_path``."""
+    m, lora = cfg.model, cfg.model.lora
+    adapters = None
+    if lora.adapter_path is not None:  # read and checked before anything changes
+        adapters = read_adapter(lora.adapter_path, lora, swiglu=m.swiglu, num_layers=m.num_layers,
+                                shapes=_projection_shapes(cfg))
+    for chunk in chunks:
+        for param in chunk.parameters():
+            param.requires_grad_(False)
+        apply_lora(chunk, rank=lora.rank, alpha=lora.alpha, targets=lora.targets(m.swiglu), seed=cfg.seed,
+                   dropout=lora.dropout, swiglu=m.swiglu)
+    if adapters is not None:
+        for _, module in lora_modules(chunks):
+            for projection in module.lora_targets:
+                module.load_full(projection, *adapters[(module.lora_layer, projection)])
+
+
+def _projection_shapes(cfg: EngineConfig) -> dict[str, tuple[int, int]]:
+    """``projection -> (out, in)`` of the full (TP = 1) weights, Hugging Face's orientation."""
+    m = cfg.model
+    d = m.kv_channels or m.hidden_size // m.num_attention_heads
+    h, f = m.hidden_size, m.ffn_size
+    return {"q": (m.num_attention_heads * d, h), "k": (m.query_groups * d, h), "v": (m.query_groups * d, h),
+            "o": (h, m.num_attention_heads * d), "gate": (f, h), "up": (f, h), "down": (h, f)}
+
+
+def sum_partial_adapter_grads(model_chunks: Sequence[torch.nn.Module]) -> None:
+    """SUM over TP the ``main_grad`` of every trainable parameter marked ``lora_tp_partial_grad``
+    (one coalesced all-reduce; nothing without TP or without such parameters)."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return
+    grads = [p.main_grad for chunk in model_chunks for p in _unwrap(chunk).parameters()
+             if p.requires_grad and getattr(p, LORA_TP_PARTIAL_GRAD, False)
+             and getattr(p, "main_grad", None) is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(part.view_as(g))
+
+
+def _gather_dim(t: torch.Tensor, dim: int | None) -> torch.Tensor:
+    group = parallel_state.get_tensor_model_parallel_group()
+    size = dist.get_world_size(group)
+    if dim is None or size == 1:
+        return t.clone()
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def gather_adapters(model_chunks: Sequence[torch.nn.Module]) -> Adapters:
+    """Every adapted projection's full ``(A [r, in], B [out, r])`` on every rank, keyed ``(global
+    layer, projection)``, on the CPU in the parameters' dtype. Collective over TP and PP."""
+    local: Adapters = {}
+    for _, module in lora_modules([_unwrap(c) for c in model_chunks]):
+        for projection, shard in module.adapter_shards().items():
+            local[(module.lora_layer, projection)] = (_gather_dim(shard.a, shard.a_tp_dim).cpu(),
+                                          _gather_dim(shard.b, shard.b_tp_dim).cpu())
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    if dist.get_world_size(pp_group) == 1:
+        return local
+    stages: list[Adapters | None] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(stages, local, group=pp_group)
+    return {k: v for stage in stages for k, v in stage.items()}
+
+
+def iter_adapter_tensors(model_chunks: Sequence[torch.nn.Module], dtype: torch.dtype | None = None
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(PEFT key, full tensor)`` of every adapter in key order (``lora_A`` then ``lora_B`` per
+    projection); collective over TP and PP (gathers first). ``dtype`` None: the parameters'."""
+    adapters = gather_adapters(model_chunks)
+    for (layer, projection), (a, b) in sorted(adapters.items()):
+        for which, t in (("A", a), ("B", b)):
+            yield peft_key(layer, projection, which), t if dtype is None else t.to(dtype)
+
+
+def merged_weight_overrides(model_chunks: Sequence[torch.nn.Module]
+                            ) -> dict[int, Callable[[], torch.Tensor]]:
+    """``id(base weight) -> merged_weight`` (this rank's ``W + scaling B A``) for every LoRA linear."""
+    return {id(module.weight): module.merged_weight
+            for _, module in lora_modules([_unwrap(c) for c in model_chunks])}

@@ -1,0 +1,110 @@
+"""PEFT LoRA adapter folders in and out: ``adapter_config.json`` + ``adapter_model.safetensors``.
+
+Key names are PEFT's (``get_peft_model_state_dict``, adapter name dropped), per adapted projection
+of global layer ``i``::
+
+    base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_{A,B}.weight    # A [r, in], B [out, r]
+    base_model.model.model.layers.{i}.mlp.{gate,up,down}_proj.lora_{A,B}.weight
+
+what ``PeftModel.from_pretrained`` and vLLM's LoRA loader read. Tensors here are full (unsharded);
+the engine gathers / slices them over TP. Memory: the adapters, which are small.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from mcore_engine.lora_config import HF_PROJECTIONS, PROJECTION_HF_NAMES, LoRAConfig
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "peft_key", "read_adapter", "write_adapter"]
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)"
+                  r"\.lora_([AB])\.weight")
+_SUBMODULE = {"q": "self_attn", "k": "self_attn", "v": "self_attn", "o": "self_attn",
+              "gate": "mlp", "up": "mlp", "down": "mlp"}
+
+Adapters = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+"""``(global layer, projection) -> (A [r, in], B [out, r])``, full tensors."""
+
+
+def peft_key(layer: int, projection: str, which: str) -> str:
+    """PEFT's saved key of ``lora_A`` (``which="A"``) or ``lora_B`` of one projection."""
+    return (f"base_model.model.model.layers.{layer}.{_SUBMODULE[projection]}."
+            f"{PROJECTION_HF_NAMES[projection]}.lora_{which}.weight")
+
+
+def write_adapter(out_dir: str | os.PathLike, adapters: Adapters, lora: LoRAConfig, *, swiglu: bool,
+                  base_model: str | None, dtype: torch.dtype) -> None:
+    """Write a PEFT folder (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules`` from ``lora``)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for (layer, projection), (a, b) in sorted(adapters.items()):
+        tensors[peft_key(layer, projection, "A")] = a.detach().to("cpu", dtype).contiguous()
+        tensors[peft_key(layer, projection, "B")] = b.detach().to("cpu", dtype).contiguous()
+    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+              "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
+              "target_modules": lora.hf_target_modules(swiglu), "bias": "none", "fan_in_fan_out": False,
+              "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+              "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def read_adapter(path: str | os.PathLike, lora: LoRAConfig, *, swiglu: bool, num_layers: int,
+                 shapes: Mapping[str, tuple[int, int]]) -> Adapters:
+    """The adapters of a PEFT folder, checked against ``lora`` (rank, alpha, target modules) and the
+    model (``num_layers``, ``shapes[projection] = (out, in)``): ``ValueError`` naming
+    ``LoRAConfig.adapter_path`` and the mismatch, before anything is loaded."""
+    folder = Path(path)
+    where = f"LoRAConfig.adapter_path {str(folder)!r}"
+    if not (folder / ADAPTER_CONFIG).is_file() or not (folder / ADAPTER_WEIGHTS).is_file():
+        raise ValueError(f"{where}: expected a PEFT folder with {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+    config: dict[str, Any] = json.loads((folder / ADAPTER_CONFIG).read_text())
+    checks = [("peft_type", config.get("peft_type"), "LORA"), ("r", config.get("r"), lora.rank),
+              ("lora_alpha", config.get("lora_alpha"), lora.alpha),
+              ("target_modules", sorted(config.get("target_modules") or []), lora.hf_target_modules(swiglu))]
+    for name, theirs, ours in checks:
+        if theirs != ours and not (isinstance(ours, float) and theirs is not None and float(theirs) == ours):
+            raise ValueError(f"{where}: adapter_config.json has {name}={theirs!r}, the engine's LoRAConfig "
+                             f"gives {ours!r}")
+    for name in ("use_dora", "use_rslora", "fan_in_fan_out"):
+        if config.get(name):
+            raise ValueError(f"{where}: adapter_config.json {name}=true is not supported")
+    if config.get("bias", "none") != "none" or config.get("modules_to_save"):
+        raise ValueError(f"{where}: adapter biases / modules_to_save are not supported")
+    wanted = {(layer, p) for layer in range(num_layers) for ps in lora.targets(swiglu).values() for p in ps}
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    with safe_open(str(folder / ADAPTER_WEIGHTS), framework="pt") as f:
+        for key in f.keys():
+            match = _KEY.fullmatch(key.replace(".default.", "."))
+            if match is None or match.group(3) not in HF_PROJECTIONS:
+                raise ValueError(f"{where}: unexpected tensor {key!r}")
+            projection = HF_PROJECTIONS[match.group(3)][1]
+            found.setdefault((int(match.group(1)), projection), {})[match.group(4)] = f.get_tensor(key)
+    if set(found) != wanted:
+        missing, extra = sorted(wanted - set(found))[:3], sorted(set(found) - wanted)[:3]
+        raise ValueError(f"{where}: adapters do not match the model's layers / target modules "
+                         f"(missing {missing}, unexpected {extra})")
+    out: Adapters = {}
+    for (layer, projection), ab in found.items():
+        out_dim, in_dim = shapes[projection]
+        a, b = ab.get("A"), ab.get("B")
+        got = [None if t is None else tuple(t.shape) for t in (a, b)]
+        if got != [(lora.rank, in_dim), (out_dim, lora.rank)]:
+            raise ValueError(f"{where}: layer {layer} {PROJECTION_HF_NAMES[projection]} has lora_A / lora_B "
+                             f"shapes {got[0]} / {got[1]}, expected ({lora.rank}, {in_dim}) / "
+                             f"({out_dim}, {lora.rank})")
+        out[(layer, projection)] = (a, b)
+    return out

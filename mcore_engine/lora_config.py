@@ -1,0 +1,94 @@
+"""``LoRAConfig`` (``ModelConfig.lora``): low-rank adapters on the attention and MLP linears.
+
+PEFT's LoRA on a frozen base: ``y = W x + (alpha / rank) * B A dropout(x)`` per adapted projection.
+``target_modules`` takes Megatron's linear names, Hugging Face projection names or
+``"all-linear"``; :meth:`LoRAConfig.targets` resolves them to the projections adapted in each of
+Megatron's four linears (the fused ``linear_qkv`` / ``linear_fc1`` carry PEFT's separate q / k / v
+and gate / up adapters). This module does not import ``config`` (``config`` imports it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from mcore_engine.config_checks import _positive_int, _require
+
+__all__ = ["HF_PROJECTIONS", "LINEAR_PROJECTIONS", "LoRAConfig"]
+
+# Megatron linear -> the Hugging Face projections it fuses (SwiGLU fc1: gate and up)
+LINEAR_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "linear_qkv": ("q", "k", "v"), "linear_proj": ("o",), "linear_fc1": ("gate", "up"),
+    "linear_fc2": ("down",)}
+# Hugging Face module name -> (Megatron linear, projection)
+HF_PROJECTIONS: dict[str, tuple[str, str]] = {
+    "q_proj": ("linear_qkv", "q"), "k_proj": ("linear_qkv", "k"), "v_proj": ("linear_qkv", "v"),
+    "o_proj": ("linear_proj", "o"), "gate_proj": ("linear_fc1", "gate"), "up_proj": ("linear_fc1", "up"),
+    "down_proj": ("linear_fc2", "down")}
+PROJECTION_HF_NAMES = {proj: name for name, (_, proj) in HF_PROJECTIONS.items()}
+
+
+@dataclass(kw_only=True)
+class LoRAConfig:
+    """Low-rank adapters (PEFT's LoRA) on the attention and MLP linears; the base weights are frozen
+    (no gradient, no grad buffer, no optimizer state)."""
+
+    rank: int
+    """r: the adapters' inner dimension (``A [r, in]``, ``B [out, r]``)."""
+    alpha: float = 16.0
+    """Scaling numerator: the update is ``(alpha / rank) * B A x`` (PEFT's ``lora_alpha``)."""
+    dropout: float = 0.0
+    """PEFT's ``lora_dropout`` on the adapters' input (training only)."""
+    target_modules: str | list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Megatron names (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``), Hugging Face
+    names (``q_proj`` ... ``down_proj``) or ``"all-linear"``."""
+    adapter_path: str | None = None
+    """A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) applied on
+    top of ``ModelConfig.hf_path``; None: fresh adapters (A random, B zero)."""
+
+    def __post_init__(self) -> None:
+        _positive_int(self, "rank")
+        _require(isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool)
+                 and math.isfinite(self.alpha) and self.alpha > 0,
+                 f"LoRAConfig.alpha must be a finite number > 0, got {self.alpha!r}")
+        _require(isinstance(self.dropout, (int, float)) and not isinstance(self.dropout, bool)
+                 and 0.0 <= self.dropout < 1.0, f"LoRAConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if isinstance(self.target_modules, tuple):
+            self.target_modules = list(self.target_modules)
+        self.targets()  # validates the names
+        _require(self.adapter_path is None or isinstance(self.adapter_path, str),
+                 f"LoRAConfig.adapter_path must be None or a path, got {self.adapter_path!r}")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def targets(self, swiglu: bool = True) -> dict[str, set[str]]:
+        """Megatron linear -> the projections adapted in it (only linears with at least one).
+        Without SwiGLU ``linear_fc1`` is one projection, ``up``."""
+        names = self.target_modules
+        if names == "all-linear":
+            names = list(LINEAR_PROJECTIONS)
+        _require(isinstance(names, list) and names and all(isinstance(n, str) for n in names),
+                 "LoRAConfig.target_modules must be 'all-linear' or a non-empty list of module names, "
+                 f"got {self.target_modules!r}")
+        out: dict[str, set[str]] = {}
+        for name in names:
+            if name in LINEAR_PROJECTIONS:
+                linear, projections = name, set(LINEAR_PROJECTIONS[name])
+            elif name in HF_PROJECTIONS:
+                linear, projection = HF_PROJECTIONS[name]
+                projections = {projection}
+            else:
+                raise ValueError(f"LoRAConfig.target_modules: unknown module {name!r}; expected one of "
+                                 f"{[*LINEAR_PROJECTIONS, *HF_PROJECTIONS]} or 'all-linear'")
+            out.setdefault(linear, set()).update(projections)
+        if not swiglu and "linear_fc1" in out:
+            _require(out["linear_fc1"] != {"gate"},
+                     "LoRAConfig.target_modules: gate_proj needs ModelConfig.swiglu (no gate without SwiGLU)")
+            out["linear_fc1"] = {"up"}
+        return out
+
+    def hf_target_modules(self, swiglu: bool = True) -> list[str]:
+        """The Hugging Face module names adapted (PEFT's ``target_modules``), sorted."""
+        return sorted(PROJECTION_HF_NAMES[p] for ps in self.targets(swiglu).values() for p in ps)
