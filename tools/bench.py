@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cp", action="store_true",
                    help="the context-parallelism table instead (tools/bench_cp.py: one long sequence at "
                         "CP=1 / CP=2, the SDPA core attention vs Megatron's local attention)")
+    p.add_argument("--lora", action="store_true",
+                   help="the LoRA table instead (tools/bench_lora.py: rank 8 / 64 vs full fine-tuning: "
+                        "grad + optimizer memory, step time, weight-sync bytes)")
     p.add_argument("--selected", action="store_true",
                    help="the selected-rows table instead (tools/bench_selected.py): lm-head + processor "
                         "on every row vs only the response rows (outputs_on_loss_mask_only)")
@@ -311,6 +314,10 @@ COLUMNS = ["cfg", "outputs", "TP", "ours peak MB (xL)", "naive peak MB (xL)", "m
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     load_start = os.getloadavg()[0]
+    if args.lora:
+        import bench_lora
+
+        return bench_lora.main(["--quick"] * args.quick + ["--markdown"] * args.markdown)
     if args.cp:
         import bench_cp
 
