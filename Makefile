@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 1
 export TMPDIR := $(CURDIR)/build/tmp
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/build/inductor
 
-.PHONY: setup test test-fast demo grpo verl-trainer bench lint clean
+.PHONY: setup test test-fast test-mcore-next demo grpo verl-trainer bench lint clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,31 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	@mkdir -p $(TMPDIR)
 	$(PY) -m pytest -q tests -m "not slow"
+
+# Second CI leg: the non-slow tests against the newest megatron-core 0.19.x, the line that GPU users
+# on Python 3.12 run (setup.py accepts >=0.16.1,<0.20; the main venv stays on 0.16.1). Its own venv,
+# set up as the main one (torch pinned first, our deps and verl's held by constraints.txt, which brings
+# megatron-core 0.16.1), then 0.19.x over it without its deps: its wheel says Requires-Python >=3.12
+# but a cp311 build is published; it needs nothing the main venv lacks (triton comes with `kernels`).
+# the newest 0.19.x: `pip index versions --ignore-requires-python megatron-core` (plain: only <= 0.16.1)
+MCORE_NEXT_VERSION := 0.19.2
+NEXT_VENV  := .venv-mcore-next
+NEXT_PY    := $(NEXT_VENV)/bin/python
+NEXT_STAMP := $(NEXT_VENV)/.installed-$(MCORE_NEXT_VERSION)
+
+$(NEXT_STAMP): setup.py constraints.txt
+	test -x $(NEXT_PY) || $(PYTHON) -m venv $(NEXT_VENV)
+	$(NEXT_PY) -m pip install -q --upgrade pip
+	$(NEXT_PY) -m pip install -q torch==2.13.0
+	$(NEXT_PY) -m pip install -q -c constraints.txt -e '.[dev,kernels,hf,verl]'
+	$(NEXT_PY) -m pip install -q --no-deps verl==$(VERL_VERSION)
+	$(NEXT_PY) -m pip install -q --no-deps --ignore-requires-python megatron-core==$(MCORE_NEXT_VERSION)
+	touch $(NEXT_STAMP)
+
+test-mcore-next: $(NEXT_STAMP)
+	@mkdir -p $(TMPDIR)
+	@$(NEXT_PY) -c "import importlib.metadata as m; print('megatron-core', m.version('megatron-core'))"
+	$(NEXT_PY) -m pytest -q tests -m "not slow"
 
 demo: $(STAMP)
 	@mkdir -p $(TMPDIR)

@@ -14,9 +14,14 @@ setup(
     # kernels/ installs as ``mcore_engine_kernels``: the PyPI name ``kernels`` belongs to another project.
     packages=find_packages(include=["mcore_engine", "mcore_engine.*"]) + ["mcore_engine_kernels"],
     package_dir={"mcore_engine_kernels": "kernels"},
+    # verl's trainer config selecting this backend (--config-path pkg://mcore_engine.integrations.verl_hydra)
+    package_data={"mcore_engine.integrations.verl_hydra": ["*.yaml"]},
     install_requires=[
         "torch>=2.11",
-        "megatron-core==0.16.1",
+        # The range the code supports: CI tests 0.16.1 (constraints.txt, the newest for Python 3.11)
+        # and 0.19.x (`make test-mcore-next`). From 0.17 `import megatron.core` imports triton
+        # (CUDA torch wheels bring it; on CPU the `kernels` extra does).
+        "megatron-core>=0.16.1,<0.20",
         "tensordict==0.15.3",
         "pyyaml>=6",
         "tqdm>=4.60",

@@ -29,7 +29,7 @@ from mcore_engine.config import EngineConfig
 from mcore_engine.layers.attention import SDPACoreAttention
 from mcore_engine.layers.norm import with_torch_norms
 from mcore_engine.layers.value_head import ValueHead, attach_value_head
-from mcore_engine.platform import apply_cpu_device_layer, apply_moe_compat
+from mcore_engine.platform import apply_cpu_device_layer, apply_moe_compat, mcore_version
 
 __all__ = ["PackedDotProductAttention", "build_model_chunks", "build_transformer_config", "has_te",
            "apply_output_layer", "is_last_stage_chunk", "lm_head_weight", "output_hidden_states",
@@ -169,7 +169,7 @@ def _moe_config_kwargs(cfg: EngineConfig) -> dict:
         moe_router_topk_scaling_factor=moe.router_topk_scaling_factor,
         moe_router_dtype=moe.router_dtype,
         moe_router_load_balancing_type=moe.aux_loss_type,
-        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_aux_loss_coeff=_aux_loss_coeff(cfg),
         moe_z_loss_coeff=_z_loss_coeff(cfg),
         moe_expert_capacity_factor=moe.capacity_factor,
         moe_token_drop_policy=moe.token_drop_policy,
@@ -182,17 +182,33 @@ def _moe_config_kwargs(cfg: EngineConfig) -> dict:
     )
 
 
+def _token_split(cfg: EngineConfig) -> int:
+    """How many ranks share a micro-batch's routed tokens: ``tp`` under sequence parallelism, times
+    ``cp``."""
+    par = cfg.parallel
+    return (par.tensor_model_parallel_size if par.sequence_parallel else 1) * par.context_parallel_size
+
+
 def _z_loss_coeff(cfg: EngineConfig) -> float | None:
-    """The router's z-loss coefficient. Megatron-Core 0.16's router divides it by the TP x CP size
-    and, with ``calculate_per_token_loss``, weights the loss by the rank's routed tokens; with the
-    tokens split (``s / tp`` a rank under sequence parallelism, ``s / cp`` under context
+    """The router's z-loss coefficient. Megatron-Core 0.16 - 0.18's router divides it by the TP x CP
+    size and, with ``calculate_per_token_loss``, weights the loss by the rank's routed tokens; with
+    the tokens split (``s / tp`` a rank under sequence parallelism, ``s / cp`` under context
     parallelism) that makes the z term ``1 / (tp cp)`` of the one-rank objective, so it gets
-    ``coeff * tp * cp`` (the logged z-loss is unchanged)."""
-    coeff, par = cfg.model.moe.z_loss_coeff, cfg.parallel
-    if coeff is None:
-        return None
-    split = (par.tensor_model_parallel_size if par.sequence_parallel else 1) * par.context_parallel_size
-    return coeff * split
+    ``coeff * tp * cp`` (the logged z-loss is unchanged). From 0.19 the router weights it by the
+    routed tokens times the TP x CP size itself: ``coeff`` as it is."""
+    coeff = cfg.model.moe.z_loss_coeff
+    if coeff is None or mcore_version() >= (0, 19):
+        return coeff
+    return coeff * _token_split(cfg)
+
+
+def _aux_loss_coeff(cfg: EngineConfig) -> float:
+    """The load-balancing loss coefficient. From Megatron-Core 0.19 the router weights that loss by
+    the rank's routed tokens times the TP x CP size (0.16 - 0.18: the routed tokens only, which the
+    engine's ``1 / N`` step scale, :mod:`mcore_engine.moe`, expects), so it gets ``coeff / (tp cp)``
+    there, with the tokens split as in :func:`_z_loss_coeff` (the logged loss is unchanged)."""
+    coeff = cfg.model.moe.aux_loss_coeff
+    return coeff / _token_split(cfg) if mcore_version() >= (0, 19) else coeff
 
 
 def _has_grouped_gemm() -> bool:

@@ -32,7 +32,7 @@ from mcore_engine.gloo_collectives import apply_gloo_collectives
 
 __all__ = ["Device", "apply_cpu_device_layer", "apply_moe_compat", "cpu_device_layer_active",
            "destroy_distributed",
-           "get_device", "init_distributed", "quiet_cpu_warnings", "seed_everything"]
+           "get_device", "init_distributed", "mcore_version", "quiet_cpu_warnings", "seed_everything"]
 
 _CPU_LAYER_MODE: _CudaToCpuMode | None = None
 _OWNS_DEFAULT_GROUP = False
@@ -182,6 +182,15 @@ def apply_moe_compat() -> None:
         moe_utils.te_general_gemm = None
     apply_gloo_collectives()
     _MOE_COMPAT = True
+
+
+def mcore_version() -> tuple[int, int]:
+    """The installed Megatron-Core's ``(major, minor)``, e.g. ``(0, 16)``: for the few places whose
+    behaviour differs across the supported range (setup.py: ``>=0.16.1,<0.20``)."""
+    from megatron.core import __version__
+
+    major, minor = __version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def cpu_device_layer_active() -> bool:

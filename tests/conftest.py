@@ -11,6 +11,16 @@ if not glob.glob("/dev/nvidia[0-9]*"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_report_header(config):
+    """Which megatron-core the run tests (``make test``: 0.16.1; ``make test-mcore-next``: 0.19.x)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"megatron-core {version('megatron-core')}"
+    except PackageNotFoundError:
+        return "megatron-core not installed"
+
+
 def pytest_ignore_collect(collection_path, config):
     """Collect only ``test_*.py`` modules: helper modules (``utils.py``, ``reference.py``,
     ``engine_setup.py``, ...) are imported by the tests, never collected as tests themselves."""

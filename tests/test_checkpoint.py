@@ -197,8 +197,7 @@ def _two_ranks(rank: int, world_size: int, tmp: str) -> None:
         os.remove(f"{tmp}/missing/__1_0.distcp")
         with open(f"{tmp}/truncated/__0_0.distcp", "r+b") as f:
             f.truncate(100)
-        with open(f"{tmp}/torn_common/common.pt", "r+b") as f:
-            f.truncate(os.path.getsize(f"{tmp}/torn_common/common.pt") // 2)
+        _tear_common(f"{tmp}/torn_common")
     dist.barrier()
     other = _engine(None, seed=99, tp=2)
     other.config.model.rotary_base = 5000
@@ -214,6 +213,22 @@ def _two_ranks(rank: int, world_size: int, tmp: str) -> None:
     # --- PP=2 target ---
     destroy_distributed()
     _same_step(_resumed(f"{tmp}/dp2", pp=2), _reference(weights, pp=2), "PP 1 -> 2")
+
+
+def _tear_common(folder: str) -> None:
+    """Damage the checkpoint's plain entries: ``common.pt`` (Megatron-Core < 0.19) is cut in half, the
+    DCP object ``common_state`` that replaces it from 0.19 is zeroed in its storage file."""
+    if os.path.exists(f"{folder}/common.pt"):
+        with open(f"{folder}/common.pt", "r+b") as f:
+            f.truncate(os.path.getsize(f"{folder}/common.pt") // 2)
+        return
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(folder).read_metadata().storage_data
+    (info,) = [v for k, v in storage.items() if k.fqn.startswith("common_state")]
+    with open(f"{folder}/{info.relative_path}", "r+b") as f:
+        f.seek(info.offset)
+        f.write(bytes(info.length))
 
 
 # ------------------------------------------------------------------ one rank
