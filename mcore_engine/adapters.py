@@ -3,7 +3,8 @@ sum of the replicated adapters' partial gradients, and the adapters in PEFT's na
 
 - :func:`attach_lora`: every base parameter ``requires_grad=False`` (so Megatron's DDP gives it no
   grad buffer and its optimizer no state), then :func:`mcore_engine.layers.lora.apply_lora` on each
-  chunk and, with ``lora.adapter_path``, the PEFT folder's adapters sliced onto this rank.
+  chunk and, with ``lora.adapter_path``, the PEFT folder's adapters sliced onto this rank; the
+  embedding's output is made to require grad, so activation recompute still reaches the adapters.
 - :func:`sum_partial_adapter_grads`: after Megatron's gradient finalisation, one coalesced all-reduce
   (SUM) over TP of the ``main_grad`` of every adapter marked ``lora_tp_partial_grad`` (column ``A``,
   row ``B``: replicated, each TP rank computes a partial gradient).
@@ -45,10 +46,19 @@ def attach_lora(chunks: Sequence[torch.nn.Module], cfg: EngineConfig) -> None:
             param.requires_grad_(False)
         apply_lora(chunk, rank=lora.rank, alpha=lora.alpha, targets=lora.targets(m.swiglu), seed=cfg.seed,
                    dropout=lora.dropout, swiglu=m.swiglu)
+        if getattr(chunk, "embedding", None) is not None:
+            # the frozen embedding's output does not require grad: activation recompute (Megatron's
+            # checkpoint of a block whose inputs need no grad) would give the adapters in it none
+            chunk.embedding.register_forward_hook(_require_grad)
     if adapters is not None:
         for _, module in lora_modules(chunks):
             for projection in module.lora_targets:
                 module.load_full(projection, *adapters[(module.lora_layer, projection)])
+
+
+def _require_grad(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook: the output requires grad (HF's ``enable_input_require_grads``)."""
+    return output.requires_grad_(True) if torch.is_grad_enabled() and not output.requires_grad else output
 
 
 def _projection_shapes(cfg: EngineConfig) -> dict[str, tuple[int, int]]:

@@ -7,9 +7,9 @@ model's log-probs, the base model's, and two steps of ``torch.optim.AdamW`` on t
 parameters with the engine's loss (token-mean ``-adv * log_prob``), float32.
 
 One launch of two gloo ranks: the engine loads the base from ``model.hf_path`` and the adapters from
-``lora.adapter_path`` at TP=1 (DP=2, each rank the whole batch), TP=2, TP=2 + SP, PP=2 and DP=2 with
-the distributed optimizer: log-probs equal PEFT's (fp32 1e-5), ``adapters_disabled`` equal the base
-model's, the adapters after two steps equal PEFT + AdamW's (1e-5), the base weights bit-identical,
+``lora.adapter_path`` at TP=1 (DP=2, each rank the whole batch), TP=2, TP=2 + SP, PP=2, DP=2 with
+the distributed optimizer and TP=2 with full activation recompute: log-probs equal PEFT's (fp32
+1e-5), ``adapters_disabled`` equal the base model's, the adapters after two steps equal PEFT + AdamW's (1e-5), the base weights bit-identical,
 no gradient / grad buffer / optimizer state for them. Checkpoints hold the adapters and their
 optimizer state only: resumed bit for bit at TP=2, resharded to PP=2, another base refused. Then
 the exports: ``export_adapter`` read by ``PeftModel.from_pretrained`` and ``export_hf`` (merged) read
@@ -39,7 +39,8 @@ TOL = 1e-5
 LAYOUTS = [("llama-tp1-dp2", "llama", 1, 1, False, False), ("llama-tp2", "llama", 2, 1, False, False),
            ("llama-tp2-sp", "llama", 2, 1, True, False), ("llama-pp2", "llama", 1, 2, False, False),
            ("llama-dp2-distopt", "llama", 1, 1, False, True), ("qwen2-tp2", "qwen2", 2, 1, False, False),
-           ("qwen3-tp2-sp", "qwen3", 2, 1, True, False)]
+           ("qwen3-tp2-sp", "qwen3", 2, 1, True, False),
+           ("llama-tp2-recompute", "llama", 2, 1, False, False)]
 
 
 def _batch(seed: int = 3) -> TensorDict:
@@ -150,7 +151,11 @@ def _layouts(rank: int, world_size: int, root: Path) -> None:
     batch = _batch()
     for name, family, tp, pp, sp, dist_opt in LAYOUTS:
         ref = refs[family]
-        engine = MegatronEngine(_config(root, family, tp, pp, sp, dist_opt))
+        cfg = _config(root, family, tp, pp, sp, dist_opt)
+        if name.endswith("recompute"):  # full recompute from the frozen embedding's output
+            cfg = dataclasses.replace(cfg, recompute_granularity="full", recompute_method="uniform",
+                                      recompute_num_layers=1)
+        engine = MegatronEngine(cfg)
         engine.initialize()
         base = {n: p.detach().clone() for c in engine.model for n, p in c.module.named_parameters()
                 if "lora_" not in n}
