@@ -27,6 +27,13 @@ resized to 0) except inside ``train_mode()`` (all of them onloaded) and ``eval_m
 only); ``to(device, model, optimizer, grad)`` moves parts by hand. Checkpoints are the core's
 reshardable ``torch_dist`` folders, one per ``save_checkpoint`` call, loadable at another layout.
 
+LoRA (``model_config.lora.rank > 0`` or ``lora_rank > 0``: ``verl_config.lora_from_verl``) is the core's
+``ModelConfig.lora`` on a frozen base. verl's trainer then computes the reference log-probs on the
+actor (``ref_in_actor``, batch flag ``no_lora_adapter``) inside :meth:`McoreEngineVerl.disable_adapter`
+(the core's ``adapters_disabled()``), and its weight sync follows ``model_config.lora.merge``
+(:meth:`McoreEngineVerl.get_per_tensor_param`): merged weights, or the base once and then the adapters
+in PEFT key names with a PEFT config.
+
 Batches arrive as verl builds them (``left_right_2_no_padding``): jagged ``input_ids`` /
 ``position_ids`` ``[B, j]``, dense ``response_mask`` / ``loss_mask`` ``[B, R]``, dense per-sample
 fields (``prompts``, ``responses``, ``old_log_probs``, ``advantages`` ...), non-tensor flags; they go
@@ -46,6 +53,7 @@ flag ``distillation_log_prob_min_clamp``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Callable, Generator
@@ -67,7 +75,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without verl
                       "plus its light dependencies (`pip install -e '.[verl]' -c constraints.txt`)") from exc
 
 from mcore_engine import MegatronEngine
-from mcore_engine.integrations.verl_config import BACKEND, NOT_APPLICABLE, _refuse, engine_config_from_verl
+from mcore_engine.integrations.verl_config import (
+    BACKEND,
+    NOT_APPLICABLE,
+    _refuse,
+    engine_config_from_verl,
+    lora_merge,
+)
 from mcore_engine.integrations.verl_loss import VerlLossBridge, _topk_clamp, verl_results
 
 __all__ = ["BACKEND", "NOT_APPLICABLE", "McoreEngineActorConfig", "McoreEngineVerl", "McoreEngineVerlConfig",
@@ -349,24 +363,67 @@ class McoreEngineVerl(BaseEngine):
 
     output_keys: tuple[str, ...] | None = None  # the per-token outputs returned to verl (None: all)
 
+    # --- LoRA
+    def disable_adapter(self) -> contextlib.AbstractContextManager:
+        """verl's reference policy from the actor (``ref_in_actor``: the trainer sets ``no_lora_adapter``
+        on the batch, ``TrainingWorker.infer_batch`` runs the engine inside this context): the core's
+        ``adapters_disabled()``, every LoRA linear computing its frozen base only; without LoRA a no-op
+        (verl's ``BaseEngine``)."""
+        if self.config.model.lora is None:
+            return contextlib.nullcontext()
+        return self.engine.adapters_disabled()
+
+    def peft_config(self) -> dict[str, Any] | None:
+        """The PEFT config verl hands the rollout with adapter-only syncs
+        (``BaseEngine.get_per_tensor_param``): ``peft_type`` / ``task_type`` as PEFT's enums, ``r``,
+        ``lora_alpha``, ``target_modules`` (the adapted projections' Hugging Face names),
+        ``lora_dropout``, ``bias``; None without LoRA."""
+        lora = self.config.model.lora
+        if lora is None:
+            return None
+        from peft import PeftType, TaskType
+
+        return {"task_type": TaskType.CAUSAL_LM, "peft_type": PeftType.LORA, "r": lora.rank,
+                "lora_alpha": lora.alpha, "target_modules": lora.hf_target_modules(self.config.model.swiglu),
+                "bias": "none", "lora_dropout": lora.dropout}
+
     # --- weights and checkpoints
-    def get_per_tensor_param(self, **kwargs) -> tuple[Generator[tuple[str, torch.Tensor], None, None], None]:
-        """``(generator of (hf_name, full tensor), None)``: no PEFT config. Onloads the parameters and
-        leaves them onloaded (verl's worker offloads them after the weight sync when
-        ``param_offload``). The tensors may share storage with the parameters: consume them before
-        offloading. Collective over TP / PP: every rank consumes the generator to the end."""
+    def get_per_tensor_param(self, base_sync_done: bool = False, **kwargs) -> tuple[
+            Generator[tuple[str, torch.Tensor], None, None], dict[str, Any] | None]:
+        """verl's weight sync (``ActorRolloutRefWorker.update_weights``): ``(generator of (name, full
+        tensor), peft_config)``, as verl's Megatron engine:
+
+        - no LoRA, or LoRA with ``model_config.lora.merge=True``: the whole model in Hugging Face names
+          (with LoRA the merged ``W + scaling B A``), ``peft_config`` None;
+        - LoRA with ``merge=False`` (verl's default): with ``base_sync_done`` the adapters only, in PEFT
+          key names (``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``), else the
+          frozen base in Hugging Face names (verl sends it once, when the rollout started from dummy
+          weights); either with :meth:`peft_config`.
+
+        ``layered_summon`` (FSDP's gather mode) has no meaning here: the tensors are gathered one at a
+        time anyway. Onloads the parameters and leaves them onloaded (verl's worker offloads them after
+        the weight sync when ``param_offload``). No tensor shares storage with a parameter. Collective
+        over TP / PP: every rank consumes the generator to the end."""
         self.engine.onload(params=True, grads=False, optimizer=False)
-        return self.engine.per_tensor_generator(), None
+        if self.config.model.lora is None or lora_merge(self.model_config):
+            return self.engine.per_tensor_generator(), None
+        if base_sync_done:
+            return self.engine.per_tensor_generator(adapter_only=True), self.peft_config()
+        from mcore_engine.hf.export import iter_hf_tensors
+
+        return iter_hf_tensors(self.engine.model, self.config), self.peft_config()  # no merge overrides
 
     def save_checkpoint(self, local_path: str, hdfs_path: str | None = None, global_step: int = 0,
                         max_ckpt_to_keep: int | None = None, **kwargs) -> None:
         """Collective: the core checkpoint (``torch_dist``, reshardable) in folder ``local_path`` (+ an
         HF folder ``local_path/huggingface`` when ``checkpoint_config.save_contents`` holds
-        ``hf_model``). Offloaded parameters / optimizer state are onloaded for the write and offloaded
-        again. Retention as verl's checkpoint managers: of the folders this engine saved, the oldest
-        are deleted before the write so that ``max_ckpt_to_keep - 1`` remain (when it is > 1), and
-        after it so that ``max_ckpt_to_keep`` remain. ``hdfs_path`` is refused; under ``forward_only``
-        the model only is saved."""
+        ``hf_model``; with LoRA the merged weights there and the PEFT adapter folder in
+        ``huggingface/adapter``, verl's Megatron layout). With LoRA the checkpoint holds the adapters
+        and their optimizer state only. Offloaded parameters / optimizer state are onloaded for the
+        write and offloaded again. Retention as verl's checkpoint managers: of the folders this engine
+        saved, the oldest are deleted before the write so that ``max_ckpt_to_keep - 1`` remain (when it
+        is > 1), and after it so that ``max_ckpt_to_keep`` remain. ``hdfs_path`` is refused; under
+        ``forward_only`` the model only is saved."""
         if hdfs_path is not None:
             _refuse("hdfs_path", hdfs_path, "no HDFS client; save to a shared local path")
         path = os.path.abspath(local_path)
@@ -381,6 +438,8 @@ class McoreEngineVerl(BaseEngine):
             contents = getattr(self.checkpoint_config, "save_contents", None) or ()
             if "hf_model" in contents:
                 self.engine.export_hf(os.path.join(path, "huggingface"))
+                if self.config.model.lora is not None:  # verl's Megatron layout: huggingface/adapter
+                    self.engine.export_adapter(os.path.join(path, "huggingface", "adapter"))
         finally:
             self._reoffload(before, optimizer=False)
         self._saved.append(path)

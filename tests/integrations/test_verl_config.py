@@ -1,8 +1,9 @@
 """The mcore_engine backend's verl config mapping and refusals, in-process (no ranks): every verl field
 with a meaning maps onto the core's ``EngineConfig``, every one the engine cannot honour is refused
-by name; the value-model registration, ``to(...)`` device names and ``hdfs_path`` refusals; the
-packaged Hydra config (``mcore_engine/integrations/verl_hydra``): verl's ``ppo_megatron_trainer`` with
-actor, reference and critic on this backend in the actor's dtype."""
+by name (LoRA's settings of both styles included); the value-model registration, ``to(...)`` device
+names and ``hdfs_path`` refusals; the packaged Hydra config (``mcore_engine/integrations/verl_hydra``):
+verl's ``ppo_megatron_trainer`` with actor, reference and critic on this backend in the actor's dtype
+(and LoRA's canonical defaults)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,14 @@ pytest.importorskip("verl", reason="verl is installed by `make setup` (pip insta
 from tests.integrations.verl_setup import VOCAB, make_hf_model  # noqa: E402
 
 # ---------------------------------------------------------------------------- refused config fields
+# LoRA as the packaged verl config sets it (Megatron-Bridge's canonical_lora with PEFT's init), rank 4
+LORA = {"type": "canonical_lora", "merge": False, "rank": 4, "alpha": 32, "dropout": 0.0,
+        "target_modules": ["linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_gate",
+                           "linear_fc1_up", "linear_fc2"],
+        "exclude_modules": [], "dropout_position": "pre", "lora_A_init_method": "kaiming",
+        "lora_B_init_method": "zero", "a2a_experimental": False, "dtype": None, "adapter_path": None}
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
 REFUSED = [
     ("engine", dict(dtype="float16"), "engine_config.dtype"),
     ("engine", dict(override_transformer_config={"cp_comm_type": "ring"}), "cp_comm_type"),
@@ -42,9 +51,49 @@ REFUSED = [
     ("engine", dict(router_replay="R2"), "engine_config.router_replay.mode"),
     ("engine", dict(qat=True), "engine_config.qat.enable"),
     ("engine", dict(strategy="megatron"), "engine_config.strategy"),
-    ("model", dict(lora_rank=8), "model_config.lora_rank"),
-    ("model", dict(lora={"type": "lora", "merge": False, "rank": 16}), "model_config.lora.rank=16"),
-    ("model", dict(lora_adapter_path="adapter"), "model_config.lora_adapter_path"),
+    # LoRA: what the core cannot honour, by verl's field (Megatron-style block, then FSDP-style fields)
+    ("model", dict(lora=dict(LORA, type="dora")), "model_config.lora.type='dora'"),
+    ("model", dict(lora=dict(LORA, type="vlm_lora")), "model_config.lora.type='vlm_lora'"),
+    ("model", dict(lora={"rank": 4}),  # verl's defaults: type lora, fused linear_qkv / linear_fc1
+     r"model_config.lora.target_modules=\['linear_qkv', 'linear_proj', 'linear_fc1', 'linear_fc2'\] is not "
+     "supported by the mcore_engine backend: type 'lora' puts one fused adapter on linear_qkv"),
+    ("model", dict(lora=dict(LORA, type="lora", target_modules=["linear_proj", "linear_fc1"])),
+     "type 'lora' puts one fused adapter on linear_fc1"),
+    ("model", dict(lora=dict(LORA, target_modules=["*.layers.0.*.linear_q"])),
+     r"unknown module '\*.layers.0.\*.linear_q' for type 'canonical_lora'"),
+    ("model", dict(lora=dict(LORA, target_modules=[])), r"model_config.lora.target_modules=\[\]"),
+    ("model", dict(lora=dict(LORA, target_modules=None, exclude_modules=["linear_fc2"])),
+     "model_config.lora.target_modules=None"),
+    ("model", dict(lora=dict(LORA, exclude_modules=["linear_fc2"])), "model_config.lora.exclude_modules"),
+    ("model", dict(lora=dict(LORA, lora_A_init_method="xavier")),
+     "model_config.lora.lora_A_init_method='xavier'"),
+    ("model", dict(lora=dict(LORA, lora_B_init_method="kaiming")), "model_config.lora.lora_B_init_method"),
+    ("model", dict(lora=dict(LORA, dropout=0.1, dropout_position="post")),
+     "model_config.lora.dropout_position"),
+    ("model", dict(lora=dict(LORA, a2a_experimental=True)), "model_config.lora.a2a_experimental"),
+    ("model", dict(lora=dict(LORA, dtype="bfloat16")), "model_config.lora.dtype='bfloat16'"),
+    ("model", dict(lora=dict(LORA, alpha=0)), "model_config.lora.rank=4 is not supported by the mcore_engine "
+     "backend: LoRAConfig.alpha"),
+    ("model", dict(lora=dict(LORA, dropout=1.0)), "model_config.lora.rank=4 is not supported by the "
+     "mcore_engine backend: LoRAConfig.dropout"),
+    ("model", dict(lora=dict(LORA, rank=-1)), "model_config.lora.rank=-1"),
+    ("model", dict(lora=dict(LORA, rank=2.5)), "model_config.lora.rank=2.5"),
+    ("model", dict(lora=dict(LORA, merge="yes")), "model_config.lora.merge='yes'"),
+    ("model", dict(lora=dict(LORA, alpah=8)), r"model_config.lora=\['alpah'\]"),
+    ("model", dict(lora={"rank": 0, "adapter_path": "adapter"}), "model_config.lora.adapter_path='adapter'"),
+    ("model", dict(lora=LORA, lora_rank=8), "model_config.lora_rank=8 is not supported by the mcore_engine "
+     "backend: set either"),
+    ("model", dict(lora=dict(LORA, adapter_path="a"), lora_adapter_path="b"),
+     "model_config.lora_adapter_path='b' is not supported by the mcore_engine backend: differs"),
+    ("model", dict(lora_rank=8, exclude_modules="lm_head"), "model_config.exclude_modules='lm_head'"),
+    ("model", dict(lora_rank=8, target_parameters=["mlp.experts"]), "model_config.target_parameters"),
+    ("model", dict(lora_rank=8, target_modules="q_proj|v_proj"),
+     r"model_config.target_modules='q_proj\|v_proj'"),
+    ("model", dict(lora_rank=8, target_modules=["q_proj", "lm_head"]), "model_config.target_modules="),
+    ("model", dict(lora_rank=-2), "model_config.lora_rank=-2"),
+    ("model", dict(lora_rank=8, lora_alpha=-1), "model_config.lora_rank=8 is not supported by the "
+     "mcore_engine backend: LoRAConfig.alpha"),
+    ("model", dict(lora_adapter_path="no_such_adapter"), "model_config.lora_adapter_path='no_such_adapter'"),
     ("model", dict(enable_activation_offload=True), "model_config.enable_activation_offload"),
     ("model", dict(use_liger=True), "model_config.use_liger"),
     ("model", dict(fused_kernel_options={"chunk_size": 64}), "model_config.fused_kernel_options"),
@@ -160,6 +209,87 @@ def test_verl_refused_field(hf_dir, group, kw, field):
 
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         engine_config_from_verl(*build_configs(hf_dir, group, kw))
+
+
+def test_verl_lora_mapping(hf_dir, tmp_path):
+    """verl's LoRA settings -> the core's ``LoRAConfig``: the Megatron-style ``lora`` block (a dict or
+    OmegaConf's DictConfig; canonical_lora names, type lora on single-projection linears, Hugging Face
+    names; ``adapter_path`` / ``lora_adapter_path``, the init methods not checked with an adapter), the
+    FSDP-style ``lora_rank`` / ``lora_alpha`` / ``target_modules`` and ``lora_adapter_path`` (the PEFT
+    folder's own config, as verl's FSDP engine); ``merge`` read by ``lora_merge``; a LoRA critic and
+    LoRA on MoE experts refused by verl's field name."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from mcore_engine.integrations.verl_config import engine_config_from_verl, lora_from_verl, lora_merge
+    from mcore_engine.lora_config import LoRAConfig
+
+    def lora(**model):
+        return engine_config_from_verl(*build_configs(hf_dir, "model", model)).model.lora
+
+    assert lora() is None and lora(lora=dict(LORA, rank=0)) is None  # verl's default block: rank 0
+    assert lora(lora=dict(LORA, alpha=8, dropout=0.1)) == LoRAConfig(rank=4, alpha=8.0, dropout=0.1,
+                                                                      target_modules=ALL_PROJECTIONS)
+    assert lora(lora=OmegaConf.create(LORA)) == LoRAConfig(rank=4, alpha=32.0,
+                                                           target_modules=ALL_PROJECTIONS)
+    single = dict(LORA, type="lora", target_modules=["linear_proj", "linear_fc2"])  # one projection each
+    assert lora(lora=single).target_modules == ["o_proj", "down_proj"]
+    assert lora(lora=dict(LORA, target_modules=["q_proj", "linear_v"])).target_modules == ["q_proj", "v_proj"]
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "lora_dropout": 0.05,
+         "target_modules": ["v_proj", "q_proj"]}))
+    # Megatron-style: the block decides (the core checks the folder against it when it loads)
+    with_adapter = dict(LORA, adapter_path=str(folder), lora_A_init_method="xavier")
+    assert lora(lora=with_adapter).adapter_path == str(folder)
+    assert lora(lora=LORA, lora_adapter_path=str(folder)).adapter_path == str(folder)
+    assert lora(lora=dict(LORA, merge=True)).rank == 4
+    # FSDP-style: PEFT's fields; with an adapter folder its adapter_config.json decides
+    assert lora(lora_rank=8) == LoRAConfig(rank=8, alpha=16.0, target_modules="all-linear")
+    assert lora(lora_rank=8, lora_alpha=4, target_modules=["v_proj", "q_proj"]) == LoRAConfig(
+        rank=8, alpha=4.0, target_modules=["q_proj", "v_proj"])
+    want = LoRAConfig(rank=2, alpha=4.0, dropout=0.05, target_modules=["q_proj", "v_proj"],
+                      adapter_path=str(folder))
+    assert lora(lora_adapter_path=str(folder)) == want
+    assert lora(lora_rank=16, lora_adapter_path=str(folder)) == want
+    # merge: verl's worker and this backend's weight sync read the block's flag in both styles
+    model, *_ = build_configs(hf_dir, "model", dict(lora_rank=8, lora={"merge": True}))
+    assert lora_merge(model) and not lora_merge(build_configs(hf_dir, "model", dict(lora=LORA))[0])
+    # the adapters are in the model's dtype: lora.dtype may name it
+    model = build_configs(hf_dir, "model", dict(lora=dict(LORA, dtype="bfloat16")))[0]
+    engine = build_configs(hf_dir, "engine", dict(dtype="bfloat16"))[1]
+    optim, ckpt = build_configs(hf_dir, "model", {})[2:]
+    assert engine_config_from_verl(model, engine, optim, ckpt).model.lora.rank == 4
+    assert lora_from_verl(model, "bf16")[1] == "model_config.lora.rank=4"
+    # no LoRA critic; no LoRA on MoE experts (the core's check, by verl's field)
+    for kw, field in ((dict(lora=LORA), "model_config.lora.rank"),
+                      (dict(lora_rank=8), "model_config.lora_rank")):
+        value = build_configs(hf_dir, "value", {})
+        value = (build_configs(hf_dir, "model", dict(kw, model_type="value_model"))[0], *value[1:])
+        with pytest.raises(ValueError, match=rf"^{field.replace('.', '[.]')}=.*no LoRA critic"):
+            engine_config_from_verl(*value)
+    from tests.hf.models import hf_config
+
+    moe_dir = str(tmp_path / "moe")
+    hf_config("mixtral").save_pretrained(moe_dir)
+    moe = build_configs(moe_dir, "model", dict(lora=LORA))
+    with pytest.raises(ValueError, match=r"^model_config[.]lora[.]rank=4 .*MLP linears of a MoE model"):
+        engine_config_from_verl(*moe)
+    # recompute with LoRA: the core makes the embedding's output require grad, so every recompute
+    # reaches the adapters (tests/test_lora.py trains under full recompute)
+    def recompute(targets, modules):
+        model = build_configs(hf_dir, "model", dict(lora=dict(LORA, target_modules=targets)))[0]
+        otc = dict(recompute_granularity="selective", recompute_modules=modules)
+        rest = build_configs(hf_dir, "engine", dict(override_transformer_config=otc))[1:]
+        return engine_config_from_verl(model, *rest).recompute_modules
+
+    assert recompute(["linear_fc2"], ["core_attn"]) == ["core_attn"]
+    assert recompute(["linear_fc1_up", "linear_fc2"], ["mlp"]) == ["mlp"]
+    attention = dict(LORA, target_modules=["linear_q", "linear_k", "linear_v", "linear_proj"])
+    moe = build_configs(moe_dir, "model", dict(lora=attention))
+    assert engine_config_from_verl(*moe).model.lora.rank == 4
 
 
 def test_verl_recompute_mapping(hf_dir):
@@ -293,7 +423,9 @@ ARR = "actor_rollout_ref"
 CHANGED = {f"{ARR}.actor._target_", f"{ARR}.actor.strategy", f"{ARR}.actor.megatron._target_",
            f"{ARR}.ref._target_", f"{ARR}.ref.strategy", f"{ARR}.ref.megatron._target_",
            f"{ARR}.ref.megatron.dtype", f"{ARR}.ref.megatron.sequence_parallel",
-           "critic.strategy", "critic.megatron._target_", "critic.megatron.dtype"}
+           "critic.strategy", "critic.megatron._target_", "critic.megatron.dtype",
+           f"{ARR}.model.lora.type", f"{ARR}.model.lora.target_modules",
+           f"{ARR}.model.lora.lora_A_init_method"}
 ADDED = {f"{ARR}.actor.megatron.logits_chunk_size", f"{ARR}.ref.megatron.logits_chunk_size"}
 
 
@@ -381,6 +513,37 @@ def test_verl_trainer_config_selects_backend_for_every_role(hf_dir):
         f"{ARR}.actor.megatron.logits_chunk_size=64"))
     ref = cfg[ARR].ref.megatron
     assert (ref.tensor_model_parallel_size, ref.sequence_parallel, ref.logits_chunk_size) == (2, False, 64)
+
+
+def test_verl_trainer_config_lora(hf_dir):
+    """With the packaged config, ``actor_rollout_ref.model.lora.rank=N`` alone is LoRA on all seven
+    projections with PEFT's initialisation (Megatron-Bridge's canonical_lora + kaiming: the core's
+    adapters); verl's own defaults (type lora: fused linear_qkv / linear_fc1 adapters, xavier init)
+    are refused by name. The model block reaches the engine as verl's workers build it."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from mcore_engine.integrations.verl_config import engine_config_from_verl, lora_merge
+    from mcore_engine.lora_config import LoRAConfig
+
+    run = (f"{ARR}.model.path={hf_dir}", f"+{ARR}.model.load_tokenizer=False",
+           f"{ARR}.model.enable_gradient_checkpointing=False", f"{ARR}.model.lora.rank=4",
+           f"{ARR}.model.lora.alpha=8")
+    rest = build_configs(hf_dir, "model", {})[1:]
+    model = omega_conf_to_dataclass(compose_trainer(CONFIG_MODULE, CONFIG_NAME, run)[ARR].model)
+    assert engine_config_from_verl(model, *rest).model.lora == LoRAConfig(rank=4, alpha=8.0,
+                                                                          target_modules=ALL_PROJECTIONS)
+    assert not lora_merge(model)  # verl's default: the base once, then adapters with a PEFT config
+    model = omega_conf_to_dataclass(compose_trainer(CONFIG_MODULE, CONFIG_NAME, (
+        *run, f"{ARR}.model.lora.merge=True"))[ARR].model)
+    assert lora_merge(model)
+    # verl's default full recompute (enable_gradient_checkpointing=True) works with LoRA
+    model = omega_conf_to_dataclass(compose_trainer(CONFIG_MODULE, CONFIG_NAME, (
+        *run, f"{ARR}.model.enable_gradient_checkpointing=True"))[ARR].model)
+    assert engine_config_from_verl(model, *rest).recompute_granularity == "full"
+    verl = compose_trainer("verl.trainer.config", "ppo_megatron_trainer", run)
+    verl = omega_conf_to_dataclass(verl[ARR].model)
+    with pytest.raises(ValueError, match=r"^model_config[.]lora[.]target_modules=.*one fused adapter"):
+        engine_config_from_verl(verl, *rest)
 
 
 def test_verl_config_registers_backend_when_unpickled():

@@ -3,7 +3,7 @@ verl.trainer.main_ppo`` with the packaged config (``--config-path pkg://mcore_en
 verl_hydra --config-name ppo_mcore_engine_trainer``: verl's ``ppo_megatron_trainer`` with actor,
 reference and critic on this backend, the reference and critic in the actor's dtype), its legacy
 ``RayPPOTrainer`` loop on the engine workers ``verl.workers.engine_workers.ActorRolloutRefWorker`` /
-``TrainingWorker``, Ray, for two steps, three times:
+``TrainingWorker``, Ray, for two steps, four times:
 
 - GRPO (n=4) with a KL loss, so actor + reference policy, and verl's critic enabled
   (``critic.enable=True``), every role at TP=2 on two ranks with sequence parallelism (verl's
@@ -12,7 +12,9 @@ reference and critic on this backend, the reference and critic in the actor's dt
   rollout through verl's naive checkpoint engine, a checkpoint with an HF export at the end;
 - the same with every role at context parallelism 2 (``megatron.context_parallel_size=2``, TP=1);
 - verl's on-policy distillation (``distillation.enabled=True``, top-k forward KL) with a teacher
-  served by an ``hf_cpu`` teacher replica (prompt top-k log-probs, verl's teacher loop), at TP=1.
+  served by an ``hf_cpu`` teacher replica (prompt top-k log-probs, verl's teacher loop), at TP=1;
+- GRPO with LoRA (``actor_rollout_ref.model.lora.rank=4``) at TP=2: the reference from the actor with
+  its adapters disabled, the rollout synced with the base once and then adapters + PEFT config.
 
 What verl lacks on CPU is added in ``tests/integrations/verl_trainer_harness.py`` (loaded by every
 Ray process through verl's ``VERL_USE_EXTERNAL_MODULES`` plugin hook). The checks read what verl
@@ -109,15 +111,16 @@ def check_weight_sync(run: dict, server: str = "hf_cpu_server_0_0") -> list[dict
     return generated
 
 
-def check_engines(run: dict, expected: set[tuple[str, bool]], tp: int = 1, cp: int = 1) -> None:
+def check_engines(run: dict, expected: set[tuple[str, bool]], tp: int = 1, cp: int = 1,
+                  lora_rank: int | None = None) -> None:
     """Every engine verl's workers built is this backend's: (model type, forward_only) as expected,
     at TP ``tp`` x CP ``cp`` on ``tp * cp`` ranks a role, with sequence parallelism (verl's default)
-    when ``tp > 1``,
+    when ``tp > 1``, LoRA of rank ``lora_rank`` (None: off),
     in fp32: the command line sets only the actor's dtype, the packaged config makes the reference
     (verl's megatron_ref.yaml: bfloat16) and the critic follow it."""
     engines = run["records"]("engines")
     assert all(e["tp"] == tp and e["cp"] == cp and e["sequence_parallel"] is (tp > 1)
-               for e in engines), engines
+               and e["lora_rank"] == lora_rank for e in engines), engines
     assert {(e["model_type"], e["forward_only"], e["precision"]) for e in engines} == {
         (model_type, forward_only, "fp32") for model_type, forward_only in expected}, engines
     for key in expected:
@@ -174,3 +177,81 @@ def test_verl_main_ppo_distillation_with_teacher(tmp_path):
         assert m["training/rollout_probs_diff_max"] < 1e-4, step
         assert m["actor/distillation/loss"] > 0 and m["actor/grad_norm"] > 0, step
         assert 0 < m["actor/distillation/teacher_mass"] <= 1 and 0 < m["actor/distillation/student_mass"] <= 1
+
+
+# the seven projections the packaged config's LoRA adapts (Megatron-Bridge's canonical_lora names)
+LORA_TARGETS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+
+
+def check_lora_weight_sync(run: dict, server: str = "hf_cpu_server_0_0") -> None:
+    """verl's LoRA sync with ``model.lora.merge=False`` (its default): before the first rollout the
+    frozen base (Hugging Face names, bit-identical to the HF folder) and the adapters, after every
+    update the adapters only (PEFT key names, verl's ``peft_config``), which the server puts on its
+    base with PEFT. The weights the rollout then computes with (base + scaling B A): at step 0 the HF
+    folder exactly (B = 0), every untargeted tensor (embeddings, norms, biases, lm-head) bit-identical
+    to it throughout (the base is frozen), the adapted ones moving with every update, and at the end
+    the actor's merged HF export (fp32, PEFT's merge vs the core's) and its PEFT adapter folder
+    (``huggingface/adapter``, bit-identical to the last adapters received). Every rollout ran on the
+    latest full sync."""
+    import torch
+    from safetensors.torch import load_file
+
+    events = run["records"](server)
+    updates = [e for e in events if e["event"] == "update_weights"]
+    assert [(u["global_steps"], u["kind"]) for u in updates] == [(0, "base"), (0, "adapter")] + [
+        (g, "adapter") for g in range(1, STEPS + 1)], updates
+    peft = updates[-1]["peft_config"]
+    assert (peft["peft_type"], peft["task_type"], peft["r"], peft["lora_alpha"]) == (
+        "LORA", "CAUSAL_LM", 4, 8)
+    assert sorted(peft["target_modules"]) == LORA_TARGETS
+    initial = load_file(os.path.join(run["student"], "model.safetensors"))
+    base = load_file(updates[0]["file"])
+    assert base.keys() == initial.keys() and all(torch.equal(base[k], initial[k]) for k in initial)
+    last = {u["global_steps"]: u for u in updates}  # the weights each step's rollouts saw
+    versions = [load_file(last[g]["file"]) for g in range(STEPS + 1)]
+    adapted = {k for k in initial if k.endswith("proj.weight")}
+    assert len(adapted) == 2 * len(LORA_TARGETS)  # two layers
+    assert all(torch.equal(versions[0][k], initial[k]) for k in initial), "step 0 != the HF weights (B = 0)"
+    for version in versions:
+        assert version.keys() == initial.keys()
+        assert all(torch.equal(version[k], initial[k]) for k in initial.keys() - adapted), "the base moved"
+    for before, after in zip(versions, versions[1:], strict=False):
+        moved = min(float((after[k] - before[k]).norm() / before[k].norm()) for k in adapted)
+        assert moved > 1e-4, "an adapter update did not reach every adapted projection of the rollout"
+    export = os.path.join(run["work"], "checkpoints", f"global_step_{STEPS}", "actor", "huggingface")
+    merged = load_file(os.path.join(export, "model.safetensors"))
+    assert merged.keys() == initial.keys()
+    for k in merged:
+        torch.testing.assert_close(versions[-1][k], merged[k], rtol=1e-6, atol=1e-7, msg=k)
+    received = load_file(last[STEPS]["received"])
+    exported = load_file(os.path.join(export, "adapter", "adapter_model.safetensors"))
+    assert received.keys() == exported.keys() and len(received) == 2 * 2 * len(LORA_TARGETS)
+    assert all(torch.equal(received[k], exported[k]) for k in exported), "rollout adapters != the actor's"
+    generated = [e for e in events if e["event"] == "generate"]
+    by_step = {g: sum(e["version"] == last[g]["version"] for e in generated) for g in range(STEPS)}
+    assert by_step == {g: PER_STEP for g in range(STEPS)} and len(generated) == STEPS * PER_STEP, by_step
+
+
+@pytest.mark.slow
+def test_verl_main_ppo_grpo_lora(tmp_path):
+    """GRPO with LoRA through verl's own switch: ``actor_rollout_ref.model.lora.rank=4`` (alpha 8) on
+    the packaged config, TP=2 + SP on two ranks. verl then builds no reference engine: the reference
+    log-probs come from the actor with its adapters disabled (``ref_in_actor``: ``no_lora_adapter`` ->
+    ``disable_adapter()``), so the KL loss is 0 at step 1 (B = 0: actor == base) and > 0 at step 2,
+    where an actor whose adapters stayed on would give exactly the old log-probs, i.e. KL 0. The sync
+    is verl's default for LoRA (``merge=False``): the base once, then adapters (check_lora_weight_sync);
+    the rollout's sampling log-probs equal the actor's at every step."""
+    arr = "actor_rollout_ref"
+    run = run_trainer(str(tmp_path), tp=2, extra=(f"{arr}.model.lora.rank=4", f"{arr}.model.lora.alpha=8",
+                                                  f"{arr}.model.enable_gradient_checkpointing=False"))
+    steps = run["steps"]
+    finite_metrics(steps)
+    check_engines(run, {("language_model", False)}, tp=2, lora_rank=4)  # the actor only, with LoRA
+    check_lora_weight_sync(run)
+    for step, m in steps.items():
+        assert m["training/rollout_probs_diff_valid"] == 1, step
+        assert m["training/rollout_probs_diff_max"] < 1e-4, step
+        assert m["critic/advantages/max"] > 0 > m["critic/advantages/min"], "GRPO advantages"
+        assert m["actor/grad_norm"] > 0 and "actor/pg_loss" in m, step
+    assert steps[1]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # the base (B = 0) == the actor
+    assert steps[2]["actor/kl_loss"] > 1e-4  # the reference stayed the base while the adapters moved

@@ -25,17 +25,22 @@ What verl lacks on CPU, and what is added here:
   verl's ``ActorRolloutRefWorker``: verl's weight sync (``checkpoint_engine.backend=naive``:
   ``ActorRolloutRefWorker.update_weights`` -> the engine's ``get_per_tensor_param`` ->
   ``rollout.update_weights``) hands it the actor's HF-named tensors, which it ships to its server.
+  With LoRA and ``model.lora.merge=False`` (verl's default) verl sends the base once and then only
+  the adapters (PEFT key names) with a ``peft_config``: the server puts them on its base model with
+  PEFT, as vLLM's ``add_lora`` does (``tests/integrations/verl_peft.py``).
   The server refuses to generate while asleep (verl sleeps the replicas after each rollout and
   wakes them in the weight sync) and records, per weight version, the tensors it received and the
-  requests it served (token ids in and out) under ``VERL_HARNESS_REPORT_DIR``, for the test to
-  check. A request without ``max_tokens`` samples at most the rollout config's ``response_length``
-  tokens (capped by what is left of ``prompt_length + response_length``), as verl's vLLM server does.
+  requests it served (token ids in and out) under ``VERL_HARNESS_REPORT_DIR`` (the weights as the
+  model computes with them: base + adapters merged), for the test to check. A request without
+  ``max_tokens`` samples at most the rollout config's ``response_length`` tokens (capped by what is
+  left of ``prompt_length + response_length``), as verl's vLLM server does.
 - **The teacher's inference engine name.** ``DistillationTeacherModelConfig`` validates the top-k
   log-prob cap for ``vllm`` / ``sglang`` by name and refuses other engines; ``hf_cpu`` is let
   through (it takes the top-k per request, as SGLang does).
 
 The harness also records every engine verl's workers build (``EngineRegistry.new``) in
-``engines.jsonl``, so the test can check that actor, reference and critic ran on ``mcore_engine``.
+``engines.jsonl``, so the test can check that actor, reference and critic ran on ``mcore_engine``
+(and the actor with LoRA).
 It does not register the backend: the packaged config (``mcore_engine/integrations/verl_hydra``)
 does, as for a user.
 """
@@ -169,7 +174,10 @@ class HFRolloutServer:
         from transformers import AutoModelForCausalLM
 
         self.name, self.teacher = name, teacher
+        from tests.integrations.verl_peft import PeftReceiver
+
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.receiver = PeftReceiver(self.model, name)  # LoRA syncs: PEFT adapters on this model
         # the replica's rollout config (RolloutConfig), as vLLM's server reads it
         self.prompt_length, self.response_length = prompt_length, response_length
         self.max_model_len = max_model_len or self.model.config.max_position_embeddings
@@ -215,29 +223,29 @@ class HFRolloutServer:
         self.global_steps = global_steps
 
     # --- weights (HFServerAdapter.update_weights)
-    async def update_weights(self, state: dict[str, torch.Tensor], global_steps: int | None = None) -> int:
+    async def update_weights(self, state: dict[str, torch.Tensor], global_steps: int | None = None,
+                             kind: str = "full", peft_config: dict | None = None) -> int:
+        """``kind`` (``verl_peft.sync_kind``): ``"full"`` weights, the LoRA ``"base"`` or the
+        ``"adapter"`` tensors with verl's ``peft_config`` (applied with PEFT). The record's file holds
+        the weights the model then computes with (base + adapters merged), in Hugging Face names."""
         from safetensors.torch import save_file
 
-        own = self.model.state_dict()
-        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-        if missing or unexpected:
-            raise ValueError(f"{self.name}: weight sync names differ: missing {missing}, "
-                             f"unexpected {unexpected}")
-        with torch.no_grad():
-            for key, value in state.items():
-                if own[key].shape != value.shape:
-                    raise ValueError(f"{self.name}: {key} shape {tuple(value.shape)} != "
-                                     f"{tuple(own[key].shape)}")
-                own[key].copy_(value)
+        with self.lock:
+            self.receiver.update(kind, state, peft_config)
         self.version += 1
         self.global_steps = global_steps
         record = {"event": "update_weights", "version": self.version, "global_steps": global_steps,
-                  "tensors": len(state), "time": time.time()}
+                  "kind": kind, "tensors": len(state), "time": time.time(),
+                  "peft_config": None if peft_config is None else
+                  {k: getattr(v, "value", v) for k, v in peft_config.items()}}
         root = os.environ.get(REPORT_ENV)
         if root:
             path = os.path.join(root, f"{self.name}_weights_v{self.version}.safetensors")
-            save_file({k: v.detach().contiguous() for k, v in self.model.state_dict().items()}, path)
+            save_file({k: v.contiguous() for k, v in self.receiver.effective_state().items()}, path)
             record["file"] = path
+            if kind == "adapter":  # the adapter tensors as received (PEFT key names)
+                record["received"] = os.path.join(root, f"{self.name}_adapter_v{self.version}.safetensors")
+                save_file({k: v.contiguous() for k, v in state.items()}, record["received"])
         _report(self.name, record)
         return self.version
 
@@ -414,7 +422,11 @@ def _make_adapter_class():
                 await self.server.sleep.remote()
 
         async def update_weights(self, weights, wire_format: str = "named_tensors", global_steps=None,
-                                 **kwargs):
+                                 peft_config=None, base_sync_done: bool = True, **kwargs):
+            """verl's ``rollout.update_weights``: with LoRA (``model.lora.merge=False``) a
+            ``peft_config`` comes with the base (``base_sync_done=False``) or the adapters."""
+            from tests.integrations.verl_peft import sync_kind
+
             assert wire_format == "named_tensors", wire_format
             state = {}
             if hasattr(weights, "__aiter__"):
@@ -424,7 +436,9 @@ def _make_adapter_class():
                 for name, tensor in weights:  # every rank drains the (collective) generator
                     state[name] = tensor.detach().to("cpu", torch.float32, copy=True)
             if self._handle() is not None:
-                await self.server.update_weights.remote(state, global_steps)
+                kind = sync_kind(peft_config, base_sync_done)
+                await self.server.update_weights.remote(state, global_steps, kind,
+                                                        None if peft_config is None else dict(peft_config))
 
     return HFServerAdapter
 
@@ -464,12 +478,14 @@ def _record_engines() -> None:
         engine = original(cls, model_type, backend, *args, **kwargs)
         config = kwargs.get("engine_config")
         parallel = getattr(getattr(engine, "config", None), "parallel", None)  # the core's EngineConfig
+        lora = getattr(getattr(getattr(engine, "config", None), "model", None), "lora", None)
         _report("engines", {"model_type": model_type, "backend": backend, "pid": os.getpid(),
                             "class": f"{type(engine).__module__}.{type(engine).__qualname__}",
                             "forward_only": bool(getattr(config, "forward_only", False)),
                             "tp": getattr(parallel, "tensor_model_parallel_size", None),
                             "cp": getattr(parallel, "context_parallel_size", None),
                             "sequence_parallel": getattr(parallel, "sequence_parallel", None),
+                            "lora_rank": getattr(lora, "rank", None),
                             "precision": getattr(getattr(engine, "config", None), "precision", None)})
         return engine
 

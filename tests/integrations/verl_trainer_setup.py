@@ -82,14 +82,14 @@ def make_dataset(path: str, n: int = 16, seed: int = 0) -> None:
 
 
 def trainer_command(work: str, model_dir: str, data_file: str, *, steps: int, teacher_dir: str | None = None,
-                    critic: bool = False, tp: int = 1, cp: int = 1) -> list[str]:
+                    critic: bool = False, tp: int = 1, cp: int = 1, extra: tuple[str, ...] = ()) -> list[str]:
     """``python -m verl.trainer.main_ppo`` with the backend's config (:data:`CONFIG`: verl's
     ``ppo_megatron_trainer`` with every role on mcore_engine, no per-role strategy overrides) and the
     overrides of a tiny CPU run: fp32 (the actor's dtype, which reference and critic follow), GRPO
     (n=4) with a KL loss (so a reference policy), 4 prompts a step, responses of at most 12 tokens;
     ``teacher_dir``: verl's on-policy distillation with that teacher (top-k forward KL); ``critic``:
     verl's critic (``critic.enable``) too; ``tp`` x ``cp`` ranks, actor / reference / critic at TP
-    ``tp`` and CP ``cp``, one rollout replica over all of them."""
+    ``tp`` and CP ``cp``, one rollout replica over all of them; ``extra``: more overrides (e.g. LoRA's)."""
     arr = "actor_rollout_ref"
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *CONFIG,
            "trainer.use_v1=False", "trainer.device=cpu", f"trainer.n_gpus_per_node={tp * cp}",
@@ -141,7 +141,7 @@ def trainer_command(work: str, model_dir: str, data_file: str, *, steps: int, te
                 f"{teacher}.model_path={teacher_dir}",
                 f"{teacher}.num_replicas=1", f"{teacher}.inference.tensor_model_parallel_size=1",
                 f"{teacher}.inference.name=hf_cpu"]
-    return cmd
+    return cmd + list(extra)
 
 
 def trainer_env(work: str) -> dict[str, str]:
