@@ -104,13 +104,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def config_record(config: EngineConfig) -> dict[str, Any]:
     """``{"model": ModelConfig as dict, "parallel": ParallelConfig as dict}`` for the marker; with
-    LoRA also ``"lora": {"base_model": model.hf_path}`` (an adapter checkpoint holds no base weights:
-    it loads only on the same base) and ``model.lora`` without ``adapter_path`` (where the initial
-    adapters came from)."""
+    LoRA also ``"lora": {"base_model": the real path of model.hf_path}`` (an adapter checkpoint holds
+    no base weights: it loads only on the same base) and ``model.lora`` as rank, alpha and the
+    adapted projections (not the dropout, a training setting, nor ``adapter_path``, where the
+    initial adapters came from)."""
     record = {"model": asdict(config.model), "parallel": asdict(config.parallel)}
-    if config.model.lora is not None:
-        record["model"]["lora"].pop("adapter_path", None)
-        record["lora"] = {"base_model": config.model.hf_path}
+    lora = config.model.lora
+    if lora is not None:  # what the adapters are: rank, alpha, adapted projections (any spelling)
+        record["model"]["lora"] = {"rank": lora.rank, "alpha": float(lora.alpha),
+                                   "targets": lora.hf_target_modules(config.model.swiglu)}
+        base = config.model.hf_path
+        record["lora"] = {"base_model": os.path.realpath(base) if base else None}
     return record
 
 

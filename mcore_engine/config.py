@@ -137,6 +137,9 @@ class ModelConfig:
                      "ModelConfig.lora.target_modules: the MLP linears of a MoE model are its experts' "
                      "(not supported: target the attention linears q_proj / k_proj / v_proj / o_proj)")
             _require(self.head == "lm", "ModelConfig.lora needs ModelConfig.head='lm' (no LoRA critic)")
+            _require(self.lora.adapter_path is None or self.hf_path is not None,
+                     "ModelConfig.lora.adapter_path needs ModelConfig.hf_path (the base the adapters were "
+                     "trained on)")
         if self.moe is not None and isinstance(self.moe.layer_freq, list):
             _require(len(self.moe.layer_freq) == self.num_layers,
                      f"MoEConfig.layer_freq has {len(self.moe.layer_freq)} entries, "

@@ -9,9 +9,11 @@ parameters with the engine's loss (token-mean ``-adv * log_prob``), float32.
 One launch of two gloo ranks: the engine loads the base from ``model.hf_path`` and the adapters from
 ``lora.adapter_path`` at TP=1 (DP=2, each rank the whole batch), TP=2, TP=2 + SP, PP=2, DP=2 with
 the distributed optimizer and TP=2 with full activation recompute: log-probs equal PEFT's (fp32
-1e-5), ``adapters_disabled`` equal the base model's, the adapters after two steps equal PEFT + AdamW's (1e-5), the base weights bit-identical,
-no gradient / grad buffer / optimizer state for them. Checkpoints hold the adapters and their
-optimizer state only: resumed bit for bit at TP=2, resharded to PP=2, another base refused. Then
+1e-5), ``adapters_disabled`` equal the base model's, the adapters after two steps equal PEFT +
+AdamW's (1e-5), the base weights bit-identical, no gradient / grad buffer / optimizer state for
+them. Checkpoints hold the adapters and their optimizer state only: resumed bit for bit at TP=2 (by
+an engine spelling the same adapters and base path otherwise), resharded to PP=2, another base
+refused. Then
 the exports: ``export_adapter`` read by ``PeftModel.from_pretrained`` and ``export_hf`` (merged) read
 by ``transformers`` give the trained engine's log-probs; ``per_tensor_generator(adapter_only=True)``
 yields PEFT's keys and values.
@@ -235,7 +237,12 @@ def _checkpoints(root: Path, batch: TensorDict) -> None:
     base = sum(t.numel() for t in load_file(root / "llama" / "model.safetensors").values())
     assert held < base / 10, f"the checkpoint holds {held} model elements (base {base})"
 
-    same = engine_at(2, 1)
+    # the same adapters spelled otherwise (HF names in another order, the base path with a trailing /)
+    cfg = _config(root, "llama", 2, 1, False, False)
+    lora = dataclasses.replace(cfg.model.lora, target_modules=list(reversed(TARGETS)))
+    model = dataclasses.replace(cfg.model, lora=lora, hf_path=str(root / "llama") + "/")
+    same = MegatronEngine(dataclasses.replace(cfg, model=model))
+    same.initialize()
     same.load_checkpoint(root / "ckpt")
     loss, got = step(same)
     assert loss == want_loss and all(torch.equal(got[k], want[k]) for k in want), "resume at TP=2"
@@ -289,6 +296,8 @@ def test_lora_config_refusals(tmp_path):
         ModelConfig(**common, moe=MoEConfig(num_experts=4), lora=dict(rank=2, target_modules=["down_proj"]))
     with pytest.raises(ValueError, match="head"):
         ModelConfig(**common, head="value", lora=dict(rank=2))
+    with pytest.raises(ValueError, match="adapter_path needs ModelConfig.hf_path"):
+        ModelConfig(**common, lora=dict(rank=2, adapter_path=str(tmp_path)))
     assert LoRAConfig(rank=2, target_modules=["linear_qkv", "o_proj"]).targets() == {
         "linear_qkv": {"q", "k", "v"}, "linear_proj": {"o"}}
     from mcore_engine import lora_config
@@ -322,6 +331,8 @@ def test_adapter_folder_checks(references, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(folder, broken)
     config = json.loads((broken / "adapter_config.json").read_text())
-    (broken / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
-    with pytest.raises(ValueError, match="use_dora"):
-        read_adapter(broken, ok, swiglu=True, num_layers=2, shapes=shapes)
+    for change in ({"use_dora": True}, {"alpha_pattern": {"down_proj": 24}},
+                   {"rank_pattern": {"q_proj": 8}}):
+        (broken / "adapter_config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ValueError, match=next(iter(change))):
+            read_adapter(broken, ok, swiglu=True, num_layers=2, shapes=shapes)

@@ -84,6 +84,10 @@ def read_adapter(path: str | os.PathLike, lora: LoRAConfig, *, swiglu: bool, num
             raise ValueError(f"{where}: adapter_config.json {name}=true is not supported")
     if config.get("bias", "none") != "none" or config.get("modules_to_save"):
         raise ValueError(f"{where}: adapter biases / modules_to_save are not supported")
+    for name in ("rank_pattern", "alpha_pattern", "layers_to_transform", "layers_pattern"):
+        if config.get(name):  # per-module ranks / alphas or a layer subset: one rank / alpha here
+            raise ValueError(f"{where}: adapter_config.json {name}={config[name]!r} is not supported "
+                             "(one rank and alpha for every adapted module of every layer)")
     wanted = {(layer, p) for layer in range(num_layers) for ps in lora.targets(swiglu).values() for p in ps}
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     with safe_open(str(folder / ADAPTER_WEIGHTS), framework="pt") as f:
