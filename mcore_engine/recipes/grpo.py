@@ -7,7 +7,7 @@ Per rollout step, on each data-parallel rank (G = ``group_size``, M = ``mini_bat
     r = successor_reward(seqs, P, V)                                 # [n G] in [0, 1]
     A = (r - mean_group(r)) / (std_group(r) + eps)                   # verl's GRPO (unbiased std)
     old, H = policy.infer_batch(seqs)  -> log_probs, entropy          # behaviour log-probs (constants)
-    ref = reference.infer_batch(seqs)  -> log_probs                   # frozen initial policy (if KL)
+    ref = reference.log_probs(seqs)                                  # frozen initial policy (if KL)
     for each of the M contiguous mini-batches:                       # whole groups stay together
         policy.train_batch(mb, distillation_ppo_loss(clip..., kl_loss_coef, kl_loss_type))
 
@@ -16,10 +16,16 @@ response tokens are positions ``P - 1 .. S - 2`` (``loss_mask``), each carrying 
 Logged per step (global rank 0, ``metrics.jsonl``): reward mean / std, KL to the reference (the
 rollout policy's ``kl_loss_type`` estimate on the response tokens), the update's ``kl_loss``,
 ``pg_clipfrac``, ``ppo_kl``, entropy, tokens/s, memory. ``curves.png`` at the end.
+
+The KL reference (:func:`build_reference`, the one place that decides): none when ``kl_loss_coef``
+is 0; with LoRA (``policy.model.lora``) the policy engine itself under ``adapters_disabled()`` (the
+frozen base: no second model, no weight copy; fresh adapters have B = 0, so it starts as the policy);
+otherwise a second, ``forward_only`` engine built from the same seed (the initial weights).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -39,7 +45,8 @@ from mcore_engine.recipes.toy_task import sample_prompts, successor_reward
 if TYPE_CHECKING:
     from mcore_engine import MegatronEngine
 
-__all__ = ["GRPOSummary", "grpo_batch", "group_advantages", "response_mask", "run_grpo", "train_grpo"]
+__all__ = ["GRPOSummary", "ReferencePolicy", "build_reference", "grpo_batch", "group_advantages",
+           "response_mask", "run_grpo", "train_grpo"]
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, epsilon: float = 1e-6) -> torch.Tensor:
@@ -106,6 +113,36 @@ def _token_outputs(engine: MegatronEngine, sequences: torch.Tensor, *, temperatu
     return log_probs, ent
 
 
+@dataclass(frozen=True)
+class ReferencePolicy:
+    """The frozen policy of the KL term: ``engine`` (``adapters_off``: its LoRA adapters disabled)."""
+
+    engine: MegatronEngine
+    adapters_off: bool
+
+    def log_probs(self, sequences: torch.Tensor, *, temperature: float,
+                  micro_batch_size: int) -> torch.Tensor:
+        """fp32 ``[B, S]`` log-probs of the reference on ``sequences`` (collective, like ``infer_batch``)."""
+        off = self.engine.adapters_disabled() if self.adapters_off else contextlib.nullcontext()
+        with off:
+            return _token_outputs(self.engine, sequences, temperature=temperature,
+                                  micro_batch_size=micro_batch_size, entropy=False)[0]
+
+
+def build_reference(policy: MegatronEngine, cfg: GRPOJobConfig) -> ReferencePolicy | None:
+    """Collective (after ``policy.initialize()``): the KL reference of the module docstring, or None
+    when ``grpo.kl_loss_coef`` is 0."""
+    if cfg.grpo.kl_loss_coef == 0:
+        return None
+    if cfg.policy.model.lora is not None:   # the frozen base under the adapters
+        return ReferencePolicy(policy, adapters_off=True)
+    from mcore_engine import MegatronEngine
+
+    reference = MegatronEngine(cfg.reference_config())   # same seed, same layout: the initial weights
+    reference.initialize()
+    return ReferencePolicy(reference, adapters_off=False)
+
+
 def _dp_sums(values: list[float], dp_group: dist.ProcessGroup | None) -> list[float]:
     """Elementwise sum of ``values`` over the data-parallel ranks (float64, one all-reduce)."""
     if dp_group is None or dist.get_world_size(dp_group) == 1:
@@ -115,7 +152,7 @@ def _dp_sums(values: list[float], dp_group: dist.ProcessGroup | None) -> list[fl
     return packed.tolist()
 
 
-def train_grpo(policy: MegatronEngine, reference: MegatronEngine | None, cfg: GRPOConfig, logger: RunLogger,
+def train_grpo(policy: MegatronEngine, reference: ReferencePolicy | None, cfg: GRPOConfig, logger: RunLogger,
                generator: torch.Generator, sampler: GumbelMaxSampler, dp_size: int) -> list[dict]:
     """The rollout / update loop (module docstring); returns the logged record per step."""
     from megatron.core import parallel_state
@@ -141,7 +178,7 @@ def train_grpo(policy: MegatronEngine, reference: MegatronEngine | None, cfg: GR
         advantages = group_advantages(rewards, cfg.group_size, cfg.adv_epsilon)
         # --- 2. behaviour and reference log-probs (constants of the update) ---
         old, entropy = _token_outputs(policy, seqs, entropy=True, **infer)
-        ref = _token_outputs(reference, seqs, entropy=False, **infer)[0] if reference is not None else None
+        ref = reference.log_probs(seqs, **infer) if reference is not None else None
         t1 = time.perf_counter()
         # --- 3. M optimizer steps on contiguous mini-batches (whole groups) ---
         updates = []
@@ -195,8 +232,9 @@ class GRPOSummary:
 
 
 def run_grpo(cfg: GRPOJobConfig) -> GRPOSummary:
-    """Collective: build policy (+ reference), train, write ``metrics.jsonl``, ``config.yaml`` and
-    ``curves.png`` in ``cfg.run_dir``; the summary averages ``min(5, steps)`` steps at each end."""
+    """Collective: build the policy (+ reference: :func:`build_reference`), train, write ``metrics.jsonl``,
+    ``config.yaml`` and ``curves.png`` in ``cfg.run_dir``; the summary averages ``min(5, steps)`` steps
+    at each end."""
     from megatron.core import parallel_state
 
     from mcore_engine import MegatronEngine
@@ -204,10 +242,7 @@ def run_grpo(cfg: GRPOJobConfig) -> GRPOSummary:
     start = time.perf_counter()
     policy = MegatronEngine(cfg.policy)
     policy.initialize()                   # brings up torch.distributed and parallel_state
-    reference = None
-    if cfg.grpo.kl_loss_coef > 0:        # same seed, same layout: the initial weights, frozen
-        reference = MegatronEngine(cfg.reference_config())
-        reference.initialize()
+    reference = build_reference(policy, cfg)
     logger = RunLogger(cfg.run_dir, enabled=dist.get_rank() == 0)
     try:
         if logger.enabled:

@@ -48,7 +48,7 @@ class GRPOConfig:
     loss_agg_mode: str = "token-mean"
     """Aggregation of the per-token losses (``mcore_engine.losses.AGG_MODES``)."""
     kl_loss_coef: float = 0.001
-    """Weight of the KL-to-reference loss; 0 builds no reference engine (and logs no KL)."""
+    """Weight of the KL-to-reference loss; 0: no reference (and no logged KL)."""
     kl_loss_type: str = "k3"
     """KL estimator of that loss and of the logged ``kl`` (``k1`` or ``k3``)."""
     adv_epsilon: float = 1e-6
@@ -89,8 +89,9 @@ class GRPOJobConfig:
     output_dir: str = "runs"
     """Parent folder of the run folders."""
     policy: EngineConfig
-    """The trained policy; the reference engine (``kl_loss_coef > 0``) is the same config with
-    ``forward_only=True``: the same seed, hence the same initial weights."""
+    """The trained policy. The KL reference (``kl_loss_coef > 0``, ``recipes.grpo.build_reference``):
+    with ``model.lora`` this engine with its adapters disabled (the frozen base), otherwise a second
+    engine of :meth:`reference_config` (the same seed, hence the same initial weights)."""
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     """The algorithm and the rollout sizes."""
 
@@ -112,7 +113,8 @@ class GRPOJobConfig:
         return Path(self.output_dir) / self.name
 
     def reference_config(self) -> EngineConfig:
-        """The frozen reference policy: ``policy`` with ``forward_only=True``."""
+        """The reference engine of full fine-tuning: ``policy`` with ``forward_only=True`` (with LoRA the
+        recipe uses the policy's frozen base instead and builds none)."""
         return dataclasses.replace(self.policy, forward_only=True)
 
     @classmethod

@@ -5,10 +5,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunLogger", "plot_curves", "plot_grpo_curves", "read_metrics"]
+__all__ = ["RunLogger", "plot_curves", "plot_grpo_curves", "plot_grpo_runs", "read_metrics"]
 
 
 class RunLogger:
@@ -134,5 +135,42 @@ def plot_grpo_curves(metrics_path: str | Path, png_path: str | Path, *, chance: 
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+
+
+def plot_grpo_runs(runs: Mapping[str, str | Path], png_path: str | Path, *, chance: float | None = None,
+                   title: str | None = None) -> None:
+    """Several GRPO runs in one figure, ``runs``: legend label -> ``metrics.jsonl`` (or its run folder).
+    Three panels vs step, one colour per run (legend below): mean reward (``chance`` dashed), KL to
+    the reference (runs that log it), entropy of the rollout policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = (len(runs) + 1 + 2) // 3                            # legend rows below the panels (3 per row)
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8 + 0.25 * rows))
+    for i, (label, path) in enumerate(runs.items()):
+        path = Path(path)
+        records = [r for r in read_metrics(path / "metrics.jsonl" if path.is_dir() else path)
+                   if r.get("phase") == "grpo"]
+        steps = [r["step"] for r in records]
+        style = {"c": f"C{i}", "label": label}
+        axes[0].plot(steps, [r["reward_mean"] for r in records], **style)
+        if records and all("kl" in r for r in records):
+            axes[1].plot(steps, [r["kl"] for r in records], **style)
+        axes[2].plot(steps, [r["entropy"] for r in records], **style)
+    if chance is not None:
+        axes[0].axhline(chance, ls="--", c="gray", label="uniform policy")
+    axes[0].set(title="mean reward of the rollouts", xlabel="step", ylabel="reward", ylim=(0, 1.02))
+    axes[1].set(title="KL to the reference (response tokens)", xlabel="step", ylabel="nats / token")
+    axes[2].set(title="entropy of the rollout policy", xlabel="step", ylabel="nats / token")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0.25 * rows / (3.8 + 0.25 * rows) + 0.02, 1, 1))
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
