@@ -59,6 +59,28 @@ class SavedActivations:
         return sum(self.storages.values()) / 2**20
 
 
+def measured_step(engine, step) -> tuple[float, float]:
+    """Run ``step()`` (one ``train_batch``) once more and return ``(peak MiB, saved MiB)``: the
+    memory above its start (CUDA: ``max_memory_allocated`` above the allocated bytes; CPU: VmHWM
+    after a reset, above VmRSS) and the activations autograd saved for backward."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = proc_status_mib("VmRSS")
+    with SavedActivations(p for chunk in engine.model for p in chunk.module.parameters()) as saved:
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20, saved.mb
+    return proc_status_mib("VmHWM") - base, saved.mb
+
+
 def usable_cores() -> int:
     """The CPU cores this process may run on (its affinity mask where the platform has one)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

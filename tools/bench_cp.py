@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from bench_common import SavedActivations, format_table, machine_header, proc_status_mib
+from bench_common import format_table, machine_header, measured_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,18 +74,8 @@ def worker(cp: int, attention: str, seq_len: int, args: argparse.Namespace) -> d
         sync()
         wall.append(time.perf_counter() - t)
     dist.barrier()
-    if cuda:
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        base = proc_status_mib("VmRSS")
-    with SavedActivations(p for chunk in engine.model for p in chunk.module.parameters()) as saved:
-        engine.train_batch(batch, _loss)
-    sync()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else proc_status_mib("VmHWM") - base
-    figures = torch.tensor([peak, statistics.median(wall), saved.mb], dtype=torch.float64)
+    peak, saved_mb = measured_step(engine, lambda: engine.train_batch(batch, _loss))
+    figures = torch.tensor([peak, statistics.median(wall), saved_mb], dtype=torch.float64)
     figures = figures.to("cuda") if cuda else figures
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     if dist.get_rank() != 0:

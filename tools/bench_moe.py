@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 
-from bench_common import SavedActivations, format_table, machine_header, proc_status_mib
+from bench_common import format_table, machine_header, measured_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("dense", "moe-ep1", "moe-ep2")
@@ -104,18 +104,8 @@ def worker(kind: str, args: argparse.Namespace) -> dict | None:
         wall.append(time.perf_counter() - t)
         cpu.append(time.process_time() - c)
     dist.barrier()
-    if cuda:
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        base = proc_status_mib("VmRSS")
-    with SavedActivations(p for chunk in engine.model for p in chunk.module.parameters()) as saved:
-        engine.train_batch(batch, _loss)
-    sync()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else proc_status_mib("VmHWM") - base
-    figures = torch.tensor([peak, statistics.median(wall), statistics.median(cpu), saved.mb],
+    peak, saved_mb = measured_step(engine, lambda: engine.train_batch(batch, _loss))
+    figures = torch.tensor([peak, statistics.median(wall), statistics.median(cpu), saved_mb],
                            dtype=torch.float64)
     figures = figures.to("cuda") if cuda else figures
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
