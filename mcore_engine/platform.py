@@ -14,6 +14,7 @@ Without CUDA, :func:`apply_cpu_device_layer` runs Megatron-Core 0.16's CUDA call
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -344,10 +345,14 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> None:
         backend = "nccl" if use_cuda else "gloo"
         if "RANK" in os.environ or world_size > 1:  # torchrun (or a hand-made env://) job
             dist.init_process_group(backend, init_method="env://")
+            # kept for the process's life: a second env:// rendezvous of the same job meets stale
+            # store entries (gloo's connect is refused, or it hangs), so destroy_distributed keeps it
+            # and a later init_distributed (another layout) reuses it
+            atexit.register(_destroy_default_group)
         else:
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
                                     world_size=1)
-        _OWNS_DEFAULT_GROUP = True
+            _OWNS_DEFAULT_GROUP = True
 
     from megatron.core import parallel_state
 
@@ -388,8 +393,15 @@ def _layout_text(tp: int, pp: int, vpp: int | None, ep: int = 1, etp: int | None
     return text
 
 
+def _destroy_default_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def destroy_distributed() -> None:
-    """Tear down ``parallel_state``, and the default group when :func:`init_distributed` created it."""
+    """Tear down ``parallel_state``, and the default group when :func:`init_distributed` created a
+    one-process one. A torchrun job's default group stays (destroyed at exit): the next
+    :func:`init_distributed`, at any layout, builds its groups on it."""
     global _OWNS_DEFAULT_GROUP
     from megatron.core import parallel_state
 

@@ -268,3 +268,38 @@ def _distributed_smoke(rank: int, world_size: int) -> None:
 @pytest.mark.slow
 def test_megatron_paths_one_step_on_two_ranks():
     run_distributed(_distributed_smoke, 2)
+
+
+REINIT = """
+import dataclasses, sys
+import torch.distributed as dist
+from mcore_engine import EngineConfig, MegatronEngine
+from mcore_engine.platform import destroy_distributed
+
+cfg = EngineConfig.from_yaml(sys.argv[1])
+for parallel in (cfg.parallel, dataclasses.replace(cfg.parallel, tensor_model_parallel_size=1,
+                                                   context_parallel_size=2)):
+    engine = MegatronEngine(dataclasses.replace(cfg, parallel=parallel))
+    engine.initialize()
+    del engine
+    destroy_distributed()
+print("reinit ok", dist.get_rank(), flush=True)
+"""
+
+
+def test_engines_of_two_layouts_in_one_torchrun_job(tmp_path):
+    """initialize() -> destroy_distributed() -> initialize() at another layout under torchrun: the
+    job's default group is kept (a second env:// rendezvous of the same job fails), so it works."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "reinit.py"
+    script.write_text(REINIT)
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(script), str(root / "configs" / "tiny_cpu_tp2.yaml")], capture_output=True,
+                         text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(line for line in out.stdout.splitlines() if line.startswith("reinit ok")) == [
+        "reinit ok 0", "reinit ok 1"], out.stdout[-2000:]
