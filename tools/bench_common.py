@@ -6,9 +6,14 @@ The scripts run from tools/ (``python tools/bench_moe.py``), so they import this
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import subprocess
+import sys
 from importlib import metadata
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _proc_field(path: str, key: str) -> str | None:
@@ -118,3 +123,25 @@ def format_table(columns: list[str], rows: list[list[str]], markdown: bool = Fal
     fmt = "  ".join(f"{{:{'>' if right else '<'}{w}}}" for w in widths)
     return "\n".join([fmt.format(*columns), fmt.format(*("-" * w for w in widths))]
                      + [fmt.format(*r) for r in rows])
+
+
+def run_torchrun_worker(script: str, nproc: int, args: list[str], timeout: int, *,
+                        track_memory: bool = True) -> dict:
+    """Run ``script args`` under ``torchrun --standalone --nproc_per_node=nproc`` and return the JSON
+    its rank 0 printed after ``RESULT ``; ``RuntimeError`` with the output's tail when there is none.
+
+    The worker imports the repository (``PYTHONPATH``), runs one thread per rank unless
+    ``OMP_NUM_THREADS`` is set, and with ``track_memory`` mmaps allocations over 64 KiB and never trims
+    the heap, so its RSS tracks live bytes (the peak-memory columns)."""
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if track_memory:
+        env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           script, *args]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=timeout)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"{os.path.basename(script)} {' '.join(args)} failed:\n{out.stdout[-2000:]}\n"
+                           f"{out.stderr[-4000:]}")
+    return json.loads(line[len("RESULT "):])

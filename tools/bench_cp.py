@@ -23,13 +23,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-from bench_common import format_table, machine_header, measured_step
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench_common import format_table, machine_header, measured_step, run_torchrun_worker
 
 
 def _engine_config(cp: int, attention: str, seq_len: int, args: argparse.Namespace):
@@ -101,17 +98,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(cp: int, attention: str, seq_len: int, argv: list[str], timeout: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cp}", __file__,
-           *argv, "--worker", str(cp), attention, str(seq_len)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=timeout)
-    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"worker cp={cp} {attention} {seq_len} failed:\n{out.stdout[-2000:]}\n"
-                           f"{out.stderr[-4000:]}")
-    return json.loads(line[len("RESULT "):])
+    return run_torchrun_worker(__file__, cp, [*argv, "--worker", str(cp), attention, str(seq_len)], timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

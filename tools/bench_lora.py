@@ -17,13 +17,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-from bench_common import format_table, machine_header
+from bench_common import format_table, machine_header, run_torchrun_worker
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("full", "lora-r8", "lora-r64")
 
 
@@ -109,21 +107,17 @@ def main(argv: list[str] | None = None) -> int:
 
         destroy_distributed()
         return 0
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     passthrough = [a for a in argv if a not in ("--quick", "--markdown")]
     if args.quick:
         passthrough += ["--hidden", "256", "--layers", "4", "--seq-len", "128", "--seqs", "2"]
     results = {}
     for kind in KINDS:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", __file__,
-               *passthrough, "--worker", kind]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=args.timeout)
-        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if line is None:
-            print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
+        try:
+            results[kind] = run_torchrun_worker(__file__, 1, [*passthrough, "--worker", kind], args.timeout,
+                                                track_memory=False)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
             return 1
-        results[kind] = json.loads(line[len("RESULT "):])
     full = results["full"]
     mb = 2**20
     rows = []

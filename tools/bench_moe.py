@@ -32,13 +32,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-from bench_common import format_table, machine_header, measured_step
+from bench_common import format_table, machine_header, measured_step, run_torchrun_worker
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("dense", "moe-ep1", "moe-ep2")
 SP_KINDS = ("dense-tp2", "dense-tp2-sp", "moe-tp2-sp")
 
@@ -155,23 +153,18 @@ def main(argv: list[str] | None = None) -> int:
 
         destroy_distributed()
         return 0
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
     passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--quick"]
     if args.quick:
         passthrough += ["--hidden", "64", "--expert-ffn", "64", "--seq-len", "64", "--seqs", "4",
                         "--vocab", "1024"]
     results = {}
     for kind in SP_KINDS if args.sp else KINDS:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={args.nproc}", __file__, *passthrough, "--worker", kind]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=args.timeout)
-        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if line is None:
-            print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
+        try:
+            results[kind] = run_torchrun_worker(__file__, args.nproc, [*passthrough, "--worker", kind],
+                                                args.timeout)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
             return 1
-        results[kind] = json.loads(line[len("RESULT "):])
     base_kind = next(iter(results))
     base = results[base_kind]
     columns = ["config", "params/rank", "active FFN params", "tokens/step", "step s (wall)", "step s (cpu)",
