@@ -79,24 +79,28 @@ def _check_bucket_bytes(bucket_bytes: object) -> int:
     return bucket_bytes
 
 
-def plan_buckets(shapes: Mapping[str, Sequence[int]], dtype: torch.dtype,
+def plan_buckets(shapes: Mapping[str, Sequence[int]], dtype: torch.dtype | Mapping[str, torch.dtype],
                  bucket_bytes: int) -> list[BucketMeta]:
     """Greedy packing of ``shapes`` (name -> shape, in stream order) into tight buckets of at most
-    ``bucket_bytes`` bytes of ``dtype``; a tensor larger than that is alone in its bucket."""
+    ``bucket_bytes`` bytes; a tensor larger than that is alone in its bucket. ``dtype``: of every
+    tensor, or per name (a tensor of another dtype than the open bucket's starts a new bucket)."""
     _check_bucket_bytes(bucket_bytes)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype: must be a torch.dtype, got {dtype!r}")
-    cap = bucket_bytes // dtype.itemsize
+    dtypes = dtype if isinstance(dtype, Mapping) else dict.fromkeys(shapes, dtype)
+    for name in shapes:
+        if not isinstance(dtypes.get(name), torch.dtype):
+            raise ValueError(f"dtype: must be a torch.dtype (or one per name), got {dtypes.get(name)!r} "
+                             f"for {name!r}")
     plan: list[BucketMeta] = []
     names: list[str] = []
     sizes: list[tuple[int, ...]] = []
     offsets: list[int] = []
     used = 0
+    current: torch.dtype | None = None
 
     def close() -> None:
         nonlocal used
         if names:
-            plan.append(BucketMeta(tuple(names), tuple(sizes), tuple(offsets), dtype, used))
+            plan.append(BucketMeta(tuple(names), tuple(sizes), tuple(offsets), current, used))
         names.clear()
         sizes.clear()
         offsets.clear()
@@ -104,8 +108,9 @@ def plan_buckets(shapes: Mapping[str, Sequence[int]], dtype: torch.dtype,
 
     for name, shape in shapes.items():
         numel = math.prod(shape)
-        if names and used + numel > cap:
+        if names and (dtypes[name] != current or used + numel > bucket_bytes // current.itemsize):
             close()
+        current = dtypes[name]
         names.append(name)
         sizes.append(tuple(shape))
         offsets.append(used)
@@ -127,7 +132,7 @@ def fill_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
     Memory: the buffer plus what ``named_tensors`` holds."""
     stream = iter(named_tensors)
     buffer_numel = max((m.numel for m in plan if not _is_one_tensor(m)), default=0)
-    buffer: torch.Tensor | None = None
+    buffers: dict[torch.dtype, torch.Tensor] = {}  # one reused buffer per dtype
     for meta in plan:
         bucket = None
         for name, shape, off in zip(meta.names, meta.shapes, meta.offsets, strict=True):
@@ -141,8 +146,9 @@ def fill_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
             if _is_one_tensor(meta):
                 bucket = t.reshape(-1)
                 continue
-            if buffer is None or buffer.device != t.device or buffer.dtype != t.dtype:
-                buffer = torch.empty(buffer_numel, dtype=t.dtype, device=t.device)
+            buffer = buffers.get(t.dtype)
+            if buffer is None or buffer.device != t.device:
+                buffer = buffers[t.dtype] = torch.empty(buffer_numel, dtype=t.dtype, device=t.device)
             bucket = buffer[:meta.numel]
             bucket[off:off + t.numel()].view(shape).copy_(t)
         yield bucket, meta
@@ -154,16 +160,19 @@ def fill_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
 def iter_weight_buckets(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, bucket_bytes: int, *,
                         dtype: torch.dtype | None = None, overrides: Mapping | None = None
                         ) -> Iterator[tuple[torch.Tensor, BucketMeta]]:
-    """``iter_hf_tensors(model_chunks, cfg, dtype=dtype, overrides=overrides)`` packed by
-    ``plan_buckets``. Collective over TP, PP and, with MoE, EP: every rank consumes it to the end
-    and gets the same buckets. Validity and memory as in :func:`fill_buckets`."""
+    """``iter_hf_tensors(model_chunks, cfg, dtype=dtype, overrides=overrides, keep_fp32=True)`` packed
+    by ``plan_buckets`` (the expert biases in fp32 buckets of their own; the MTP modules' copies of the
+    embedding / output layer after their source). Collective over TP, PP and, with MoE, EP: every
+    rank consumes it to the end and gets the same buckets. Validity and memory as in :func:`fill_buckets`."""
     from mcore_engine.hf.export import iter_hf_tensors, precision_dtype
-    from mcore_engine.hf.mapping import hf_shapes
+    from mcore_engine.hf.mapping import hf_fp32_names, hf_stream_shapes
 
     _check_bucket_bytes(bucket_bytes)
     dtype = dtype or precision_dtype(cfg)
-    plan = plan_buckets(hf_shapes(cfg.model), dtype, bucket_bytes)
-    return fill_buckets(iter_hf_tensors(model_chunks, cfg, dtype=dtype, overrides=overrides), plan)
+    shapes, fp32 = hf_stream_shapes(cfg.model), hf_fp32_names(cfg.model)
+    plan = plan_buckets(shapes, {n: torch.float32 if n in fp32 else dtype for n in shapes}, bucket_bytes)
+    return fill_buckets(iter_hf_tensors(model_chunks, cfg, dtype=dtype, overrides=overrides, keep_fp32=True),
+                        plan)
 
 
 def bucket_named_tensors(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int

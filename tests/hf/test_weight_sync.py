@@ -46,6 +46,26 @@ def test_plan_buckets_is_greedy_and_isolates_large_tensors():
         plan_buckets(SHAPES, "float32", 80)
 
 
+def test_plan_buckets_per_name_dtypes_never_mix_dtypes_in_a_bucket():
+    """A per-name dtype (the fp32 expert bias of a bf16 stream) opens a bucket of its own dtype; the
+    buckets round-trip bit for bit with one reused buffer per dtype."""
+    dtypes = {n: torch.float32 if n in ("b", "d") else torch.bfloat16 for n in SHAPES}
+    plan = plan_buckets(SHAPES, dtypes, 10**9)
+    assert [(m.names, m.dtype) for m in plan] == [
+        (("a",), torch.bfloat16), (("b",), torch.float32), (("big", "c"), torch.bfloat16),
+        (("d",), torch.float32), (("e",), torch.bfloat16)]
+    assert [m.names for m in plan_buckets(SHAPES, dtypes, 32)] == [("a",), ("b",), ("big",), ("c",), ("d",),
+                                                                  ("e",)]
+    tensors = {n: t.to(dtypes[n]) for n, t in _stream().items()}
+    rebuilt = {}
+    for bucket, meta in fill_buckets(tensors.items(), plan):
+        assert bucket.dtype == meta.dtype
+        rebuilt.update({n: v.clone() for n, v in unflatten_bucket(bucket, meta).items()})
+    assert all(torch.equal(rebuilt[n], t) and rebuilt[n].dtype == t.dtype for n, t in tensors.items())
+    with pytest.raises(ValueError, match="dtype.*'e'"):
+        plan_buckets(SHAPES, {n: dtypes[n] for n in SHAPES if n != "e"}, 80)
+
+
 def test_buckets_round_trip_with_one_reused_buffer():
     tensors = _stream()
     plan = plan_buckets(SHAPES, torch.float32, 80)
