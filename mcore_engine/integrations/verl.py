@@ -45,6 +45,16 @@ the core sums gradients over micro-batches and DP ranks without averaging, each 
 loss ``L_i`` enters the core as ``L_i / dp_size`` (verl's Megatron engine gets the same gradient from
 ``L_i * num_micro_batch`` under Megatron's ``1 / num_micro_batch`` and DP averaging).
 
+MoE: ``engine_config.router_replay.mode`` (verl's ``"disabled"`` / ``"R2"`` / ``"R3"``) decides per
+pass whether the batch's ``routed_experts`` reach the core's router replay and whether the recorded
+routing goes back to verl (:mod:`mcore_engine.integrations.verl_router_replay`: R2 records at the
+actor's old-log-prob pass and replays in the update, R3 replays the rollout's routing in every actor
+pass; without replay no routing is returned, so verl's trainer never replays one by accident). verl's
+worker sets its ``enable_routing_replay`` flag for its own engines only, so the mode is read here from
+the engine's config (an explicit ``enable_routing_replay=False`` on a batch still turns replay off).
+``override_transformer_config.moe_router_bias_update_rate`` is the core's expert-bias update rate and
+verl's ``model_config.mtp`` the core's MTP modules (``verl_config``).
+
 Top-k distillation runs the core's built-in chunked top-k forward KL (``mcore_engine.ops``) instead of
 calling verl's loss as a logits processor; ``log_prob_min_clamp`` of a ``functools.partial`` of
 verl's ``distillation_ppo_loss`` (its ``distillation_config.distillation_loss``) becomes the batch
@@ -81,8 +91,10 @@ from mcore_engine.integrations.verl_config import (
     _refuse,
     engine_config_from_verl,
     lora_merge,
+    router_replay_mode,
 )
 from mcore_engine.integrations.verl_loss import VerlLossBridge, _topk_clamp, verl_results
+from mcore_engine.integrations.verl_router_replay import prepare_routing
 
 __all__ = ["BACKEND", "NOT_APPLICABLE", "McoreEngineActorConfig", "McoreEngineVerl", "McoreEngineVerlConfig",
            "McoreEngineVerlValue", "VerlLossBridge", "engine_config_from_verl"]
@@ -192,6 +204,7 @@ class McoreEngineVerl(BaseEngine):
         self.checkpoint_config = checkpoint_config
         self.config = engine_config_from_verl(model_config, engine_config, optimizer_config,
                                               checkpoint_config)
+        self.router_replay = router_replay_mode(engine_config)  # verl_router_replay's modes
         if self.config.model.head != self.head:
             model_type = getattr(model_config, "model_type", None)
             _refuse("model_config.model_type", model_type,
@@ -354,12 +367,17 @@ class McoreEngineVerl(BaseEngine):
         if isinstance(temperature, torch.Tensor) and temperature.shape != data.batch_size:
             data = data.copy()  # shallow: a per-sample [B, 1] temperature as the core's [B]
             data.set("temperature", temperature.reshape(data.batch_size).to(torch.float32))
+        routing = prepare_routing(data, self.router_replay, self.config.model, forward_only=forward_only,
+                                  replay_enabled=_flag(data, "enable_routing_replay", None))
         bridge = None if loss_function is None else VerlLossBridge(loss_function, dp_size=dp_size,
                                                                     dp_group=group)
-        out = self.engine.forward_backward_batch(data, bridge, forward_only, loss_convention="micro_batch")
+        out = self.engine.forward_backward_batch(routing.data, bridge, forward_only,
+                                                 loss_convention="micro_batch")
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             return {}
-        return verl_results(out, None if bridge is None else bridge.losses, keys=self.output_keys)
+        results = verl_results(out, None if bridge is None else bridge.losses, keys=self.output_keys)
+        routing.outputs(results["model_output"])
+        return results
 
     output_keys: tuple[str, ...] | None = None  # the per-token outputs returned to verl (None: all)
 

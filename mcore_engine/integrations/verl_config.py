@@ -5,7 +5,12 @@ configs with a meaning here onto an :class:`mcore_engine.EngineConfig` and raise
 naming the field for every setting the engine cannot honour; the fields in :data:`NOT_APPLICABLE`
 have no meaning for this engine. :func:`lora_from_verl` maps verl's LoRA settings (the Megatron-style
 ``lora`` block and the FSDP-style ``lora_rank`` fields) onto the core's ``LoRAConfig``;
-:func:`lora_merge` reads the weight-sync choice. The config classes that select the backend
+:func:`lora_merge` reads the weight-sync choice. MoE and MTP: :func:`router_replay_mode` checks
+``router_replay`` (its modes: ``verl_router_replay``), ``override_transformer_config``'s
+``moe_router_bias_update_rate`` / ``moe_router_enable_expert_bias`` map onto the core's expert bias and
+verl's ``model_config.mtp`` (+ ``override_transformer_config.mtp_num_layers`` /
+``mtp_loss_scaling_factor``) onto ``ModelConfig.mtp_num_layers`` / ``mtp_loss_scaling_factor``, with
+verl's semantics (``_moe_from_verl`` / ``_mtp_from_verl``). The config classes that select the backend
 (``McoreEngineVerlConfig`` / ``McoreEngineActorConfig``) live with the registered engines in
 ``mcore_engine.integrations.verl``.
 """
@@ -23,7 +28,8 @@ from mcore_engine.config import OptimizerConfig as CoreOptimizerConfig
 from mcore_engine.config import ParallelConfig
 from mcore_engine.lora_config import HF_PROJECTIONS, LoRAConfig
 
-__all__ = ["BACKEND", "NOT_APPLICABLE", "engine_config_from_verl", "lora_from_verl", "lora_merge"]
+__all__ = ["BACKEND", "NOT_APPLICABLE", "engine_config_from_verl", "lora_from_verl", "lora_merge",
+           "router_replay_mode"]
 
 BACKEND = "mcore_engine"
 
@@ -43,6 +49,8 @@ NOT_APPLICABLE: dict[str, str] = {
     "model_config.lora.freeze_vision_model / freeze_vision_projection / freeze_language_model":
         "settings of type vlm_lora (refused); with LoRA the whole base is frozen",
     "model_config.lora.fully_sharded_loras": "a vLLM rollout setting",
+    "model_config.mtp.enable_rollout / speculative_* / method / num_speculative_tokens":
+        "the rollout's speculative decoding (vLLM / SGLang) with the MTP modules",
     "optimizer_config.use_checkpoint_opt_param_scheduler":
         "the scheduler state is always restored with the checkpoint",
     "model_config.fused_kernel_options.impl_backend":
@@ -98,16 +106,16 @@ def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_con
         _check(not getattr(e, name, None), f"engine_config.{name}", getattr(e, name, None),
                "the model and DDP are built from the HF config and EngineConfig only")
     otc = dict(getattr(e, "override_transformer_config", None) or {})
-    extra = sorted(set(otc) - set(_RECOMPUTE_KEYS) - {"attention_backend", "cp_comm_type"})
+    mapped = [*_RECOMPUTE_KEYS, "cp_comm_type", *_MOE_KEYS, *_MTP_KEYS]
+    extra = sorted(set(otc) - set(mapped) - {"attention_backend"})
     _check(not extra, "engine_config.override_transformer_config", extra,
-           f"only {[*_RECOMPUTE_KEYS, 'cp_comm_type']} are mapped (attention_backend is not applicable); the "
+           f"only {mapped} are mapped (attention_backend is not applicable); the "
            "model is built from the HF config and EngineConfig")
     backend = otc.get("attention_backend")
     _check(backend is None or str(getattr(backend, "name", backend)) in _ATTENTION_BACKENDS,
            "engine_config.override_transformer_config.attention_backend", backend,
            f"not one of Megatron's attention backends {sorted(_ATTENTION_BACKENDS)}")
-    mode = e.router_replay.mode if getattr(e, "router_replay", None) is not None else "disabled"
-    _check(mode == "disabled", "engine_config.router_replay.mode", mode, "dense models only")
+    replay = router_replay_mode(e)
     qat = getattr(e, "qat", None)
     _check(not getattr(qat, "enable", False), "engine_config.qat.enable", True,
            "no quantisation-aware training")
@@ -133,8 +141,6 @@ def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_con
            "verl's backends are 'torch' and 'triton'")
     tiled = getattr(m, "tiled_mlp", None) or {}
     _check(not tiled.get("enabled", False), "model_config.tiled_mlp.enabled", True, "no tiled MLP")
-    mtp = getattr(m, "mtp", None)
-    _check(not getattr(mtp, "enable", False), "model_config.mtp.enable", True, "no multi-token prediction")
     extra = sorted(set(getattr(m, "override_config", None) or {}) - {"attn_implementation"})
     _check(not extra, "model_config.override_config", extra, "the architecture comes from config.json only")
     weights = getattr(m, "local_path", None) or getattr(m, "path", None)
@@ -147,8 +153,14 @@ def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_con
         if lora is None or "lora" not in str(exc).lower():
             raise
         raise ValueError(f"{lora_source} is not supported by the mcore_engine backend: {exc}") from exc
-    # --- optimizer_config (a reference policy may have none)
     forward_only = bool(getattr(e, "forward_only", False))
+    _check(replay == "disabled" or (model.moe is not None and not value and not forward_only),
+           "engine_config.router_replay.mode", replay,
+           "a dense model has no routing to replay" if model.moe is None else
+           "verl replays routing on the actor only (its reference policy and critic route natively)")
+    model = _moe_from_verl(otc, model)
+    model = _mtp_from_verl(m, otc, model, value=value, forward_only=forward_only)
+    # --- optimizer_config (a reference policy may have none)
     optimizer = CoreOptimizerConfig() if forward_only and o is None else _optimizer_from_verl(o, e)
     # --- checkpoint_config
     if checkpoint_config is not None:
@@ -353,6 +365,110 @@ def _peft_folder_config(path: str) -> dict[str, Any]:
     for flag in ("use_dora", "use_rslora"):
         _check(not config.get(flag), "model_config.lora_adapter_path", path, f"{flag}=true is not supported")
     return config
+
+
+# ------------------------------------------------------------------------------- MoE routing and MTP
+_MOE_KEYS = ("moe_router_bias_update_rate", "moe_router_enable_expert_bias")
+_MTP_KEYS = ("mtp_num_layers", "mtp_loss_scaling_factor")
+# verl's MtpConfig (model_config.mtp): what the engine honours; the rest configures the rollout's
+# speculative decoding (vLLM / SGLang) and has no meaning for a training engine
+_MTP_ENGINE_FIELDS = ("enable", "enable_train", "detach_encoder", "mtp_loss_scaling_factor")
+
+
+def router_replay_mode(e: Any) -> str:
+    """verl's ``engine_config.router_replay.mode`` ("disabled" when the block is absent), checked:
+    ``record_file`` / ``replay_file`` are refused (verl 0.9.1 reads neither: routes travel in the
+    batch). The modes' meaning: ``mcore_engine.integrations.verl_router_replay``."""
+    from mcore_engine.integrations.verl_router_replay import MODES
+
+    block = getattr(e, "router_replay", None)
+    if block is None:
+        return "disabled"
+    mode = getattr(block, "mode", None)
+    _check(mode in MODES, "engine_config.router_replay.mode", mode, f"one of {list(MODES)}")
+    for name in ("record_file", "replay_file"):
+        _check(getattr(block, name, None) is None, f"engine_config.router_replay.{name}",
+               getattr(block, name, None), "routes are recorded into and replayed from the batch "
+               "(verl 0.9.1's engines read no routing file)")
+    return mode
+
+
+def _moe_from_verl(otc: dict[str, Any], model: Any) -> Any:
+    """``override_transformer_config.moe_router_bias_update_rate`` (Megatron's name, as verl hands it to
+    its Megatron engine) -> ``MoEConfig.router_bias_update_rate``: the aux-loss-free expert-bias update
+    ``b += rate * sign(mean load - load)`` per step. Absent: 0 (the bias stays as loaded; verl's
+    Megatron engine would take Megatron's 1e-3 for a checkpoint with an expert bias).
+    ``moe_router_enable_expert_bias`` must say what the checkpoint has (``e_score_correction_bias``)."""
+    import dataclasses
+
+    rate, bias = otc.get("moe_router_bias_update_rate"), otc.get("moe_router_enable_expert_bias")
+    for name, value in (("moe_router_bias_update_rate", rate), ("moe_router_enable_expert_bias", bias)):
+        _check(value is None or model.moe is not None, f"engine_config.override_transformer_config.{name}",
+               value, "a dense model has no router")
+    if model.moe is None:
+        return model
+    _check(bias is None or bool(bias) == model.moe.router_expert_bias,
+           "engine_config.override_transformer_config.moe_router_enable_expert_bias", bias,
+           f"the expert bias comes from the checkpoint (e_score_correction_bias), which "
+           f"{'has' if model.moe.router_expert_bias else 'has none'}")
+    if rate is None:
+        return model
+    field = "engine_config.override_transformer_config.moe_router_bias_update_rate"
+    _check(isinstance(rate, (int, float)) and not isinstance(rate, bool), field, rate, "a number >= 0")
+    try:
+        moe = dataclasses.replace(model.moe, router_bias_update_rate=float(rate))
+    except ValueError as exc:  # no expert bias, negative rate: the core's message, verl's field
+        raise ValueError(f"{field}={rate!r} is not supported by the mcore_engine backend: {exc}") from exc
+    return dataclasses.replace(model, moe=moe)
+
+
+def _mtp_from_verl(m: Any, otc: dict[str, Any], model: Any, *, value: bool, forward_only: bool) -> Any:
+    """verl's MTP settings -> ``ModelConfig.mtp_num_layers`` / ``mtp_loss_scaling_factor``, with verl's
+    semantics (``check_mtp_config``, its Megatron engine):
+
+    - ``model_config.mtp.enable=False`` (default): no MTP modules (``mtp_num_layers=0``), whatever
+      the checkpoint has; ``override_transformer_config.mtp_num_layers`` may then only be 0 / null,
+      its ``mtp_loss_scaling_factor`` unset.
+    - ``enable=True``: the checkpoint's MTP modules are loaded, exported and checkpointed (a
+      checkpoint without them is refused); ``override_transformer_config.mtp_num_layers`` may only
+      repeat their count. ``enable_train=True`` trains them with ``mtp_loss_scaling_factor``
+      (``override_transformer_config``'s when set, else ``model_config.mtp``'s), otherwise they are
+      kept and not run (factor 0: outputs equal a model without MTP), as on a forward-only engine.
+
+    ``detach_encoder`` is refused (the MTP loss reaches the shared embedding and trunk); the
+    speculative-decoding fields configure the rollout."""
+    import dataclasses
+
+    block = _plain(getattr(m, "mtp", None))
+    get = block.get if isinstance(block, dict) else (lambda k, d=None: getattr(block, k, d))
+    enable, enable_train = bool(get("enable", False)), bool(get("enable_train", False))
+    layers, factor = otc.get("mtp_num_layers"), otc.get("mtp_loss_scaling_factor")
+    ckpt_layers = model.mtp_num_layers
+    if not enable:
+        _check(layers in (None, 0), "engine_config.override_transformer_config.mtp_num_layers", layers,
+               "model_config.mtp.enable=false builds no MTP modules (verl's rule); set it true")
+        _check(factor is None, "engine_config.override_transformer_config.mtp_loss_scaling_factor", factor,
+               "model_config.mtp.enable=false builds no MTP modules to train")
+        if ckpt_layers == 0 and model.mtp_loss_scaling_factor == 0:
+            return model
+        return dataclasses.replace(model, mtp_num_layers=0, mtp_loss_scaling_factor=0.0)
+    _check(not value, "model_config.mtp.enable", True, "a value model (critic) has no lm-head to predict")
+    _check(ckpt_layers > 0, "model_config.mtp.enable", True,
+           "the checkpoint has no MTP layers (config.json num_nextn_predict_layers)")
+    _check(layers is None or layers == ckpt_layers,
+           "engine_config.override_transformer_config.mtp_num_layers", layers,
+           f"the checkpoint has {ckpt_layers} MTP layers; the engine builds exactly those")
+    _check(not get("detach_encoder", False), "model_config.mtp.detach_encoder", True,
+           "the MTP loss reaches the shared embedding and the trunk (no detached encoder)")
+    scale = factor if factor is not None else get("mtp_loss_scaling_factor", 0.1)
+    field = ("engine_config.override_transformer_config.mtp_loss_scaling_factor" if factor is not None
+             else "model_config.mtp.mtp_loss_scaling_factor")
+    train = enable_train and not forward_only
+    try:
+        return dataclasses.replace(model, mtp_num_layers=ckpt_layers,
+                                   mtp_loss_scaling_factor=float(scale) if train else 0.0)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{field}={scale!r} is not supported by the mcore_engine backend: {exc}") from exc
 
 
 _PARALLEL_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",

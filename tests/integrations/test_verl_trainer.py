@@ -3,7 +3,7 @@ verl.trainer.main_ppo`` with the packaged config (``--config-path pkg://mcore_en
 verl_hydra --config-name ppo_mcore_engine_trainer``: verl's ``ppo_megatron_trainer`` with actor,
 reference and critic on this backend, the reference and critic in the actor's dtype), its legacy
 ``RayPPOTrainer`` loop on the engine workers ``verl.workers.engine_workers.ActorRolloutRefWorker`` /
-``TrainingWorker``, Ray, for two steps, four times:
+``TrainingWorker``, Ray, for two steps, five times:
 
 - GRPO (n=4) with a KL loss, so actor + reference policy, and verl's critic enabled
   (``critic.enable=True``), every role at TP=2 on two ranks with sequence parallelism (verl's
@@ -14,7 +14,9 @@ reference and critic on this backend, the reference and critic in the actor's dt
 - verl's on-policy distillation (``distillation.enabled=True``, top-k forward KL) with a teacher
   served by an ``hf_cpu`` teacher replica (prompt top-k log-probs, verl's teacher loop), at TP=1;
 - GRPO with LoRA (``actor_rollout_ref.model.lora.rank=4``) at TP=2: the reference from the actor with
-  its adapters disabled, the rollout synced with the base once and then adapters + PEFT config.
+  its adapters disabled, the rollout synced with the base once and then adapters + PEFT config;
+- GRPO on a tiny Qwen3-MoE with rollout routing replay (R3) at TP=1: the rollout returns its routed
+  experts (and routes unlike the trainer), the actor replays them in its old-log-prob pass and update.
 
 What verl lacks on CPU is added in ``tests/integrations/verl_trainer_harness.py`` (loaded by every
 Ray process through verl's ``VERL_USE_EXTERNAL_MODULES`` plugin hook). The checks read what verl
@@ -34,9 +36,11 @@ import pytest
 pytest.importorskip("verl", reason="verl is installed by `make setup` (pip install --no-deps verl==0.9.1)")
 pytest.importorskip("ray")
 
+from tests.integrations.verl_trainer_harness import ROUTING_ENV  # noqa: E402
 from tests.integrations.verl_trainer_setup import (  # noqa: E402
     make_dataset,
     make_model,
+    make_moe_model,
     make_tokenizer,
     tokenizer_dir,
     trainer_command,
@@ -52,7 +56,12 @@ def run_trainer(work: str, **kw) -> dict:
     """Run verl's trainer in ``work``; return its metrics per step, the harness's records and the
     paths."""
     student, teacher, data = (os.path.join(work, n) for n in ("student", "teacher", "train.parquet"))
-    make_model(student, seed=0)
+    env = trainer_env(work)
+    if kw.pop("moe", False):  # a Qwen3-MoE student; the rollout server routes by ROUTING_ENV's policy
+        make_moe_model(student, seed=0)
+        env[ROUTING_ENV] = kw.pop("rollout_routing", "native")
+    else:
+        make_model(student, seed=0)
     make_tokenizer(tokenizer_dir(work))
     make_dataset(data)
     if kw.pop("distill", False):
@@ -60,7 +69,7 @@ def run_trainer(work: str, **kw) -> dict:
         kw["teacher_dir"] = teacher
     cmd = trainer_command(work, student, data, steps=STEPS, **kw)
     with open(os.path.join(work, "trainer.log"), "w") as log:
-        proc = subprocess.run(cmd, env=trainer_env(work), stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                               timeout=TIMEOUT, cwd=work)
     tail = open(os.path.join(work, "trainer.log"), errors="replace").read()[-6000:]
     assert proc.returncode == 0, f"verl's trainer failed (log {work}/trainer.log):\n{tail}"
@@ -255,3 +264,70 @@ def test_verl_main_ppo_grpo_lora(tmp_path):
         assert m["actor/grad_norm"] > 0 and "actor/pg_loss" in m, step
     assert steps[1]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # the base (B = 0) == the actor
     assert steps[2]["actor/kl_loss"] > 1e-4  # the reference stayed the base while the adapters moved
+
+
+def check_r3_routing(run: dict, server: str = "hf_cpu_server_0_0") -> dict[str, int]:
+    """R3 replayed the rollout's routing: the rollout returned every sequence's routes (prompt +
+    response but the last token, ``[P + R - 1, L, k]``), and each pass of the actor's engine (the
+    old-log-prob pass and the update, every step) routed each of its sequences exactly so, the last
+    token to experts ``0 .. k-1`` (its placeholder); the reference policy's engine routed natively
+    (at step 1, on the rollout's weights: its top-2, never the rollout's second choice)."""
+    served = {}
+    for e in run["records"](server):
+        if e["event"] == "generate":
+            assert "routed_experts" in e, "the rollout returned no routed experts"
+            routes = e["routed_experts"]
+            assert len(routes) == e["prompt_len"] + e["response_len"] - 1, (len(routes), e["prompt_len"])
+            served[tuple(e["prompt_ids"] + e["token_ids"])] = routes
+    passes = run["records"]("routing")
+    actor = [p for p in passes if not p["engine_forward_only"]]
+    reference = [p for p in passes if p["engine_forward_only"]]
+    assert sorted((p["forward_only"], p["replayed"]) for p in actor) == [(False, True)] * STEPS + [
+        (True, True)] * STEPS, [(p["forward_only"], p["replayed"]) for p in actor]
+    assert len(reference) == STEPS and not any(p["replayed"] for p in reference)
+    tokens = 0
+    for p in actor:
+        for seq in p["sequences"]:
+            want = served[tuple(seq["ids"])]
+            assert seq["routes"][:-1] == want, "the actor did not route by the rollout's routing"
+            assert all(row == [0, 1] for row in seq["routes"][-1]), seq["routes"][-1]
+            tokens += len(want)
+    same = total = 0
+    for seq in reference[0]["sequences"]:  # step 1: the reference's weights are the rollout's
+        for got, rollout in zip(seq["routes"], served[tuple(seq["ids"])], strict=False):
+            same += sum(set(g) == set(r) for g, r in zip(got, rollout, strict=True))
+            total += len(got)
+    assert total > 0 and same == 0, f"the reference replayed the rollout's routing on {same} of {total}"
+    return {"actor tokens replayed": tokens, "reference routes compared": total}
+
+
+@pytest.mark.slow
+def test_verl_main_ppo_grpo_moe_r3(tmp_path):
+    """GRPO on a tiny Qwen3-MoE with verl's rollout routing replay (R3:
+    ``actor.megatron.router_replay.mode=R3``, ``rollout.enable_rollout_routing_replay=True``), TP=1,
+    with a KL loss (so a reference policy). The harness's rollout routes every token to its experts
+    ranked 3-4 (``second_choice``: a rollout whose routing differs from the trainer's everywhere) and
+    returns them with the responses, as vLLM does; so the actor's old log-probs equal the rollout's
+    only if the old-log-prob pass replays that routing, the update's first log-probs equal the old
+    ones (``ppo_kl`` 0) only if the update replays it too, and the reference, which routes natively
+    (verl's rule), differs from the actor from the first step (KL > 0)."""
+    arr = "actor_rollout_ref"
+    run = run_trainer(str(tmp_path), moe=True, rollout_routing="second_choice",
+                      extra=(f"{arr}.actor.megatron.router_replay.mode=R3",
+                             f"{arr}.rollout.enable_rollout_routing_replay=True",
+                             f"{arr}.model.enable_gradient_checkpointing=False"))  # core: no MoE recompute
+    steps = run["steps"]
+    finite_metrics(steps)
+    check_engines(run, {("language_model", False), ("language_model", True)})
+    check_weight_sync(run)
+    counts = check_r3_routing(run)
+    for step, m in steps.items():
+        assert m["training/rollout_probs_diff_valid"] == 1, step
+        assert m["training/rollout_probs_diff_max"] < 1e-4, (step, m["training/rollout_probs_diff_max"])
+        assert abs(m["actor/ppo_kl"]) < 1e-6 and m["actor/pg_clipfrac"] == 0, step
+        assert m["actor/grad_norm"] > 0 and m["critic/advantages/max"] > 0 > m["critic/advantages/min"]
+        # ~1e-7 for a dense model at step 1 (same weights); here the routing differs
+        assert m["actor/kl_loss"] > 1e-5, "the reference must route natively, unlike the actor"
+    print({key: [steps[s][key] for s in sorted(steps)] for key in (
+        "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean", "actor/ppo_kl",
+        "actor/kl_loss")}, counts)

@@ -4,7 +4,8 @@ with LoRA support (vLLM's ``enable_lora``, SGLang's adapters) does with the thre
 ``rollout.update_weights``):
 
 - ``"full"`` (``peft_config`` None): the whole model in Hugging Face names, loaded as it is (no LoRA, or
-  ``model.lora.merge=True``: merged weights);
+  ``model.lora.merge=True``: merged weights); names are the checkpoint's (a model that ``transformers``
+  loads into other parameters, e.g. fused MoE experts, takes them through its own load conversion);
 - ``"base"`` (a ``peft_config``, ``base_sync_done=False``): the frozen base in Hugging Face names,
   loaded under the adapters (vLLM's ``load_weights`` on its LoRA-wrapped model);
 - ``"adapter"`` (a ``peft_config``, ``base_sync_done=True``): the adapters only, in PEFT key names,
@@ -35,9 +36,25 @@ class PeftReceiver:
     the object to call: PEFT injects its LoRA layers into it in place."""
 
     def __init__(self, model: torch.nn.Module, name: str = "rollout") -> None:
+        from transformers.core_model_loading import revert_weight_conversion
+
         self.model, self.name = model, name
         self.peft = None  # the PeftModel after the first adapter update
         self.peft_config: dict[str, Any] | None = None
+        # transformers 5 loads some checkpoints into other parameters (MoE experts fused into one
+        # tensor a layer); a sync, like the folder, speaks the checkpoint's names
+        own = model.state_dict()
+        self.converts = set(revert_weight_conversion(model, dict(own))) != set(own)
+
+    def _from_checkpoint_names(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checkpoint-named tensors as the model's parameters (transformers' own load conversion)."""
+        model, info = type(self.model).from_pretrained(None, config=self.model.config, state_dict=state,
+                                                       dtype=torch.float32, output_loading_info=True)
+        if info["missing_keys"] or info["unexpected_keys"] or info.get("mismatched_keys"):
+            raise ValueError(f"{self.name}: weight sync names differ: missing "
+                             f"{sorted(info['missing_keys'])}, unexpected {sorted(info['unexpected_keys'])}, "
+                             f"mismatched {info.get('mismatched_keys')}")
+        return model.state_dict()
 
     def _base_params(self) -> dict[str, torch.Tensor]:
         """Hugging Face name -> the live base tensor (PEFT's ``base_layer`` and adapters left out)."""
@@ -55,6 +72,8 @@ class PeftReceiver:
         if kind == "full" and self.peft is not None:
             raise ValueError(f"{self.name}: a full (merged) weight update after adapters were loaded")
         own = self._base_params()
+        if self.converts:
+            state = self._from_checkpoint_names(state)
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         if missing or unexpected:
             raise ValueError(f"{self.name}: weight sync names differ: missing {missing}, "
@@ -98,4 +117,8 @@ class PeftReceiver:
             for name, module in self.model.named_modules():
                 if isinstance(module, LoraLayer) and "default" in module.lora_A:
                     state[f"{name}.weight"] = module.base_layer.weight + module.get_delta_weight("default")
+        if self.converts:  # in the checkpoint's names (MoE experts one tensor each)
+            from transformers.core_model_loading import revert_weight_conversion
+
+            state = {k: v.contiguous() for k, v in revert_weight_conversion(self.model, state).items()}
         return state

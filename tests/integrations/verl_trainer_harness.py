@@ -19,7 +19,11 @@ What verl lacks on CPU, and what is added here:
   TensorRT-LLM replicas); none runs here. :class:`HFReplica` (registered in verl's
   ``RolloutReplicaRegistry`` as ``"hf_cpu"``) launches one :class:`HFRolloutServer` Ray actor per
   replica: a ``transformers`` model that samples with ``generate`` (token ids + log-probs, the
-  ``TokenOutput`` verl's agent loop reads) and computes prompt top-k log-probs for a teacher
+  ``TokenOutput`` verl's agent loop reads; for an MoE model with ``rollout.enable_rollout_routing_replay``
+  also the ``routed_experts`` of every token fed, ``[P + R - 1, L_moe, k]`` as vLLM returns them, read
+  from ``transformers``' routers by ``tests/integrations/hf_routing.py``, which also lets the server
+  route by another policy, ``VERL_HARNESS_ROLLOUT_ROUTING``) and computes prompt top-k log-probs for a
+  teacher
   (``prompt_logprobs``, the fields verl's teacher manager reads from vLLM). :class:`HFServerAdapter`
   (registered in verl's rollout class registry as ``("hf_cpu", "async")``) is the rollout inside
   verl's ``ActorRolloutRefWorker``: verl's weight sync (``checkpoint_engine.backend=naive``:
@@ -40,7 +44,8 @@ What verl lacks on CPU, and what is added here:
 
 The harness also records every engine verl's workers build (``EngineRegistry.new``) in
 ``engines.jsonl``, so the test can check that actor, reference and critic ran on ``mcore_engine``
-(and the actor with LoRA).
+(and the actor with LoRA), and for an MoE model the routing each pass of the core engine used, per
+sequence, in ``routing.jsonl`` (the check that R3 replayed the rollout's routing).
 It does not register the backend: the packaged config (``mcore_engine/integrations/verl_hydra``)
 does, as for a user.
 """
@@ -57,6 +62,7 @@ from typing import Any
 import torch
 
 REPORT_ENV = "VERL_HARNESS_REPORT_DIR"
+ROUTING_ENV = "VERL_HARNESS_ROLLOUT_ROUTING"  # an MoE rollout's routing (tests/integrations/hf_routing)
 ROLLOUT_NAME = "hf_cpu"
 RAY_RESOURCE = "GPU"  # logical slots: ray.init(num_gpus=N) on a CPU host; nothing uses CUDA
 
@@ -170,10 +176,14 @@ class HFRolloutServer:
     replicas, agent loop, teacher manager and checkpoint manager call on vLLM's server."""
 
     def __init__(self, name: str, model_path: str, teacher: bool = False, prompt_length: int = 512,
-                 response_length: int = 512, max_model_len: int | None = None) -> None:
+                 response_length: int = 512, max_model_len: int | None = None,
+                 return_routed_experts: bool = False) -> None:
         from transformers import AutoModelForCausalLM
 
         self.name, self.teacher = name, teacher
+        # R3: the routing of every token fed (rollout.enable_rollout_routing_replay), as vLLM returns it
+        self.return_routed_experts = return_routed_experts
+        self.routing = os.environ.get(ROUTING_ENV, "native")
         from tests.integrations.verl_peft import PeftReceiver
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -265,9 +275,12 @@ class HFRolloutServer:
                 out = self._prompt_logprobs(prompt_ids, int(sampling_params["prompt_logprobs"]))
             else:
                 out = self._sample(prompt_ids, sampling_params)
-        _report(self.name, {"event": "generate", "version": self.version, "global_steps": self.global_steps,
-                            "prompt_len": len(prompt_ids), "response_len": len(out["token_ids"]),
-                            "prompt_ids": prompt_ids, "token_ids": out["token_ids"]})
+        record = {"event": "generate", "version": self.version, "global_steps": self.global_steps,
+                  "prompt_len": len(prompt_ids), "response_len": len(out["token_ids"]),
+                  "prompt_ids": prompt_ids, "token_ids": out["token_ids"]}
+        if out.get("routed_experts") is not None:
+            record["routed_experts"] = out["routed_experts"].tolist()
+        _report(self.name, record)
         out["extra_fields"]["global_steps"] = self.global_steps
         return TokenOutput(**out)
 
@@ -288,6 +301,20 @@ class HFRolloutServer:
         return max(1, min(wanted, room))
 
     def _sample(self, prompt_ids: list[int], sp: dict[str, Any]) -> dict:
+        """Sample with the KV cache; an MoE model routes by the server's routing policy
+        (:data:`ROUTING_ENV`), and with ``return_routed_experts`` the routing of every token fed
+        (prompt + response but the last token: ``[P + R - 1, L_moe, k]``, vLLM's) comes back."""
+        from tests.integrations.hf_routing import RouteHooks
+
+        moe = getattr(self.model.config, "num_experts_per_tok", None) is not None
+        hooks = RouteHooks(self.model, self.routing) if moe else contextlib.nullcontext()
+        with hooks:
+            out = self._sample_tokens(prompt_ids, sp)
+        if moe and self.return_routed_experts:
+            out["routed_experts"] = hooks.routes().to(torch.int32).numpy()
+        return out
+
+    def _sample_tokens(self, prompt_ids: list[int], sp: dict[str, Any]) -> dict:
         temperature = float(sp.get("temperature", 1.0))
         max_new = self._max_new_tokens(len(prompt_ids), sp)
         top_k, top_p = int(sp.get("top_k", -1)), float(sp.get("top_p", 1.0))
@@ -324,7 +351,7 @@ class HFRolloutServer:
                 break
         want_logprobs = sp.get("logprobs") not in (None, False)
         return {"token_ids": tokens, "log_probs": logps if want_logprobs else None,
-                "stop_reason": "completed", "extra_fields": {}}
+                "stop_reason": "completed", "extra_fields": {}, "routed_experts": None}
 
     def _prompt_logprobs(self, ids: list[int], k: int) -> dict:
         """vLLM's ``prompt_logprobs`` as verl's ``extract_prompt_logprobs`` lays them out: row t holds the
@@ -374,7 +401,8 @@ def _make_replica_class():
             server = ray.remote(HFRolloutServer).options(name=name, num_cpus=0, max_concurrency=8).remote(
                 name=name, model_path=path, teacher=self.is_teacher_model,
                 prompt_length=self.config.prompt_length, response_length=self.config.response_length,
-                max_model_len=self.config.max_model_len)
+                max_model_len=self.config.max_model_len,
+                return_routed_experts=bool(self.config.enable_rollout_routing_replay))
             self.servers = [server]
             self._server_handle = server
             self._server_address = f"{ROLLOUT_NAME}://{name}"
@@ -487,10 +515,37 @@ def _record_engines() -> None:
                             "sequence_parallel": getattr(parallel, "sequence_parallel", None),
                             "lora_rank": getattr(lora, "rank", None),
                             "precision": getattr(getattr(engine, "config", None), "precision", None)})
+        if getattr(getattr(getattr(engine, "config", None), "model", None), "moe", None) is not None:
+            _record_routing(type(engine.engine))
         return engine
 
     new._cpu_harness = True
     EngineRegistry.new = classmethod(new)
+
+
+def _record_routing(core_class: type) -> None:
+    """Record, for every pass of an MoE model's core engine (``MegatronEngine.forward_backward_batch``),
+    the routing it used (its ``routed_experts`` output: recorded, or the replayed targets) per
+    sequence with the sequence's token ids, in ``routing.jsonl``: whether the engine is forward-only
+    (a reference policy), the pass forward-only, and whether the batch carried routes to replay."""
+    original = core_class.forward_backward_batch
+    if getattr(original, "_cpu_harness", False):
+        return
+
+    def forward_backward_batch(self, batch, loss_fn=None, forward_only=False, **kwargs):
+        out = original(self, batch, loss_fn, forward_only, **kwargs)
+        routes = out.get("routed_experts", None) if "routed_experts" in out.keys() else None
+        if routes is not None and os.environ.get(REPORT_ENV):
+            pairs = zip(batch["input_ids"].unbind(), routes.unbind(), strict=True)
+            sequences = [{"ids": ids.tolist(), "routes": r.tolist()} for ids, r in pairs]
+            _report("routing", {"pid": os.getpid(), "engine_forward_only": bool(self.config.forward_only),
+                                "forward_only": bool(forward_only),
+                                "replayed": "routed_experts" in batch.keys(),
+                                "sequences": sequences})
+        return out
+
+    forward_backward_batch._cpu_harness = True
+    core_class.forward_backward_batch = forward_backward_batch
 
 
 def _install() -> None:

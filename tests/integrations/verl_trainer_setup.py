@@ -1,5 +1,5 @@
 """Assets and command line of the verl trainer test (``test_verl_trainer.py``): a tiny random Qwen2
-student and teacher with a character-level tokenizer, a parquet prompt set, and the
+student and teacher (and a Qwen3-MoE student) with a character-level tokenizer, a parquet prompt set, and the
 ``python -m verl.trainer.main_ppo`` command line: the packaged config that puts actor, reference (and
 critic) on the ``mcore_engine`` backend (the one a user passes, README "Use it from verl"), the
 overrides of a tiny fp32 CPU run, and the rollout / teacher on the harness's ``hf_cpu`` servers."""
@@ -54,6 +54,26 @@ def make_model(path: str, seed: int) -> None:
                       rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                       pad_token_id=0)
     model = Qwen2ForCausalLM(cfg)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model.save_pretrained(path)
+
+
+def make_moe_model(path: str, seed: int) -> None:
+    """A tiny random Qwen3-MoE causal LM: 2 MoE layers of 4 experts (width 32), top-2, renormalised
+    weights; the routers drawn with std 0.2 (HF's 0.02 leaves near-ties between experts)."""
+    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=88, moe_intermediate_size=32,
+                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.2)
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model.save_pretrained(path)
 
