@@ -341,7 +341,8 @@ def _same_but_vocab_rows(sh, saved_shape: tuple[int, ...]) -> bool:
 
 def _check_tensors(path: str, wanted: dict[str, Any], saved: dict[str, Any], stepped: bool) -> None:
     """Every sharded tensor of ``wanted`` (the engine's model state) is in ``saved`` with the same
-    global shape and dtype, and so are its Adam moments when the checkpoint holds optimizer state.
+    global shape and dtype, and so are its Adam moments (parameters only) when the checkpoint holds
+    optimizer state.
     Vocab-padded tensors (Megatron's ``allow_shape_mismatch``: word embeddings, output layer) may
     differ in their vocab rows only (:func:`_same_but_vocab_rows`)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -352,7 +353,8 @@ def _check_tensors(path: str, wanted: dict[str, Any], saved: dict[str, Any], ste
     for sh in nested_values(wanted):
         if not isinstance(sh, ShardedTensor):
             continue
-        moments = ("exp_avg", "exp_avg_sq") if stepped else ()
+        # buffers (a router's expert bias) have no Adam moments
+        moments = ("exp_avg", "exp_avg_sq") if stepped and getattr(sh.data, "requires_grad", True) else ()
         keys = [sh.key, *(f"optimizer.state.{s}.{sh.key}" for s in moments)]
         for key in keys:
             have = saved.get(key)

@@ -24,7 +24,9 @@ import yaml
 
 from mcore_engine.config_checks import _bools, _positive_int, _require
 from mcore_engine.lora_config import LoRAConfig
+from mcore_engine.mla_config import MLAConfig, _validate_mla_layout, _validate_mla_model
 from mcore_engine.moe_config import MoEConfig, _validate_moe_layout
+from mcore_engine.mtp_config import validate_mtp
 
 __all__ = ["EngineConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig"]
 
@@ -60,6 +62,9 @@ class ModelConfig:
     """Llama-3.x RoPE frequency scaling with this factor (Megatron's ``rope_scaling``, whose other
     parameters are fixed: ``low_freq_factor=1``, ``high_freq_factor=4``,
     ``original_max_position_embeddings=8192``); ``None`` means unscaled RoPE."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that RoPE rotates (GLM-4.5's ``partial_rotary_factor``): the
+    first ``int(d * rotary_percent)`` (even) channels, as two halves; the rest pass through."""
     normalization: str = "RMSNorm"
     """``"RMSNorm"`` or ``"LayerNorm"``."""
     norm_epsilon: float = 1e-5
@@ -90,6 +95,19 @@ class ModelConfig:
     """Mixture-of-experts layers (a mapping in YAML); ``None`` means a dense model."""
     lora: LoRAConfig | None = None
     """Low-rank adapters on a frozen base (a mapping in YAML); ``None`` means full fine-tuning."""
+    mla: MLAConfig | None = None
+    """Multi-latent attention (DeepSeek-V3; a mapping in YAML) instead of grouped-query attention;
+    ``None``: GQA."""
+    mtp_num_layers: int = 0
+    """Multi-token prediction modules (DeepSeek-V3's ``num_nextn_predict_layers``): module ``i``
+    predicts token ``t + 1 + i`` from the main trunk's hidden state and the embedding of token
+    ``t + i``. Loaded from and exported to the Hugging Face folder (as extra decoder layers
+    ``model.layers.{num_layers + i}``); 0: none."""
+    mtp_loss_scaling_factor: float = 0.0
+    """Weight of the MTP cross-entropy in the training loss, each module's loss summed over the
+    loss-mask tokens and divided by the same global token count as the main loss, then averaged over
+    modules. 0 (default): the MTP modules are kept (loaded, exported, checkpointed) but are not run
+    and do not train, so every output equals a model without them."""
     head: str = "lm"
     """Output layer of the last stage: ``"lm"`` (vocab-parallel lm-head: log-probs, entropy, ...) or
     ``"value"`` (a scalar head ``Linear(H, 1)`` with bias, replicated over tensor-parallel ranks:
@@ -131,6 +149,7 @@ class ModelConfig:
             self.lora = LoRAConfig(**self.lora)
         _require(self.lora is None or isinstance(self.lora, LoRAConfig),
                  f"ModelConfig.lora must be None, a LoRAConfig or a mapping, got {type(self.lora).__name__}")
+        self._check_rope_and_mla()
         if self.lora is not None:
             targets = self.lora.targets(self.swiglu)
             _require(self.moe is None or not {"linear_fc1", "linear_fc2"} & set(targets),
@@ -144,12 +163,36 @@ class ModelConfig:
             _require(len(self.moe.layer_freq) == self.num_layers,
                      f"MoEConfig.layer_freq has {len(self.moe.layer_freq)} entries, "
                      f"ModelConfig.num_layers is {self.num_layers}")
+        _require(isinstance(self.mtp_num_layers, int) and not isinstance(self.mtp_num_layers, bool)
+                 and self.mtp_num_layers >= 0,
+                 f"ModelConfig.mtp_num_layers must be an int >= 0, got {self.mtp_num_layers!r}")
+        f = self.mtp_loss_scaling_factor
+        _require(isinstance(f, (int, float)) and not isinstance(f, bool) and math.isfinite(f) and f >= 0,
+                 f"ModelConfig.mtp_loss_scaling_factor must be a finite number >= 0, got {f!r}")
+        _require(f == 0 or self.mtp_num_layers > 0,
+                 "ModelConfig.mtp_loss_scaling_factor > 0 needs ModelConfig.mtp_num_layers > 0")
         _require(self.head in ("lm", "value"), f"ModelConfig.head must be 'lm' or 'value', got {self.head!r}")
         _require(self.core_attention in ("sdpa", "local"),
                  f"ModelConfig.core_attention must be 'sdpa' or 'local', got {self.core_attention!r}")
         _require(not (self.head == "value" and self.fused_lm_head),
                  "ModelConfig.fused_lm_head=True needs ModelConfig.head='lm' (a value head has no "
                  "vocabulary)")
+
+    def _check_rope_and_mla(self) -> None:
+        """``rotary_percent`` and ``mla`` (a mapping becomes an ``MLAConfig``)."""
+        pct = self.rotary_percent
+        _require(isinstance(pct, (int, float)) and not isinstance(pct, bool) and 0 < pct <= 1,
+                 f"ModelConfig.rotary_percent must be a number in (0, 1], got {pct!r}")
+        d = self.kv_channels or self.hidden_size // self.num_attention_heads
+        _require(pct == 1 or (int(d * pct) >= 2 and int(d * pct) % 2 == 0),
+                 f"ModelConfig.rotary_percent ({pct}) must rotate an even number >= 2 of the {d} channels "
+                 f"per head, got int({d} * {pct}) = {int(d * pct)}")
+        if isinstance(self.mla, dict):
+            _check_keys(MLAConfig, self.mla, "ModelConfig.mla")
+            self.mla = MLAConfig(**self.mla)
+        _require(self.mla is None or isinstance(self.mla, MLAConfig),
+                 f"ModelConfig.mla must be None, an MLAConfig or a mapping, got {type(self.mla).__name__}")
+        _validate_mla_model(self)
 
     @property
     def query_groups(self) -> int:
@@ -368,10 +411,12 @@ class EngineConfig:
                  f"ParallelConfig.pipeline_model_parallel_size ({pp}) x "
                  f"ParallelConfig.virtual_pipeline_model_parallel_size ({vpp})")
         _validate_moe_layout(m, p)
+        _validate_mla_layout(m, p)
         _require(p.context_parallel_size == 1 or m.core_attention == "sdpa",
                  "ParallelConfig.context_parallel_size > 1 needs ModelConfig.core_attention='sdpa' (or "
                  "Transformer Engine): Megatron's local DotProductAttention ('local') cannot split sequences")
         self._validate_recompute(m.num_layers // (pp * vpp))
+        validate_mtp(self)
 
     def _validate_recompute(self, chunk_layers: int) -> None:
         """Recompute fields (``ValueError`` naming them); fills the ``None`` defaults of ``"full"``."""

@@ -54,11 +54,13 @@ from mcore_engine.hf import export_hf, iter_hf_tensors, load_hf_weights
 from mcore_engine.hf.export import precision_dtype
 from mcore_engine.hf.peft import write_adapter
 from mcore_engine.layers.lora import adapters_disabled
+from mcore_engine.layers.mtp import arm_mtp, pop_mtp_hidden
 from mcore_engine.layers.value_head import sequence_scores
 from mcore_engine.lm_head_outputs import check_head_flags, lm_head_outputs, merge_logits_func
 from mcore_engine.loss_guard import LossGuard
 from mcore_engine.model import build_model_chunks, is_last_stage_chunk, output_hidden_states
 from mcore_engine.moe import MoERuntime
+from mcore_engine.mtp import loss_with_mtp
 from mcore_engine.offload import HostOffloader
 from mcore_engine.ops import scale_logits_by_temperature
 from mcore_engine.optim import (
@@ -335,10 +337,14 @@ class MegatronEngine:
         flat = {k: v.reshape(-1) for k, v in outputs.items()}
         return run.loss_function(flat, loss_data(mb), run.step.ctx), (kept, None)
 
-    def _loss_func(self, run: _Pass, mb: MicroBatch, model: torch.nn.Module, output: torch.Tensor):
+    def _loss_func(self, run: _Pass, mb: MicroBatch, model: torch.nn.Module, output: torch.Tensor, *,
+                   mtp_hidden: list[torch.Tensor] | None = None):
         """Megatron's loss callback: ``(loss, num_tokens, record for gather_results)``."""
-        loss, metrics, extra = run.guard.run(partial(self._outputs_and_loss, run, mb, model, output), output,
-                                             needs_grad=run.needs_grad)
+        compute = partial(self._outputs_and_loss, run, mb, model, output)
+        if mtp_hidden is not None:  # the multi-token prediction term joins the loss, inside the guard
+            compute = partial(loss_with_mtp, compute, self.config, model, mtp_hidden, mb, run.step.ctx,
+                              self._lm_head_logits_processor)
+        loss, metrics, extra = run.guard.run(compute, output, needs_grad=run.needs_grad)
         kept, raw = extra if extra is not None else (None, None)
         record = {"index": mb.index, "loss": loss.detach(), "metrics": metrics, "outputs": kept,
                   "raw_metrics": raw}
@@ -353,9 +359,11 @@ class MegatronEngine:
             output_hidden_states(model, enable=run.step.flags.outputs_on_loss_mask_only)  # rows to select
         # the SDPA core attention masks causally by itself (no [b, 1, S, S] mask)
         mask = attention_mask(mb) if model_cfg.core_attention == "local" else None
+        # MTP modules (last stage) run in training passes only: mcore_engine.layers.mtp / mcore_engine.mtp
+        arm_mtp(model, run.needs_grad and model_cfg.mtp_loss_scaling_factor > 0)
         output = model(input_ids=inp.input_ids, position_ids=inp.position_ids,
                        attention_mask=mask, packed_seq_params=inp.packed_seq_params)
-        return output, partial(self._loss_func, run, mb, model)
+        return output, partial(self._loss_func, run, mb, model, mtp_hidden=pop_mtp_hidden(model))
 
     def _run(self, step: PreparedStep, loss_function: LossFunction | None, forward_only: bool,
              logits_processor_func: Callable | None, logits_func: Callable | None = None,
@@ -522,7 +530,8 @@ class MegatronEngine:
         """Stream ``(hf_name, full_tensor)`` for the whole model in Hugging Face names and layouts
         (TP shards gathered, vocab padding dropped; with LoRA the merged ``W + scaling B A``), or
         with ``adapter_only`` only the LoRA adapters in PEFT key names. Collective over TP and PP:
-        every model-parallel rank consumes it to the end. ``dtype`` None: the training precision. No
+        every model-parallel rank consumes it to the end. ``dtype`` None: the training precision (the
+        MoE expert biases stay fp32: they only pick experts, and rounding them changes routing). No
         tensor shares storage with a live parameter (the receiver may keep, change or ``.numpy()``
         it). Memory: one gathered parameter (``adapter_only``: the adapters)."""
         self._require_initialized()
@@ -530,7 +539,7 @@ class MegatronEngine:
         if adapter_only:
             self._require_lora("per_tensor_generator(adapter_only=True)")
             return iter_adapter_tensors(self.model, dtype=dtype or precision_dtype(self.config))
-        return iter_hf_tensors(self.model, self.config, dtype=dtype, overrides=self._merged())
+        return iter_hf_tensors(self.model, self.config, dtype=dtype, overrides=self._merged(), keep_fp32=True)
 
     def bucketed_weight_generator(self, bucket_bytes: int, dtype: torch.dtype | None = None, *,
                                   adapter_only: bool = False) -> Iterator[tuple[torch.Tensor, BucketMeta]]:

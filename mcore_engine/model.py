@@ -20,16 +20,20 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 from torch import Tensor
 
 from mcore_engine.config import EngineConfig
 from mcore_engine.layers.attention import SDPACoreAttention
+from mcore_engine.layers.mla import LatentNorm, MLASelfAttention
+from mcore_engine.layers.mtp import MTPGPTModel, freeze_untrained_mtp, mtp_block_spec
 from mcore_engine.layers.norm import with_torch_norms
 from mcore_engine.layers.value_head import ValueHead, attach_value_head
-from mcore_engine.platform import apply_cpu_device_layer, apply_moe_compat, mcore_version
+from mcore_engine.platform import apply_cpu_device_layer, apply_mla_compat, apply_moe_compat, mcore_version
 
 __all__ = ["PackedDotProductAttention", "build_model_chunks", "build_transformer_config", "has_te",
            "apply_output_layer", "is_last_stage_chunk", "lm_head_weight", "output_hidden_states",
@@ -89,7 +93,8 @@ class PackedDotProductAttention(DotProductAttention):
 
 def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
     """Megatron-Core ``TransformerConfig`` for ``cfg`` (no dropout, no bias but QKV's, RoPE, the
-    recompute fields).
+    recompute fields); an ``MLATransformerConfig`` with ``model.mla`` (its latent norms are the
+    config's ``qk_layernorm``).
     """
     m, p = cfg.model, cfg.parallel
     on_gpu = torch.cuda.is_available()
@@ -97,7 +102,8 @@ def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
         raise ValueError("EngineConfig.recompute_modules 'layernorm' needs Transformer Engine (GPU): "
                          "Megatron's norm recompute reads its FP8 state; use 'core_attn' / 'mlp'")
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-    return TransformerConfig(
+    config_cls = TransformerConfig if m.mla is None else MLATransformerConfig
+    return config_cls(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
@@ -110,7 +116,7 @@ def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
         activation_func=F.silu if m.swiglu else F.gelu,
         add_bias_linear=False,
         add_qkv_bias=m.add_qkv_bias,
-        qk_layernorm=m.qk_layernorm,
+        qk_layernorm=_qk_layernorm(cfg),
         init_method_std=m.init_method_std,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -130,10 +136,13 @@ def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
         expert_model_parallel_size=p.expert_model_parallel_size,
         expert_tensor_parallel_size=p.expert_tensor_size,
         **_moe_config_kwargs(cfg),
+        **_mla_config_kwargs(cfg),
         recompute_granularity=cfg.recompute_granularity,  # EngineConfig has resolved "full"'s defaults
         recompute_method=cfg.recompute_method,
         recompute_num_layers=cfg.recompute_num_layers,
         recompute_modules=list(cfg.recompute_modules or ["core_attn"]),
+        mtp_num_layers=m.mtp_num_layers or None,  # the loss: mcore_engine.mtp (Megatron's is not run)
+        mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
         bf16=cfg.precision == "bf16",
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -149,7 +158,11 @@ def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
 
 def _moe_config_kwargs(cfg: EngineConfig) -> dict:
     """``TransformerConfig`` MoE arguments for ``cfg.model.moe``. Routing
-    replay is always built (``RouterReplay`` per router; idle until ``mcore_engine.moe`` arms it)."""
+    replay is always built (``RouterReplay`` per router; idle until ``mcore_engine.moe`` arms it).
+    Routing follows the checkpoints (``apply_moe_compat``: grouped top-k by each group's top-2 scores,
+    sigmoid weights renormalised unless ``router_pre_softmax``). The expert bias is a router buffer;
+    its update (``moe_router_bias_update_rate``) is run by ``mcore_engine.moe`` after a step succeeds,
+    not by Megatron's ``finalize_model_grads``."""
     moe = cfg.model.moe
     if moe is None:  # unused; the default dispatcher rejects variable lengths
         return {"moe_token_dispatcher_type": "alltoall"}
@@ -168,6 +181,10 @@ def _moe_config_kwargs(cfg: EngineConfig) -> dict:
         moe_router_pre_softmax=moe.router_pre_softmax,
         moe_router_topk_scaling_factor=moe.router_topk_scaling_factor,
         moe_router_dtype=moe.router_dtype,
+        moe_router_num_groups=moe.router_num_groups,
+        moe_router_group_topk=moe.router_group_topk,
+        moe_router_enable_expert_bias=moe.router_expert_bias,
+        moe_router_bias_update_rate=moe.router_bias_update_rate,
         moe_router_load_balancing_type=moe.aux_loss_type,
         moe_aux_loss_coeff=_aux_loss_coeff(cfg),
         moe_z_loss_coeff=_z_loss_coeff(cfg),
@@ -179,6 +196,32 @@ def _moe_config_kwargs(cfg: EngineConfig) -> dict:
         moe_enable_routing_replay=True,
         moe_permute_fusion=False,
         moe_router_fusion=False,
+    )
+
+
+def _mla_config_kwargs(cfg: EngineConfig) -> dict:
+    """``MLATransformerConfig`` arguments for ``cfg.model.mla`` (none without it). The softmax scale
+    ``mscale(rotary_scaling_factor, mscale_all_dim)^2 / sqrt(q_head_dim)`` is Megatron's for both RoPE
+    types: ``MLAConfig`` keeps the YaRN fields at their neutral defaults for ``rope``."""
+    mla = cfg.model.mla
+    if mla is None:
+        return {}
+    apply_mla_compat()
+    return dict(
+        q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_head_dim,
+        qk_pos_emb_head_dim=mla.qk_pos_emb_head_dim,
+        v_head_dim=mla.v_head_dim,
+        rope_type=mla.rope_type,
+        rotary_base=cfg.model.rotary_base,
+        rotary_percent=1.0,
+        rotary_scaling_factor=mla.rotary_scaling_factor,
+        original_max_position_embeddings=mla.original_max_position_embeddings,
+        beta_fast=mla.beta_fast,
+        beta_slow=mla.beta_slow,
+        mscale=mla.mscale,
+        mscale_all_dim=mla.mscale_all_dim,
     )
 
 
@@ -222,25 +265,34 @@ def _has_grouped_gemm() -> bool:
 def _decoder_spec(cfg: EngineConfig, config: TransformerConfig, vp_stage: int | None):
     """The layer spec (Transformer Engine, dense) or this stage's block spec: the local layer spec
     repeated (dense) or Megatron's ``get_gpt_decoder_block_spec`` (MoE: dense and ``MoELayer`` layers
-    by ``moe.layer_freq``); local specs get :class:`~mcore_engine.layers.norm.TorchNorm` norms (sequence
-    parallel capable) and the core attention of ``model.core_attention``."""
+    by ``moe.layer_freq``; ``MLASelfAttention`` layers when ``config.multi_latent_attention``); local
+    specs get :class:`~mcore_engine.layers.norm.TorchNorm` norms (sequence parallel capable), the core
+    attention of ``model.core_attention`` and, with MLA, the TP-exact
+    :class:`~mcore_engine.layers.mla.MLASelfAttention` and its
+    :class:`~mcore_engine.layers.mla.LatentNorm` latent norms."""
     te = has_te()
     if cfg.model.moe is None:
         if te:
             return _layer_spec(cfg)
-        layer = _layer_spec(cfg)
-        block = TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage),
-                                           layer_norm=WrappedTorchNorm)
-        return with_torch_norms(block)
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+        block = TransformerBlockSubmodules(
+            layer_specs=[_layer_spec(cfg)] * get_num_layers_to_build(config, vp_stage),
+            layer_norm=WrappedTorchNorm)
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=te,
-                                       normalization=cfg.model.normalization, vp_stage=vp_stage)
-    if not te:
-        for spec in {id(s): s for s in block.layer_specs}.values():
-            spec.submodules.self_attention.submodules.core_attention = _core_attention(cfg)
-        with_torch_norms(block)
-    return block
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=te,
+                                           normalization=cfg.model.normalization, vp_stage=vp_stage)
+        if te:
+            return block
+    for spec in {id(s): s for s in block.layer_specs}.values():
+        attention = spec.submodules.self_attention.submodules
+        attention.core_attention = _core_attention(cfg)
+        if cfg.model.mla is not None:
+            spec.submodules.self_attention.module = MLASelfAttention
+            # without q LoRA the kv latent norm is MLASelfAttention's own (see _qk_layernorm)
+            norm = IdentityOp if cfg.model.mla.q_lora_rank is None else LatentNorm
+            attention.q_layernorm = attention.kv_layernorm = norm
+    return with_torch_norms(block)
 
 
 def _core_attention(cfg: EngineConfig) -> type:
@@ -248,15 +300,26 @@ def _core_attention(cfg: EngineConfig) -> type:
     return SDPACoreAttention if cfg.model.core_attention == "sdpa" else PackedDotProductAttention
 
 
-def _layer_spec(cfg: EngineConfig) -> ModuleSpec:
+def _qk_layernorm(cfg: EngineConfig) -> bool:
+    """Megatron's ``qk_layernorm``: ``model.qk_layernorm``; with MLA the latent norms, always on with
+    Transformer Engine (fused into the up projections) and on the local spec with q LoRA. Without q
+    LoRA the local spec leaves it off and :class:`~mcore_engine.layers.mla.MLASelfAttention` builds its
+    kv latent norm itself: Megatron-Core 0.19 reads ``qk_layernorm`` as "a query norm too", which MLA
+    without q LoRA does not have (0.16 builds the kv norm from the spec either way)."""
     m = cfg.model
+    return m.qk_layernorm or (m.mla is not None and (m.mla.q_lora_rank is not None or has_te()))
+
+
+def _layer_spec(cfg: EngineConfig) -> ModuleSpec:
+    """One decoder layer's spec (Transformer Engine's when it imports, else the local one), MLA when
+    ``model.mla`` is set (its latent norms are Megatron's ``qk_layernorm``)."""
+    m = cfg.model
+    kwargs = dict(qk_layernorm=_qk_layernorm(cfg), multi_latent_attention=m.mla is not None)
     if has_te():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=m.qk_layernorm)
-    spec = get_gpt_layer_local_spec(qk_layernorm=m.qk_layernorm, normalization=m.normalization)
-    spec.submodules.self_attention.submodules.core_attention = _core_attention(cfg)
-    return spec
+        return get_gpt_layer_with_transformer_engine_spec(**kwargs)
+    return get_gpt_layer_local_spec(normalization=m.normalization, **kwargs)
 
 
 def build_model_chunks(cfg: EngineConfig) -> list[GPTModel]:
@@ -280,9 +343,11 @@ def build_model_chunks(cfg: EngineConfig) -> list[GPTModel]:
     chunks = []
     for stage in range(vpp or 1):
         vp_stage = stage if vpp is not None else None
-        model = GPTModel(
+        spec = _decoder_spec(cfg, config, vp_stage)
+        mtp_spec = mtp_block_spec(config, spec, vp_stage, te=has_te())  # None but on the last stage
+        model = (GPTModel if mtp_spec is None else MTPGPTModel)(
             config=config,
-            transformer_layer_spec=_decoder_spec(cfg, config, vp_stage),
+            transformer_layer_spec=spec,
             vocab_size=vocab,
             max_sequence_length=cfg.model.max_sequence_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -293,8 +358,11 @@ def build_model_chunks(cfg: EngineConfig) -> list[GPTModel]:
             rotary_base=cfg.model.rotary_base,
             rope_scaling=cfg.model.rope_scaling_factor is not None,
             rope_scaling_factor=cfg.model.rope_scaling_factor or 8.0,  # 8.0: GPTModel's unused default
+            rotary_percent=cfg.model.rotary_percent,
             vp_stage=vp_stage,
+            mtp_block_spec=mtp_spec,
         )
+        freeze_untrained_mtp(model, cfg.model.mtp_loss_scaling_factor)
         if cfg.model.head == "value" and model.post_process:
             attach_value_head(model, cfg)  # mcore_engine.layers.value_head: replicated Linear(H, 1)
         _cast_params(model, config.params_dtype)

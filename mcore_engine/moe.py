@@ -29,6 +29,21 @@ records each token's top-k expert ids per MoE layer and returns them as the per-
 scores gathered at the given ids, so the gradient reaches the router through them only).
 Memory: ``tokens x L_moe x k`` int64 per step.
 
+Expert bias (aux-loss-free balancing, ``MoEConfig.router_expert_bias``). Each router's
+``expert_bias`` ``[E]`` (a buffer) shifts the top-k choice only (:mod:`mcore_engine.layers.router`).
+With ``router_bias_update_rate`` > 0, a training pass that succeeded (its loss guard passed) ends
+with Megatron's update::
+
+    n = sum over TP x CP x DP of each rank's routed real tokens per expert    # [L, E], this pass
+    b += rate * sign(mean_e(n) - n)
+
+``n`` is counted by the routers while gradients are enabled (once per token: a recomputed forward
+counts, its no-grad first run does not; padding is masked), zeroed at the start of every training
+pass (forward-only passes never count towards an update). The update is scale-free, so a layout that
+counts every token ``tp`` times (TP without SP) would update alike; with SP / CP each rank counts its
+share. Megatron's ``finalize_model_grads`` would update before the loss guard's verdict, so the
+engine takes the update over (a failed pass leaves the bias unchanged; rate 0 never touches it).
+
 Sequence parallelism: each TP rank routes its ``s / tp`` slice of every micro-batch (router order is
 s-major, so a contiguous block of rows); replay targets are cut to it, each rank records its block
 and the blocks and router statistics are summed over TP.
@@ -43,6 +58,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from tensordict import TensorDictBase
@@ -133,15 +149,24 @@ class MoERuntime:
         self.num_moe_layers = sum(pattern)
         self.chunk_routers: list[list[tuple[int, TopKRouter]]] = []
         for chunk in chunks:
-            routers = sorted(((m.layer_number - 1, m) for m in chunk.modules() if isinstance(m, TopKRouter)),
-                             key=lambda item: item[0])
+            routers = sorted(((m.layer_number - 1, m) for m in chunk.decoder.modules()
+                              if isinstance(m, TopKRouter)), key=lambda item: item[0])
             self.chunk_routers.append([(self.moe_index[layer], r) for layer, r in routers])
-            for _, router in routers:  # read at construction; the engine's loss is per token
+            # every router, the MTP modules' too (those route freely: no replay, no routed_experts, no
+            # router metrics); read at construction; the engine's loss is per token
+            for router in (m for m in chunk.modules() if isinstance(m, TopKRouter)):
                 router.calculate_per_token_loss = True
-        ours = {id(r.router_replay) for routers in self.chunk_routers for _, r in routers}
+        ours = {id(m.router_replay) for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)}
         RouterReplay.global_router_replay_instances[:] = [
             r for r in RouterReplay.global_router_replay_instances if id(r) not in ours]
         _install_step_scale()
+        # aux-loss-free balancing: the engine runs the expert-bias update (module docstring), so
+        # Megatron's finalize_model_grads must not (it reads this flag; the routers read it at build)
+        self._bias_routers = [m for chunk in chunks for m in chunk.modules()
+                              if isinstance(m, TopKRouter) and getattr(m, "expert_bias", None) is not None]
+        for chunk in chunks:
+            chunk.config.moe_router_enable_expert_bias = False
+        self._bias_rate = moe.router_bias_update_rate
         self._queues: list[deque] = [deque() for _ in chunks]
         self._active: list[Any] = [None for _ in chunks]
         self._armed = False
@@ -212,6 +237,9 @@ class MoERuntime:
         moe_utils.clear_aux_losses_tracker()
         self._step = step
         self._training = training
+        if training:  # tokens counted outside a training pass (forward-only with grad) do not count
+            for router in self._bias_routers:
+                router.local_tokens_per_expert.zero_()
         self._armed = True
 
     def _stage_targets(self, mb: Any) -> torch.Tensor:
@@ -247,6 +275,8 @@ class MoERuntime:
         filled on every rank: one SUM over the pipeline group) and the step's metrics (collective
         over PP and DP)."""
         step = self._step
+        if self._training:
+            self._update_expert_bias()
         pp_group = parallel_state.get_pipeline_model_parallel_group()
         per_mb = []
         flat = []
@@ -268,6 +298,18 @@ class MoERuntime:
             start += rows * cols
             per_mb.append({ROUTING_KEY: _from_router_order(part, rows, cols)})
         return per_mb, self._metrics(pp_group)
+
+    def _update_expert_bias(self) -> None:
+        """Megatron's aux-loss-free update of every expert bias from this pass's token counts (one
+        all-reduce of ``[L, E]`` over TP x CP x DP); nothing at rate 0 or without biases."""
+        if self._bias_rate == 0 or not self._bias_routers:
+            return
+        counts = torch.stack([r.local_tokens_per_expert for r in self._bias_routers])
+        biases = torch.stack([r.expert_bias for r in self._bias_routers])
+        updated = get_updated_expert_bias(counts, biases, self._bias_rate)
+        for router, bias in zip(self._bias_routers, updated, strict=True):
+            router.expert_bias.copy_(bias)
+            router.local_tokens_per_expert.zero_()
 
     def _metrics(self, pp_group: Any) -> dict[str, float]:
         moe = self.cfg.model.moe

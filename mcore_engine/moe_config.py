@@ -27,11 +27,13 @@ class MoEConfig:
 
         s = softmax(z) (or sigmoid(z))                         # scores over all experts
         ids = topk(s, k)                                       # router_topk experts
-        w = s[ids] / s[ids].sum() unless router_pre_softmax    # (sigmoid: always renormalised)
+        w = s[ids] / s[ids].sum() unless router_pre_softmax    # (any k; + 1e-20 for sigmoid)
         y = sum_i w_i * scaling * expert_{ids_i}(x) (+ shared expert)
 
-    HF mapping: ``norm_topk_prob=True`` (Qwen3-MoE, Mixtral) is ``router_pre_softmax=False``;
-    ``norm_topk_prob=False`` (Qwen2-MoE) is ``router_pre_softmax=True``.
+    HF mapping: ``norm_topk_prob=True`` (Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5) is
+    ``router_pre_softmax=False``; ``norm_topk_prob=False`` (Qwen2-MoE) is ``router_pre_softmax=True``,
+    with sigmoid scores too (``mcore_engine.layers.router``; Megatron-Core alone would renormalise
+    sigmoid weights for k > 1 and never for k = 1).
     """
 
     num_experts: int
@@ -50,8 +52,8 @@ class MoEConfig:
     router_score_function: str = "softmax"
     """``"softmax"`` or ``"sigmoid"``."""
     router_pre_softmax: bool = False
-    """Softmax over all experts before the top-k without renormalising the k weights (see above);
-    required for k = 1 with softmax scores."""
+    """Scores over all experts before the top-k, the k weights not renormalised (see above; sigmoid
+    scores: HF ``norm_topk_prob=False``); required for k = 1 with softmax scores."""
     router_topk_scaling_factor: float | None = None
     """Multiply the k routing weights by this factor; ``None`` means 1."""
     router_dtype: str | None = "fp32"
@@ -75,6 +77,21 @@ class MoEConfig:
     expert-parallel group: only without expert or pipeline parallelism here)."""
     grouped_gemm: bool = False
     """Grouped-GEMM experts (``TEGroupedMLP``; needs Transformer Engine) instead of ``SequentialMLP``."""
+    router_num_groups: int | None = None
+    """Grouped (node-limited) routing, DeepSeek-V3's ``n_group``: the E experts form this many equal
+    groups; ``None``: no groups."""
+    router_group_topk: int | None = None
+    """Groups a token may use (``topk_group``). A group's score is the sum of its top-2 (bias-corrected)
+    expert scores, whatever ``router_topk`` is: the rule of DeepSeek-V3 and of ``transformers``."""
+    router_expert_bias: bool = False
+    """Aux-loss-free balancing (DeepSeek-V3's ``e_score_correction_bias``): a per-expert bias ``[E]``
+    added to the scores for the top-k choice only (the weights use the unbiased scores); a buffer
+    that loads, exports and checkpoints like a weight. Needs sigmoid scores."""
+    router_bias_update_rate: float = 0.0
+    """Per-step update of the expert bias, ``b += rate * sign(mean load - load)`` from each step's
+    tokens per expert summed over the data-parallel ranks (Megatron's
+    ``moe_router_bias_update_rate``). 0 (default): the bias stays as loaded, the usual choice for RL
+    fine-tuning."""
 
     def __post_init__(self) -> None:
         _positive_int(self, "num_experts", "router_topk")
@@ -128,6 +145,32 @@ class MoEConfig:
                  "pad_expert_input_to_capacity must be bools")
         _require(not self.shared_expert_gate or self.shared_expert_ffn_hidden_size is not None,
                  "MoEConfig.shared_expert_gate needs MoEConfig.shared_expert_ffn_hidden_size")
+        self._check_routing_groups()
+
+    def _check_routing_groups(self) -> None:
+        groups, group_topk = self.router_num_groups, self.router_group_topk
+        _require((groups is None) == (group_topk is None),
+                 "MoEConfig.router_num_groups and MoEConfig.router_group_topk are set together")
+        if groups is not None:
+            _positive_int(self, "router_num_groups", "router_group_topk")
+            _require(self.num_experts % groups == 0 and self.num_experts // groups >= 2,
+                     f"MoEConfig.router_num_groups ({groups}) must divide MoEConfig.num_experts "
+                     f"({self.num_experts}) into groups of at least 2 experts")
+            _require(group_topk <= groups,
+                     f"MoEConfig.router_group_topk ({group_topk}) must be <= MoEConfig.router_num_groups "
+                     f"({groups})")
+            _require(self.router_topk <= group_topk * (self.num_experts // groups),
+                     f"MoEConfig.router_topk ({self.router_topk}) must be <= the experts of "
+                     f"router_group_topk groups ({group_topk * (self.num_experts // groups)})")
+        _bools(self, "router_expert_bias")
+        _require(not self.router_expert_bias or self.router_score_function == "sigmoid",
+                 "MoEConfig.router_expert_bias needs MoEConfig.router_score_function='sigmoid'")
+        rate = self.router_bias_update_rate
+        _require(isinstance(rate, (int, float)) and not isinstance(rate, bool) and math.isfinite(rate)
+                 and rate >= 0,
+                 f"MoEConfig.router_bias_update_rate must be a finite number >= 0, got {rate!r}")
+        _require(rate == 0 or self.router_expert_bias,
+                 "MoEConfig.router_bias_update_rate > 0 needs MoEConfig.router_expert_bias=True")
 
     def layer_pattern(self, num_layers: int) -> list[int]:
         """1 for each MoE layer, 0 for each dense one (``num_layers`` entries)."""

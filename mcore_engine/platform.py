@@ -10,6 +10,7 @@ Without CUDA, :func:`apply_cpu_device_layer` runs Megatron-Core 0.16's CUDA call
 4. A ``TorchFunctionMode`` maps ``device='cuda'`` / ``device=<int>`` / ``.to('cuda')`` to the CPU,
    drops ``pin_memory`` and keeps the ``torch.cuda.`` prefix of ``Tensor.type()``; ~1-2 us a call.
 5. MoE and sequence parallelism on gloo: :func:`apply_moe_compat`.
+6. Multi-latent attention without Transformer Engine: :func:`apply_mla_compat`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from torch.overrides import TorchFunctionMode
 from mcore_engine.config import ParallelConfig
 from mcore_engine.gloo_collectives import apply_gloo_collectives
 
-__all__ = ["Device", "apply_cpu_device_layer", "apply_moe_compat", "cpu_device_layer_active",
+__all__ = ["Device", "apply_cpu_device_layer", "apply_mla_compat", "apply_moe_compat",
+           "cpu_device_layer_active",
            "destroy_distributed",
            "get_device", "init_distributed", "mcore_version", "quiet_cpu_warnings", "seed_everything"]
 
@@ -171,18 +173,46 @@ _MOE_COMPAT = False
 
 
 def apply_moe_compat() -> None:
-    """Megatron-Core 0.16 MoE without Transformer Engine / on gloo; idempotent. Binds
-    ``moe_utils.te_general_gemm`` to ``None`` (the router's torch path) and, CPU only, installs
+    """Megatron-Core 0.16 MoE without Transformer Engine / on gloo, and routing as the checkpoints
+    route; idempotent. Binds ``moe_utils.te_general_gemm`` to ``None`` (the router's torch path),
+    installs the checkpoints' routing (:mod:`mcore_engine.layers.router`: DeepSeek-V3's grouped top-k,
+    sigmoid weights renormalised unless ``moe_router_pre_softmax``, on CPU and GPU) and, CPU only,
     :mod:`mcore_engine.gloo_collectives` (split sizes as lists, unequal all-gathers)."""
     global _MOE_COMPAT
     if _MOE_COMPAT:
         return
     from megatron.core.transformer.moe import moe_utils
 
+    from mcore_engine.layers.router import install_checkpoint_routing
+
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    install_checkpoint_routing()
     apply_gloo_collectives()
     _MOE_COMPAT = True
+
+
+_MLA_COMPAT = False
+
+
+def apply_mla_compat() -> None:
+    """Megatron-Core 0.16 multi-latent attention without Transformer Engine; idempotent, a no-op when
+    TE imports. Without TE, ``megatron.core.extensions.transformer_engine`` binds ``MagicMock``
+    stand-ins, so ``multi_latent_attention`` imports them and sets ``HAVE_TE = True``; its
+    ``isinstance(self.linear_proj, TELinear)`` then raises ``TypeError``. This sets that module's
+    ``HAVE_TE`` to False and its TE names to ``None`` (what its own ``ImportError`` branch binds). MLA's
+    rotary tables are placed by ``torch.cuda.current_device()``: :func:`apply_cpu_device_layer` on CPU."""
+    global _MLA_COMPAT
+    if _MLA_COMPAT:
+        return
+    from megatron.core.extensions import transformer_engine as te_ext
+
+    if not te_ext.HAVE_TE:
+        from megatron.core.transformer import multi_latent_attention as mla
+
+        mla.HAVE_TE = False
+        mla.TEColumnParallelLinear = mla.TELinear = mla.Linear = mla.set_save_original_input = None
+    _MLA_COMPAT = True
 
 
 def mcore_version() -> tuple[int, int]:

@@ -285,7 +285,8 @@ def test_only_vocab_rows_may_differ():
         out = {}
         for name, shape, vocab in (("emb", (rows, cols), True), ("w", (other, cols), False)):
             for key in (name, f"optimizer.state.exp_avg.{name}", f"optimizer.state.exp_avg_sq.{name}"):
-                out[key] = ShardedTensor.from_rank_offsets(key, torch.zeros(shape), replica_id=0)
+                param = torch.zeros(shape, requires_grad=True)  # a parameter: Adam moments expected
+                out[key] = ShardedTensor.from_rank_offsets(key, param, replica_id=0)
                 out[key].allow_shape_mismatch = vocab
         return out
 

@@ -26,6 +26,7 @@ from mcore_engine.hf.checkpoint_io import ShardedSafetensorsWriter
 from mcore_engine.hf.hf_config import read_hf_config, to_hf_config
 from mcore_engine.hf.layout import hf_from_gathered
 from mcore_engine.hf.mapping import hf_shapes, iter_units, model_units, unit_rule
+from mcore_engine.hf.mtp_names import mtp_aliases
 
 
 def precision_dtype(cfg: EngineConfig) -> torch.dtype:
@@ -58,10 +59,11 @@ def _stage_key(unit: str) -> str:
 
 def iter_hf_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, *,
                     dtype: torch.dtype | None = None,
-                    overrides: Mapping[int, Callable[[], torch.Tensor]] | None = None
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
+                    overrides: Mapping[int, Callable[[], torch.Tensor]] | None = None,
+                    keep_fp32: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, tensor)`` for the whole model in checkpoint order, on the parameters' device, in
-    ``dtype`` (None: ``cfg.precision``; fp32 norms of a bf16 model are cast). Collective over the
+    ``dtype`` (None: ``cfg.precision``; fp32 norms of a bf16 model are cast; ``keep_fp32``: the
+    tensors of ``TensorRule.fp32`` rules, the expert biases, stay fp32). Collective over the
     tensor-, pipeline- and (MoE) expert-parallel groups.
 
     A routed expert's weight is gathered over the expert-tensor-parallel group on the
@@ -138,8 +140,10 @@ def iter_hf_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, 
             if pp_size > 1:
                 t = receive(name, key, src) if t is None else t.contiguous()
                 dist.broadcast(t, src=dist.get_global_rank(pp_group, src), group=pp_group)
-            t = t.to(dtype)
+            t = t.to(torch.float32 if keep_fp32 and rule.fp32 else dtype)
             yield name, t.clone() if t.untyped_storage()._cdata in live else t
+            for alias in mtp_aliases(name, model_cfg):  # the MTP modules' copies of the shared weights
+                yield alias, t.clone()
 
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
@@ -160,6 +164,7 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, out_di
               overrides: Mapping[int, Callable[[], torch.Tensor]] | None = None) -> None:
     """Write ``out_dir`` (shards of at most ``max_shard_bytes`` + ``config.json``) from global rank 0,
     memory one shard; call on every rank. ``cfg.model.hf_path`` supplies token ids and tokenizer files.
+    Tensors are in ``dtype`` (None: ``cfg.precision``) but the expert biases, which stay fp32.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     writer = ShardedSafetensorsWriter(out_dir, max_shard_bytes) if rank == 0 else None
@@ -169,7 +174,8 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, out_di
     first = (parallel_state.get_data_parallel_rank() if cfg.model.moe is None
              else parallel_state.get_expert_data_parallel_rank())
     if first == 0:
-        for name, tensor in iter_hf_tensors(model_chunks, cfg, dtype=dtype, overrides=overrides):
+        for name, tensor in iter_hf_tensors(model_chunks, cfg, dtype=dtype, overrides=overrides,
+                                            keep_fp32=True):
             if writer is not None:
                 writer.add(name, tensor)
     if writer is not None:

@@ -1,6 +1,7 @@
 """Hugging Face ``config.json`` <-> ``ModelConfig``: the families of ``ARCHITECTURES``, RoPE (default
-and Llama-3 scaling) and the MoE fields of Qwen2-MoE / Qwen3-MoE / Mixtral; ``ValueError`` naming the
-field for what the other side cannot express. The tensor-name rules are in ``mapping``.
+and Llama-3 scaling) and the MoE fields of Qwen2-MoE / Qwen3-MoE / Mixtral; DeepSeek-V3 (MLA, YaRN)
+and GLM-4.5 (partial RoPE) with their sigmoid-routed MoE in ``deepseek_config``; ``ValueError`` naming
+the field for what the other side cannot express. The tensor-name rules are in ``mapping``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from mcore_engine.config import ModelConfig
+from mcore_engine.hf.deepseek_config import SIGMOID_MOE_FAMILIES, deepseek_from_hf, deepseek_to_hf
 from mcore_engine.hf.mapping import _MOE_NAMES, head_dim, model_family
 
 ARCHITECTURES: dict[str, str] = {
@@ -23,6 +25,8 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "DeepseekV3ForCausalLM": "deepseek_v3",  # also Kimi-K2 and Moonlight folders
+    "Glm4MoeForCausalLM": "glm4_moe",
     "LlamaForTokenClassification": "llama",
     "Qwen2ForTokenClassification": "qwen2",
     "Qwen3ForTokenClassification": "qwen3",
@@ -41,8 +45,8 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def hf_family(hf_config: Mapping[str, Any]) -> str:
-    """'llama' | 'qwen2' | 'qwen3' | 'qwen2_moe' | 'qwen3_moe' | 'mixtral' from ``architectures`` (or
-    ``model_type``); ValueError otherwise."""
+    """'llama' | 'qwen2' | 'qwen3' | 'qwen2_moe' | 'qwen3_moe' | 'mixtral' | 'deepseek_v3' | 'glm4_moe'
+    from ``architectures`` (or ``model_type``); ValueError otherwise."""
     archs = hf_config.get("architectures") or []
     for arch in archs:
         if arch in ARCHITECTURES:
@@ -69,15 +73,18 @@ def is_token_classification(hf_config: Mapping[str, Any]) -> bool:
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def _rope(hf_config: Mapping[str, Any]) -> tuple[float, float | None]:
+def _rope(hf_config: Mapping[str, Any], family: str) -> tuple[float, float | None]:
     """(rope theta, Llama-3 scaling factor or None) from ``rope_parameters`` or the legacy keys;
-    ``ValueError`` for what Megatron cannot do.
+    ``ValueError`` for what Megatron cannot do. DeepSeek-V3's scaling (YaRN) is ``MLAConfig``'s.
     """
     params = {**(hf_config.get("rope_scaling") or {}), **(hf_config.get("rope_parameters") or {})}
     rope_type = params.get("rope_type") or params.get("type") or "default"
     theta = float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
-    if rope_type == "default":
+    if rope_type == "default" or family == "deepseek_v3":
         return theta, None
+    if family == "glm4_moe":
+        raise ValueError(f"rope_scaling: rope type {rope_type!r} is not supported for GLM-4.5 (only "
+                         "'default', partial)")
     if rope_type != "llama3":
         raise ValueError(f"rope_scaling: rope type {rope_type!r} is not supported (only 'default' and "
                          "'llama3' RoPE)")
@@ -131,6 +138,9 @@ def _moe_to_hf(cfg: ModelConfig, family: str, base: Mapping[str, Any] | None) ->
     cannot express)."""
     moe = cfg.moe
     pattern = moe.layer_pattern(cfg.num_layers)
+    if moe.router_num_groups is not None or moe.router_expert_bias:
+        raise ValueError("MoEConfig.router_num_groups / router_expert_bias: grouped routing and the expert "
+                         f"bias are DeepSeek-V3 / GLM-4.5's (sigmoid scores); this model maps to {family}")
     if moe.router_score_function != "softmax" or moe.router_topk_scaling_factor not in (None, 1.0):
         raise ValueError("MoEConfig.router_score_function / router_topk_scaling_factor: Hugging Face "
                          f"{family} routes by softmax without scaling")
@@ -173,11 +183,13 @@ def from_hf_config(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfi
         raise ValueError(f"hidden_act: {hf_config['hidden_act']!r} is not supported (expected 'silu')")
     if hf_config.get("mlp_bias"):
         raise ValueError("mlp_bias: MLP biases are not supported")
-    if family not in ("qwen2", "qwen2_moe") and hf_config.get("attention_bias"):
+    if family not in ("qwen2", "qwen2_moe", "glm4_moe") and hf_config.get("attention_bias"):
         raise ValueError("attention_bias: the output-projection bias it implies is not supported")
     if hf_config.get("use_sliding_window"):
         raise ValueError("use_sliding_window: sliding-window attention is not supported")
-    theta, rope_factor = _rope(hf_config)
+    if family != "glm4_moe" and float(hf_config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"partial_rotary_factor: partial RoPE is supported for GLM-4.5 only, not {family}")
+    theta, rope_factor = _rope(hf_config, family)
     fields: dict[str, Any] = dict(
         num_layers=int(hf_config["num_hidden_layers"]),
         hidden_size=hidden,
@@ -197,9 +209,11 @@ def from_hf_config(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfi
         init_method_std=float(hf_config.get("initializer_range", 0.02)),
     )
     d = hf_config.get("head_dim") or hidden // heads
-    if d != hidden // heads or hidden % heads:
+    if family != "deepseek_v3" and (d != hidden // heads or hidden % heads):  # (MLA: the RoPE dims)
         fields["kv_channels"] = int(d)
-    if family in _MOE_NAMES:
+    if family in SIGMOID_MOE_FAMILIES:
+        fields.update(deepseek_from_hf(hf_config, family))
+    elif family in _MOE_NAMES:
         fields.update(_moe_from_hf(hf_config, family))
     if is_token_classification(hf_config):
         fields["head"] = "value"
@@ -215,6 +229,9 @@ def to_hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
     if cfg.normalization != "RMSNorm" or not cfg.swiglu:
         raise ValueError("cfg: only RMSNorm + SwiGLU models map to Llama/Qwen2/Qwen3 and their MoE families")
     family = model_family(cfg)
+    if cfg.rotary_percent != 1.0 and family != "glm4_moe":
+        raise ValueError(f"ModelConfig.rotary_percent: partial RoPE maps to GLM-4.5 only (MoE with sigmoid "
+                         f"scores); this model maps to {family}")
     if base is not None and hf_family(base) != family:
         base = None  # the source describes another family: do not carry its fields over
     arch = next(a for a, f in ARCHITECTURES.items() if f == family)
@@ -237,12 +254,14 @@ def to_hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
                    tie_word_embeddings=False, token_classification_bias=True)
     if family == "llama":
         out.update(attention_bias=False, mlp_bias=False)
-    elif family != "mixtral":
+    elif family not in ("mixtral", *SIGMOID_MOE_FAMILIES):
         out.update(use_sliding_window=False,
                    **({"attention_bias": False} if family in ("qwen3", "qwen3_moe") else {}))
-    if cfg.moe is not None:
-        if cfg.head == "value":
-            raise ValueError("model.head: a value head on an MoE model has no Hugging Face class here")
+    if cfg.moe is not None and cfg.head == "value":
+        raise ValueError("model.head: a value head on an MoE model has no Hugging Face class here")
+    if family in SIGMOID_MOE_FAMILIES:  # (refuses a DeepSeek-V3 without MoE)
+        out.update(deepseek_to_hf(cfg, family))
+    elif cfg.moe is not None:
         out.update(_moe_to_hf(cfg, family, base))
     return out
 

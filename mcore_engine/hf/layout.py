@@ -48,6 +48,9 @@ def shard_from_hf(rule: TensorRule, read: Reader, cfg: ModelConfig, tp_rank: int
     if rule.kind == "row":
         n = local_shape[1]
         return read(names[0], 1, tp_rank * n, (tp_rank + 1) * n)
+    if rule.kind == "column":
+        n = local_shape[0]
+        return read(names[0], 0, tp_rank * n, (tp_rank + 1) * n)
     if rule.kind == "gate_up":
         n = local_shape[0] // 2
         return torch.cat([read(name, 0, tp_rank * n, (tp_rank + 1) * n) for name in names])
@@ -71,11 +74,11 @@ def shard_from_hf(rule: TensorRule, read: Reader, cfg: ModelConfig, tp_rank: int
 
 def hf_from_gathered(rule: TensorRule, full: torch.Tensor, cfg: ModelConfig,
                      tp_size: int) -> list[tuple[str, torch.Tensor]]:
-    """Hugging Face ``(name, tensor)`` pairs from the gathered ``full``: replicated and row tensors as
-    ``full``, vocab as the view ``full[:vocab_size]``, qkv and gate/up as one new copy.
+    """Hugging Face ``(name, tensor)`` pairs from the gathered ``full``: replicated, row and column
+    tensors as ``full``, vocab as the view ``full[:vocab_size]``, qkv and gate/up as one new copy.
     """
     names, rest = rule.hf_names, full.shape[1:]
-    if rule.kind in ("replicated", "row"):
+    if rule.kind in ("replicated", "row", "column"):
         return [(names[0], full)]
     if rule.kind == "vocab":
         return [(names[0], full[:cfg.vocab_size])]

@@ -1,5 +1,5 @@
-"""Import a Hugging Face Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / Mixtral folder into this
-rank's GPTModel chunks.
+"""Import a Hugging Face Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / Mixtral / DeepSeek-V3 / GLM-4.5
+folder into this rank's GPTModel chunks (router expert biases, which are buffers, included).
 
 No collectives: each rank reads only its shards' rows / columns, of routed experts only its
 expert-parallel rank's experts and its expert-tensor-parallel slice (memory: its shards plus one
@@ -20,6 +20,7 @@ from mcore_engine.hf.checkpoint_io import HFCheckpointReader
 from mcore_engine.hf.hf_config import from_hf_config, is_token_classification, read_hf_config
 from mcore_engine.hf.layout import shard_from_hf
 from mcore_engine.hf.mapping import check_hf_names, hf_shapes, iter_units
+from mcore_engine.hf.mtp_names import mtp_alias_shapes
 
 # Fields that must agree between the engine config and the checkpoint's config.json (the others,
 # e.g. max_sequence_length or init_method_std, may differ on purpose), compared by their resolved
@@ -29,10 +30,13 @@ _MATCHING_FIELDS = {"num_layers": "num_layers", "hidden_size": "hidden_size",
                     "ffn_hidden_size": "ffn_size", "vocab_size": "vocab_size", "rotary_base": "rotary_base",
                     "normalization": "normalization", "norm_epsilon": "norm_epsilon", "swiglu": "swiglu",
                     "tie_word_embeddings": "tie_word_embeddings", "add_qkv_bias": "add_qkv_bias",
-                    "qk_layernorm": "qk_layernorm", "kv_channels": "kv_channels"}
+                    "qk_layernorm": "qk_layernorm", "kv_channels": "kv_channels",
+                    "rotary_percent": "rotary_percent", "mla": "mla"}
 # MoEConfig fields that must agree (routing and expert shapes).
 _MOE_MATCHING_FIELDS = ("num_experts", "router_topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size",
-                        "shared_expert_gate", "router_pre_softmax", "router_score_function")
+                        "shared_expert_gate", "router_pre_softmax", "router_score_function",
+                        "router_topk_scaling_factor", "router_num_groups", "router_group_topk",
+                        "router_expert_bias")
 
 
 def _moe_fields(cfg: ModelConfig) -> dict | None:
@@ -93,6 +97,7 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_path: str | os.P
         fresh = value_head_names_to_skip(model_cfg, hf_config, set(reader.names()))
         shapes = {k: v for k, v in shapes.items() if k not in fresh}
         reader.check(shapes)
+        reader.check(mtp_alias_shapes(model_cfg, reader.names()))  # MTP copies of the shared weights, if any
         tp = (parallel_state.get_tensor_model_parallel_rank(),
               parallel_state.get_tensor_model_parallel_world_size())
         etp = tp if model_cfg.moe is None else (parallel_state.get_expert_tensor_parallel_rank(),

@@ -1,5 +1,6 @@
 """Name and layout rules between Hugging Face Llama / Qwen2 / Qwen3 (dense), Qwen2-MoE / Qwen3-MoE /
-Mixtral (mixture of experts) and Megatron-Core's GPTModel.
+Mixtral / GLM-4.5 (mixture of experts), DeepSeek-V3 (multi-latent attention + MoE) and Megatron-Core's
+GPTModel.
 
 Every Megatron parameter is one unit with a ``TensorRule``: its Hugging Face tensors and its
 tensor-parallel layout (``kind``):
@@ -9,12 +10,23 @@ tensor-parallel layout (``kind``):
   padding (zero on import, dropped on export).
 - ``"qkv"``: ``[ng * (q_per_group + 2) * d, h]``, per group ``[q, k, v]`` rows, split on dim 0.
 - ``"gate_up"``: SwiGLU ``linear_fc1``; rank ``r`` holds ``cat([gate[r], up[r]])``.
+- ``"column"``: one Hugging Face tensor split on dim 0 (MLA's projections; the local spec's
+  ``ColumnParallelLinear`` down projections too, which Transformer Engine's spec replicates:
+  ``iter_units`` gives a replicated rule for a parameter not marked ``tensor_model_parallel``).
 
 Local-spec and Transformer Engine norm names map to the same units; layer names use the global
 layer index (``TransformerLayer.layer_number - 1``), expert names the global expert index
 (``MoELayer.local_expert_indices``). An MoE layer's units: the router ``[E, h]`` (replicated), per
 expert ``linear_fc1`` (gate_up) and ``linear_fc2`` (row) split over the expert-tensor-parallel group
-(``TensorRule.expert``), and Qwen2-MoE's shared expert (gate_up, row, sigmoid gate ``[1, h]``).
+(``TensorRule.expert``), Qwen2-MoE's shared expert (gate_up, row, sigmoid gate ``[1, h]``),
+DeepSeek-V3 / GLM-4.5's ungated shared experts and the router's expert bias ``[E]``
+(``e_score_correction_bias``: a buffer, replicated, fp32).
+MLA (DeepSeek-V3): ``q_proj`` or ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``,
+``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` / ``kv_b_proj`` map one to one to Megatron's
+``linear_q_proj`` or ``linear_q_down_proj`` / ``q_layernorm`` / ``linear_q_up_proj``,
+``linear_kv_down_proj`` / ``kv_layernorm`` / ``linear_kv_up_proj``: the row layouts agree (per head
+``[nope, rope]`` queries, ``[k_nope, v]`` up projections, ``[c_kv, k_pe]`` down projection) and
+Megatron's MLA RoPE de-interleaves the position dims as ``transformers``' ``rope_interleave=True`` does.
 On disk the experts are one tensor each (``mlp.experts.{e}.gate_proj.weight``; Mixtral
 ``block_sparse_moe.experts.{e}.w1/w3/w2.weight``), as ``save_pretrained`` writes them.
 The ``config.json`` <-> ``ModelConfig`` mapping is in ``hf_config``.
@@ -29,6 +41,15 @@ from dataclasses import dataclass
 import torch
 
 from mcore_engine.config import ModelConfig
+from mcore_engine.hf.mtp_names import (
+    is_mtp_unit,
+    mtp_aliases,
+    mtp_hf_shapes,
+    mtp_param_name,
+    mtp_rule,
+    mtp_units,
+    skip_mtp_hf_name,
+)
 
 
 @dataclass(frozen=True)
@@ -36,12 +57,15 @@ class TensorRule:
     """How one Megatron parameter relates to Hugging Face tensors."""
 
     kind: str
-    """'replicated' | 'row' | 'vocab' | 'qkv' | 'gate_up' (see the module docstring)."""
+    """'replicated' | 'row' | 'vocab' | 'qkv' | 'gate_up' | 'column' (see the module docstring)."""
     hf_names: tuple[str, ...]
     """Hugging Face tensor names, in the order they are fused (q, k, v / gate, up)."""
     expert: bool = False
     """A routed expert's weight: split over the expert-tensor-parallel group, held by one
     expert-parallel rank."""
+    fp32: bool = False
+    """Kept in fp32 in an exported folder whatever the export dtype (the router's expert bias, as
+    DeepSeek-V3's checkpoints and ``transformers`` keep it)."""
 
     @property
     def tp_dim(self) -> int | None:
@@ -63,26 +87,42 @@ _LAYER_UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mlp.linear_fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
     "mlp.linear_fc2.weight": ("row", ("mlp.down_proj.weight",)),
 }
+# MLA layer units (``cfg.mla``), replacing the q / k / v ones above.
+_MLA_UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "self_attention.linear_q_proj.weight": ("column", ("self_attn.q_proj.weight",)),
+    "self_attention.linear_q_down_proj.weight": ("column", ("self_attn.q_a_proj.weight",)),
+    "self_attention.q_layernorm.weight": ("replicated", ("self_attn.q_a_layernorm.weight",)),
+    "self_attention.linear_q_up_proj.weight": ("column", ("self_attn.q_b_proj.weight",)),
+    "self_attention.linear_kv_down_proj.weight": ("column", ("self_attn.kv_a_proj_with_mqa.weight",)),
+    "self_attention.kv_layernorm.weight": ("replicated", ("self_attn.kv_a_layernorm.weight",)),
+    "self_attention.linear_kv_up_proj.weight": ("column", ("self_attn.kv_b_proj.weight",)),
+}
 # MoE layer units ("{e}": global expert index) -> (kind, Hugging Face suffixes); "{block}", "{gate}",
 # "{up}", "{down}" from _MOE_NAMES of the family.
 _MOE_UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mlp.router.weight": ("replicated", ("{block}.gate.weight",)),
+    "mlp.router.expert_bias": ("replicated", ("{block}.gate.e_score_correction_bias",)),
     "mlp.experts.local_experts.{e}.linear_fc1.weight": (
         "gate_up", ("{block}.experts.{e}.{gate}.weight", "{block}.experts.{e}.{up}.weight")),
     "mlp.experts.local_experts.{e}.linear_fc2.weight": ("row", ("{block}.experts.{e}.{down}.weight",)),
     "mlp.shared_experts.linear_fc1.weight": (
-        "gate_up", ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight")),
-    "mlp.shared_experts.linear_fc2.weight": ("row", ("mlp.shared_expert.down_proj.weight",)),
+        "gate_up", ("mlp.{shared}.gate_proj.weight", "mlp.{shared}.up_proj.weight")),
+    "mlp.shared_experts.linear_fc2.weight": ("row", ("mlp.{shared}.down_proj.weight",)),
     "mlp.shared_experts.gate_weight": ("replicated", ("mlp.shared_expert_gate.weight",)),
 }
-_QWEN_MOE_NAMES = dict(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
+_QWEN_MOE_NAMES = dict(block="mlp", gate="gate_proj", up="up_proj", down="down_proj", shared="shared_expert")
+_DEEPSEEK_MOE_NAMES = dict(_QWEN_MOE_NAMES, shared="shared_experts")
 _MOE_NAMES = {"qwen2_moe": _QWEN_MOE_NAMES, "qwen3_moe": _QWEN_MOE_NAMES,
-              "mixtral": dict(block="block_sparse_moe", gate="w1", up="w3", down="w2")}
+              "mixtral": dict(block="block_sparse_moe", gate="w1", up="w3", down="w2",
+                              shared="shared_expert"),
+              "deepseek_v3": _DEEPSEEK_MOE_NAMES, "glm4_moe": _DEEPSEEK_MOE_NAMES}
 _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
 # Transformer Engine spec: norms fused into the following linear layer.
 _TE_ALIASES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
 }
 _GLOBAL_UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
     "embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",)),
@@ -102,8 +142,13 @@ def head_dim(cfg: ModelConfig) -> int:
 
 
 def model_family(cfg: ModelConfig) -> str:
-    """The Hugging Face family ``cfg`` maps to: QK-norm -> qwen3 / qwen3_moe, QKV bias -> qwen2 /
-    qwen2_moe, neither -> llama / mixtral (``*_moe`` and mixtral when ``cfg.moe`` is set)."""
+    """The Hugging Face family ``cfg`` maps to: MLA -> deepseek_v3; MoE with sigmoid scores ->
+    glm4_moe; else QK-norm -> qwen3 / qwen3_moe, QKV bias -> qwen2 / qwen2_moe, neither -> llama /
+    mixtral (``*_moe`` and mixtral when ``cfg.moe`` is set)."""
+    if cfg.mla is not None:
+        return "deepseek_v3"
+    if cfg.moe is not None and cfg.moe.router_score_function == "sigmoid":
+        return "glm4_moe"
     if cfg.add_qkv_bias and cfg.qk_layernorm:
         raise ValueError("cfg: add_qkv_bias together with qk_layernorm has no Hugging Face family here")
     if cfg.moe is None:
@@ -116,19 +161,19 @@ def canonical_unit(name: str, global_layer: int | None, global_expert: int | Non
     and local expert index replaced by ``global_layer`` / ``global_expert``); ``ValueError`` for
     names with no Hugging Face counterpart.
     """
-    if name in _GLOBAL_UNITS:
+    if name in _GLOBAL_UNITS or is_mtp_unit(name):
         return name
     parts = name.split(".", 3)
     if len(parts) == 4 and parts[:2] == ["decoder", "layers"] and global_layer is not None:
         suffix = _TE_ALIASES.get(parts[3], parts[3])
-        if suffix in _LAYER_UNITS or suffix in _MOE_UNITS:
+        if suffix in _LAYER_UNITS or suffix in _MOE_UNITS or suffix in _MLA_UNITS:
             return f"decoder.layers.{global_layer}.{suffix}"
         match = _EXPERT_RE.match(suffix)
         if match and global_expert is not None:
             return f"decoder.layers.{global_layer}.mlp.experts.local_experts.{global_expert}.{match[2]}"
     raise ValueError(f"parameter {name!r} has no Hugging Face counterpart (supported: Llama/Qwen2/Qwen3 "
                      "GPTModel with RMSNorm, SwiGLU, optional QKV bias and QK-norm, and their MoE layers "
-                     "with SequentialMLP experts)")
+                     "with SequentialMLP experts; DeepSeek-V3 MLA; GLM-4.5)")
 
 
 def unit_rule(unit: str, cfg: ModelConfig) -> TensorRule:
@@ -136,23 +181,26 @@ def unit_rule(unit: str, cfg: ModelConfig) -> TensorRule:
     if unit in _GLOBAL_UNITS:
         kind, names = _GLOBAL_UNITS[unit]
         return TensorRule(kind, names)
+    if is_mtp_unit(unit):  # multi-token prediction modules: mcore_engine.hf.mtp_names
+        return TensorRule(*mtp_rule(unit, cfg))
     _, _, layer, suffix = unit.split(".", 3)
-    if suffix in _LAYER_UNITS:
-        kind, names = _LAYER_UNITS[suffix]
+    layer_units = {**_LAYER_UNITS, **_MLA_UNITS} if cfg.mla is not None else _LAYER_UNITS
+    if suffix in layer_units:
+        kind, names = layer_units[suffix]
         return TensorRule(kind, tuple(f"model.layers.{layer}.{n}" for n in names))
     match = _EXPERT_RE.match(suffix)
     key = f"mlp.experts.local_experts.{{e}}.{match[2]}" if match else suffix
     kind, names = _MOE_UNITS[key]
     fmt = dict(_MOE_NAMES[model_family(cfg)], e=match[1] if match else "")
     return TensorRule(kind, tuple(f"model.layers.{layer}.{n.format(**fmt)}" for n in names),
-                      expert=match is not None)
+                      expert=match is not None, fp32=suffix == "mlp.router.expert_bias")
 
 
 def _mlp_suffixes(cfg: ModelConfig, layer: int) -> list[str]:
     moe = cfg.moe
     if moe is None or not moe.layer_pattern(cfg.num_layers)[layer]:
         return ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
-    out = ["mlp.router.weight"]
+    out = ["mlp.router.weight"] + (["mlp.router.expert_bias"] if moe.router_expert_bias else [])
     out += [f"mlp.experts.local_experts.{e}.linear_fc{i}.weight"
             for e in range(moe.num_experts) for i in (1, 2)]
     if moe.shared_expert_ffn_hidden_size is not None:
@@ -162,13 +210,24 @@ def _mlp_suffixes(cfg: ModelConfig, layer: int) -> list[str]:
     return out
 
 
+def _attention_suffixes(cfg: ModelConfig) -> list[str]:
+    """The q / k / v units of a layer (GQA or MLA), in Hugging Face order."""
+    if cfg.mla is not None:
+        q = (["linear_q_proj.weight"] if cfg.mla.q_lora_rank is None else
+             ["linear_q_down_proj.weight", "q_layernorm.weight", "linear_q_up_proj.weight"])
+        kv = ["linear_kv_down_proj.weight", "kv_layernorm.weight", "linear_kv_up_proj.weight"]
+        return [f"self_attention.{s}" for s in q + kv]
+    out = ["self_attention.linear_qkv.weight"]
+    if cfg.add_qkv_bias:
+        out.append("self_attention.linear_qkv.bias")
+    if cfg.qk_layernorm:
+        out += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+    return out
+
+
 def model_units(cfg: ModelConfig) -> list[str]:
     """All units of the full model, in Hugging Face order (embedding, layers, norm, lm_head)."""
-    attn = ["input_layernorm.weight", "self_attention.linear_qkv.weight"]
-    if cfg.add_qkv_bias:
-        attn.append("self_attention.linear_qkv.bias")
-    if cfg.qk_layernorm:
-        attn += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+    attn = ["input_layernorm.weight"] + _attention_suffixes(cfg)
     attn += ["self_attention.linear_proj.weight", "pre_mlp_layernorm.weight"]
     units = ["embedding.word_embeddings.weight"]
     units += [f"decoder.layers.{i}.{s}" for i in range(cfg.num_layers) for s in attn + _mlp_suffixes(cfg, i)]
@@ -177,13 +236,13 @@ def model_units(cfg: ModelConfig) -> list[str]:
         units += ["value_head.weight", "value_head.bias"]
     elif not cfg.tie_word_embeddings:
         units.append("output_layer.weight")
-    return units
+    return units + mtp_units(cfg, attn + _mlp_suffixes(cfg, cfg.num_layers - 1))
 
 
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Full shape of every Hugging Face tensor the model is made of, in checkpoint order."""
-    h, d, ng = cfg.hidden_size, head_dim(cfg), cfg.query_groups
-    q_out, kv_out = cfg.num_attention_heads * d, ng * d
+    h, d, ng, n = cfg.hidden_size, head_dim(cfg), cfg.query_groups, cfg.num_attention_heads
+    q_out, kv_out, o_in = n * d, ng * d, n * d
     ffn = cfg.ffn_size
     by_suffix = {
         "model.embed_tokens.weight": (cfg.vocab_size, h), "lm_head.weight": (cfg.vocab_size, h),
@@ -192,22 +251,27 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "self_attn.v_proj.weight": (kv_out, h), "self_attn.q_proj.bias": (q_out,),
         "self_attn.k_proj.bias": (kv_out,), "self_attn.v_proj.bias": (kv_out,),
         "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
-        "self_attn.o_proj.weight": (h, q_out), "mlp.gate_proj.weight": (ffn, h),
+        "self_attn.o_proj.weight": (h, o_in), "mlp.gate_proj.weight": (ffn, h),
         "mlp.up_proj.weight": (ffn, h), "mlp.down_proj.weight": (h, ffn),
         "score.weight": (1, h), "score.bias": (1,),
     }
+    if cfg.mla is not None:
+        by_suffix.update(_mla_shapes(cfg))
     if cfg.moe is not None:
         fe = cfg.moe.ffn_hidden_size or ffn
         fs = cfg.moe.shared_expert_ffn_hidden_size
         for names in _MOE_NAMES.values():
             by_suffix[f"{names['block']}.gate.weight"] = (cfg.moe.num_experts, h)
+            by_suffix[f"{names['block']}.gate.e_score_correction_bias"] = (cfg.moe.num_experts,)
             for part in ("gate", "up"):
                 by_suffix[f"{names['block']}.experts.*.{names[part]}.weight"] = (fe, h)
             by_suffix[f"{names['block']}.experts.*.{names['down']}.weight"] = (h, fe)
-        by_suffix.update({"mlp.shared_expert.gate_proj.weight": (fs, h),
-                          "mlp.shared_expert.up_proj.weight": (fs, h),
-                          "mlp.shared_expert.down_proj.weight": (h, fs),
-                          "mlp.shared_expert_gate.weight": (1, h)})
+        for shared in ("shared_expert", "shared_experts"):
+            by_suffix.update({f"mlp.{shared}.gate_proj.weight": (fs, h),
+                              f"mlp.{shared}.up_proj.weight": (fs, h),
+                              f"mlp.{shared}.down_proj.weight": (h, fs)})
+        by_suffix["mlp.shared_expert_gate.weight"] = (1, h)
+    by_suffix.update(mtp_hf_shapes(cfg))
     shapes = {}
     for unit in model_units(cfg):
         for name in unit_rule(unit, cfg).hf_names:
@@ -216,11 +280,40 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def hf_stream_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """``hf_shapes`` in the order ``export.iter_hf_tensors`` yields them, with the MTP modules' copies
+    of the embedding / output layer right after their source (what a weight-sync stream carries)."""
+    shapes = {}
+    for name, shape in hf_shapes(cfg).items():
+        shapes[name] = shape
+        shapes.update(dict.fromkeys(mtp_aliases(name, cfg), shape))
+    return shapes
+
+
+def hf_fp32_names(cfg: ModelConfig) -> set[str]:
+    """Hugging Face tensors exported in fp32 whatever the export dtype (``TensorRule.fp32``)."""
+    rules = (unit_rule(unit, cfg) for unit in model_units(cfg))
+    return {name for rule in rules if rule.fp32 for name in rule.hf_names}
+
+
+def _mla_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of the MLA projections (``q_proj`` and ``o_proj`` replace the GQA ones)."""
+    mla, h, n = cfg.mla, cfg.hidden_size, cfg.num_attention_heads
+    q_out = n * mla.q_head_dim
+    return {"self_attn.q_proj.weight": (q_out, h), "self_attn.q_a_proj.weight": (mla.q_lora_rank, h),
+            "self_attn.q_a_layernorm.weight": (mla.q_lora_rank,),
+            "self_attn.q_b_proj.weight": (q_out, mla.q_lora_rank),
+            "self_attn.kv_a_proj_with_mqa.weight": (mla.kv_lora_rank + mla.qk_pos_emb_head_dim, h),
+            "self_attn.kv_a_layernorm.weight": (mla.kv_lora_rank,),
+            "self_attn.kv_b_proj.weight": (n * (mla.qk_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+            "self_attn.o_proj.weight": (h, n * mla.v_head_dim)}
+
+
 def check_hf_names(names: list[str], cfg: ModelConfig) -> None:
     """Refuse a checkpoint that carries tensors this model config has no place for."""
     expected = hf_shapes(cfg)
     for name in names:
-        if name in expected or name.endswith(_IGNORED_HF_SUFFIXES):
+        if name in expected or name.endswith(_IGNORED_HF_SUFFIXES) or skip_mtp_hf_name(name, cfg):
             continue
         if name == "lm_head.weight" and (cfg.tie_word_embeddings or cfg.head == "value"):
             continue  # tied checkpoints may store it anyway; a value trunk from a causal LM drops it
@@ -237,19 +330,23 @@ def unwrap_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
 
 def iter_units(chunk: torch.nn.Module,
                cfg: ModelConfig) -> Iterator[tuple[str, torch.nn.Parameter, TensorRule]]:
-    """``(unit, parameter, rule)`` per parameter of one (possibly wrapped) chunk; a tied output layer
-    on the last stage (PP > 1) reads ``model.embed_tokens``; ``ValueError`` for undescribed parameters.
-    LoRA adapters (``.lora_A.`` / ``.lora_B.``) are not Hugging Face weights: skipped (``hf.peft``).
+    """``(unit, parameter, rule)`` per parameter of one (possibly wrapped) chunk, and per router expert
+    bias (a buffer); a tied output layer on the last stage (PP > 1) reads ``model.embed_tokens``;
+    ``ValueError`` for undescribed parameters. LoRA adapters (``.lora_A.`` / ``.lora_B.``) are not
+    Hugging Face weights: skipped (``hf.peft``).
     """
     expected = set(model_units(cfg))
     model = unwrap_chunk(chunk)
-    for name, param in model.named_parameters():
+    biases = [(n, b) for n, b in model.named_buffers() if n.endswith(".mlp.router.expert_bias")]
+    for name, param in [*model.named_parameters(), *biases]:
         if ".lora_A." in name or ".lora_B." in name:
             continue
         if cfg.head == "value" and name.startswith("output_layer."):
             name = name.replace("output_layer.", "value_head.", 1)
         global_layer = global_expert = None
-        if name.startswith("decoder.layers."):
+        if name.startswith("mtp."):  # an MTP module's transformer layer is decoder layer L + i (hf.mtp_names)
+            name, global_layer, global_expert = mtp_param_name(model, name)
+        elif name.startswith("decoder.layers."):
             parts = name.split(".")
             layer = model.decoder.layers[int(parts[2])]
             global_layer = layer.layer_number - 1
@@ -262,4 +359,6 @@ def iter_units(chunk: torch.nn.Module,
         elif rule is None:
             raise ValueError(f"parameter {name!r} of the model is not part of the model that cfg.model "
                              "describes (model and config do not match)")
+        elif rule.kind == "column" and not getattr(param, "tensor_model_parallel", False):
+            rule = TensorRule("replicated", rule.hf_names)  # Transformer Engine's duplicated TELinear
         yield unit, param, rule

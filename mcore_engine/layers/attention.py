@@ -195,7 +195,9 @@ class SDPACoreAttention(MegatronModule):
 
     ``forward(query, key, value, attention_mask, ...)``: ``bshd`` ``query [sq, b, np, hk]``, ``key
     [sq, b, ng, hk]``, ``value [sq, b, ng, hv]`` -> ``[sq, b, np * hv]``; ``thd`` (``packed_seq_params``)
-    ``[t, np|ng, h*]`` -> ``[t, 1, np * hv]``. Under CP the inputs are this rank's local tokens.
+    ``[t, np|ng, h*]`` -> ``[t, np * hv]`` (Transformer Engine's layout: Megatron's attention reshapes it,
+    and Megatron-Core 0.19's MLA cuts a padded value dim from it). Under CP the inputs are this rank's
+    local tokens.
     ``scale``: ``softmax_scale`` else ``1 / sqrt(k_channels or kv_channels)``; Megatron's
     ``apply_query_key_layer_scaling`` cancels out of the scores (the kernels scale in fp32).
     ``cp_comm_type`` is ignored (K/V are always all-gathered). ``ValueError`` for dropout > 0,
@@ -285,10 +287,13 @@ class SDPACoreAttention(MegatronModule):
                     outs.append(_attend(q, k_seq[: (j + 1) * c], v_seq[: (j + 1) * c], j * c,
                                         self.softmax_scale, cpu_kernels))
 
-        # --- 4. [b, np, c, h] pieces -> [sq, b, np * hv] ---
+        # --- 4. [b, np, c, h] pieces -> [sq, b, np * hv] (thd: [t, np * hv], as Transformer Engine's) ---
         if not outs:  # an empty pack
-            return query.new_zeros(query.size(0), query.size(1), heads * hv)
-        out = torch.cat([o.permute(2, 0, 1, 3) for o in outs], dim=0)[..., :hv]
+            out = query.new_zeros(query.size(0), query.size(1), heads * hv)
+        else:
+            out = torch.cat([o.permute(2, 0, 1, 3) for o in outs], dim=0)[..., :hv]
+        if packed_seq_params is not None:
+            return out.reshape(out.size(0), -1)
         return out.reshape(out.size(0), out.size(1), -1)
 
     def _bshd_lengths(self, query: Tensor) -> list[int]:

@@ -69,7 +69,7 @@ def _qkvg(shape_q: tuple, shape_kv: tuple, seed: int, dtype=torch.float64, dv: i
 
 
 def _run(module, q, k, v, grad, dtype, mask=None, packed=None):
-    """Output and q/k/v gradients of ``module`` in ``dtype``; thd output is ``[t, 1, np * hv]``."""
+    """Output and q/k/v gradients of ``module`` in ``dtype``; thd output is ``[t, np * hv]``."""
     q, k, v = (x.detach().to(dtype, copy=True).requires_grad_() for x in (q, k, v))
     snapshot = [x.detach().clone() for x in (q, k, v)]
     out = module(q, k, v, mask, packed_seq_params=packed)
