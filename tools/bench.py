@@ -79,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sp", action="store_true",
                    help="the sequence-parallelism table instead (tools/bench_moe.py --sp: TP=2 with / "
                         "without SP, MoE at TP=2 + SP, one train_batch step; --quick applies)")
+    p.add_argument("--deepseek", action="store_true",
+                   help="the DeepSeek-V3 row of the MoE table (tools/bench_moe.py --deepseek: MLA, grouped "
+                        "sigmoid routing, shared expert vs the Qwen3-MoE of the same active parameters)")
     p.add_argument("--cp", action="store_true",
                    help="the context-parallelism table instead (tools/bench_cp.py: one long sequence at "
                         "CP=1 / CP=2, the SDPA core attention vs Megatron's local attention)")
@@ -322,10 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         import bench_cp
 
         return bench_cp.main(["--quick"] * args.quick + ["--markdown"] * args.markdown)
-    if args.moe or args.sp:
+    if args.moe or args.sp or args.deepseek:
         import bench_moe
 
-        return bench_moe.main(["--quick"] * args.quick + ["--sp"] * args.sp)
+        return bench_moe.main(["--quick"] * args.quick + ["--sp"] * args.sp + ["--deepseek"] * args.deepseek)
     if args.selected:
         import bench_selected
 

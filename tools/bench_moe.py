@@ -4,6 +4,7 @@ with ``--sp``, TP=2 with and without sequence parallelism.
     python tools/bench_moe.py              # hidden 256, 4 layers, 8 experts top-2, 2 ranks
     python tools/bench_moe.py --quick      # hidden 64 (seconds)
     python tools/bench_moe.py --sp         # dense TP=2, dense TP=2 + SP, MoE TP=2 + SP (EP=2, ETP=1)
+    python tools/bench_moe.py --deepseek   # a DeepSeek-V3-style model vs the Qwen3-MoE of moe-ep1
 
 Configurations (one setup factory each, ``_engine_config``), all on the same ranks (default 2,
 gloo on CPU / NCCL on CUDA) and batch (``--seqs`` sequences of ``--seq-len`` tokens per rank, one
@@ -13,6 +14,12 @@ dominate the memory):
 - ``dense``: SwiGLU FFN of width ``k * F``, the active parameters per token of the MoE model;
 - ``moe-ep1``: ``E`` experts of width ``F``, top-``k``, every layer MoE, each rank all experts (DP);
 - ``moe-ep2``: the same model, experts split over two expert-parallel ranks (alltoall dispatcher);
+- ``--deepseek``: ``moe-ep1`` (Qwen3-MoE style: GQA with QK-norm, softmax top-k) against
+  ``deepseek-v3`` of the same active parameters per token: multi-latent attention (q LoRA rank
+  ``3h/8``, kv LoRA rank ``h/2``, 16 + 16 query / key and 32 value channels a head: the GQA's
+  attention weights within 2%), the first layer dense (width ``k * F``), then ``2E`` experts of width
+  ``F / 2`` with sigmoid scores, expert bias and grouped top-``k`` (4 groups, 2 per token) plus one
+  shared expert of width ``F / 2 * k``; both EP=1;
 - ``--sp``: ``dense-tp2`` (TP=2, the same batch on both ranks), ``dense-tp2-sp`` (+ sequence
   parallelism), ``moe-tp2-sp`` (the MoE model at TP=2 + SP, experts EP=2 x expert-TP 1).
 
@@ -39,6 +46,7 @@ from bench_common import format_table, machine_header, measured_step, run_torchr
 
 KINDS = ("dense", "moe-ep1", "moe-ep2")
 SP_KINDS = ("dense-tp2", "dense-tp2-sp", "moe-tp2-sp")
+DEEPSEEK_KINDS = ("moe-ep1", "deepseek-v3")
 
 
 def _engine_config(kind: str, args: argparse.Namespace):
@@ -46,6 +54,8 @@ def _engine_config(kind: str, args: argparse.Namespace):
     from mcore_engine.moe_config import MoEConfig
 
     h, f, k = args.hidden, args.expert_ffn, args.topk
+    if kind == "deepseek-v3":
+        return _deepseek_config(args)
     moe = None if kind.startswith("dense") else MoEConfig(num_experts=args.experts, router_topk=k,
                                                           ffn_hidden_size=f, aux_loss_coeff=1e-3)
     tp, sp = (2 if "tp2" in kind else 1), kind.endswith("-sp")
@@ -58,6 +68,47 @@ def _engine_config(kind: str, args: argparse.Namespace):
                               expert_tensor_parallel_size=1 if moe is not None and tp > 1 else None)
     return EngineConfig(model=model, parallel=parallel, optimizer=OptimizerConfig(lr=1e-4),
                         precision=args.precision, micro_batch_size=args.seqs, data_format="bshd")
+
+
+def _deepseek_config(args: argparse.Namespace):
+    """``--deepseek``'s DeepSeek-V3-style model (see the module docstring)."""
+    from mcore_engine.config import EngineConfig, ModelConfig, OptimizerConfig, ParallelConfig
+    from mcore_engine.mla_config import MLAConfig
+    from mcore_engine.moe_config import MoEConfig
+
+    h, f, k = args.hidden, args.expert_ffn, args.topk
+    moe = MoEConfig(num_experts=2 * args.experts, router_topk=k, ffn_hidden_size=f // 2,
+                    shared_expert_ffn_hidden_size=f // 2 * k, layer_freq=[0] + [1] * (args.layers - 1),
+                    router_score_function="sigmoid", router_expert_bias=True, router_num_groups=4,
+                    router_group_topk=2, router_topk_scaling_factor=2.5, aux_loss_type="none")
+    mla = MLAConfig(q_lora_rank=3 * h // 8, kv_lora_rank=h // 2, qk_head_dim=16, qk_pos_emb_head_dim=16,
+                    v_head_dim=32)
+    model = ModelConfig(num_layers=args.layers, hidden_size=h, num_attention_heads=max(1, h // 32),
+                        ffn_hidden_size=k * f, vocab_size=args.vocab, max_sequence_length=args.seq_len,
+                        mla=mla, moe=moe)
+    return EngineConfig(model=model, parallel=ParallelConfig(), optimizer=OptimizerConfig(lr=1e-4),
+                        precision=args.precision, micro_batch_size=args.seqs, data_format="bshd")
+
+
+def _active_ffn(m) -> int:
+    """FFN parameters one token uses: a dense layer's, or its ``k`` experts' plus the shared expert's."""
+    if m.moe is None:
+        return 3 * m.hidden_size * m.ffn_size * m.num_layers
+    moe = m.moe
+    routed = moe.router_topk * (moe.ffn_hidden_size or m.ffn_size) + (moe.shared_expert_ffn_hidden_size or 0)
+    return sum(3 * m.hidden_size * (routed if is_moe else m.ffn_size)
+               for is_moe in moe.layer_pattern(m.num_layers))
+
+
+def _active_params(engine) -> int:
+    """Parameters one token uses: all of the model's but the experts it is not routed to (EP=1)."""
+    m = engine.config.model
+    total = sum(p.numel() for chunk in engine.model for p in chunk.module.parameters())
+    if m.moe is None:
+        return total
+    per_expert = 3 * m.hidden_size * (m.moe.ffn_hidden_size or m.ffn_size)
+    moe_layers = sum(m.moe.layer_pattern(m.num_layers))
+    return total - moe_layers * (m.moe.num_experts - m.moe.router_topk) * per_expert
 
 
 def _batch(args: argparse.Namespace, rank: int):
@@ -110,14 +161,13 @@ def worker(kind: str, args: argparse.Namespace) -> dict | None:
     held = sum(p.numel() for chunk in engine.model for p in chunk.module.parameters())
     if rank != 0:
         return None
-    m = engine.config.model
-    fe = m.moe.ffn_hidden_size if m.moe else m.ffn_size
-    per_layer_ffn = 3 * m.hidden_size * fe * (m.moe.router_topk if m.moe else 1)
     dp = world // engine.config.parallel.tensor_model_parallel_size
+    ep1 = engine.config.parallel.expert_model_parallel_size == 1
     return {"kind": kind, "world": world, "tokens": dp * args.seqs * args.seq_len,
+            "active": _active_params(engine) if ep1 else None,
             "peak_mb": float(figures[0]), "wall_s": float(figures[1]), "cpu_s": float(figures[2]),
-            "saved_mb": float(figures[3]),
-            "params_rank": held, "active_ffn": per_layer_ffn * m.num_layers,
+            "saved_mb": float(figures[3]), "params_rank": held,
+            "active_ffn": _active_ffn(engine.config.model),
             "device": "cuda" if cuda else "cpu"}
 
 
@@ -137,7 +187,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="hidden 64, expert FFN 64, 64 tokens x 4 sequences")
     p.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
     p.add_argument("--sp", action="store_true", help="TP=2 with / without sequence parallelism instead")
-    p.add_argument("--worker", choices=KINDS + SP_KINDS, help=argparse.SUPPRESS)
+    p.add_argument("--deepseek", action="store_true",
+                   help="a DeepSeek-V3-style model vs the Qwen3-MoE of the same active parameters")
+    p.add_argument("--worker", choices=KINDS + SP_KINDS + DEEPSEEK_KINDS[1:], help=argparse.SUPPRESS)
     return p
 
 
@@ -158,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         passthrough += ["--hidden", "64", "--expert-ffn", "64", "--seq-len", "64", "--seqs", "4",
                         "--vocab", "1024"]
     results = {}
-    for kind in SP_KINDS if args.sp else KINDS:
+    for kind in SP_KINDS if args.sp else DEEPSEEK_KINDS if args.deepseek else KINDS:
         try:
             results[kind] = run_torchrun_worker(__file__, args.nproc, [*passthrough, "--worker", kind],
                                                 args.timeout)
@@ -167,12 +219,14 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     base_kind = next(iter(results))
     base = results[base_kind]
-    columns = ["config", "params/rank", "active FFN params", "tokens/step", "step s (wall)", "step s (cpu)",
-               "tokens/s", f"x {base_kind}", "peak MB", f"x {base_kind}", "saved MB", f"x {base_kind}"]
+    columns = ["config", "params/rank", "active FFN params", "active params", "tokens/step", "step s (wall)",
+               "step s (cpu)", "tokens/s", f"x {base_kind}", "peak MB", f"x {base_kind}", "saved MB",
+               f"x {base_kind}"]
     rows = []
     for kind, r in results.items():
         tps = r["tokens"] / r["wall_s"]
         rows.append([kind, f"{r['params_rank'] / 1e6:.2f}M", f"{r['active_ffn'] / 1e6:.2f}M",
+                     "-" if r["active"] is None else f"{r['active'] / 1e6:.2f}M",
                      str(r["tokens"]),
                      f"{r['wall_s']:.3f}", f"{r['cpu_s']:.3f}", f"{tps:.0f}",
                      f"{tps / (base['tokens'] / base['wall_s']):.2f}", f"{r['peak_mb']:.1f}",
