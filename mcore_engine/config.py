@@ -121,10 +121,11 @@ class ModelConfig:
         for name in ("num_query_groups", "ffn_hidden_size", "kv_channels"):
             if getattr(self, name) is not None:
                 _positive_int(self, name)
-        _require(self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
+        _require(self.kv_channels is not None or self.mla is not None
+                 or self.hidden_size % self.num_attention_heads == 0,
                  f"ModelConfig.hidden_size ({self.hidden_size}) must be divisible by "
                  f"ModelConfig.num_attention_heads ({self.num_attention_heads}) unless "
-                 "ModelConfig.kv_channels is set")
+                 "ModelConfig.kv_channels is set (or ModelConfig.mla: its head dims are its own)")
         factor = self.rope_scaling_factor
         _require(factor is None or (isinstance(factor, (int, float)) and not isinstance(factor, bool)
                                     and math.isfinite(factor) and factor > 0),

@@ -297,6 +297,9 @@ class MegatronEngine:
             min_num_micro_batches=par.pipeline_model_parallel_size if self._interleaved else 1,
             device=get_device().torch_device, dp_group=parallel_state.get_data_parallel_group(),
             common_shape=self._interleaved,
+            # expert parallelism's token all-to-all spans DP ranks: one micro-batch count for them
+            micro_batch_count_group=parallel_state.get_expert_tensor_and_model_parallel_group()
+            if self.config.model.moe is not None else None,
             context_parallel=(cp, parallel_state.get_context_parallel_rank(),
                               parallel_state.get_context_parallel_group()) if cp > 1 else (1, 0, None))
         self._check_head_flags(step.flags, logits_processor_func, logits_func)
@@ -462,6 +465,8 @@ class MegatronEngine:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self._moe is not None:  # the expert-bias update counts the tokens of one optimizer step
+            self._moe.reset_expert_load()
 
     def train_batch(self, batch: TensorDictBase, loss_function: LossFunction, *,
                     logits_processor_func: Callable | None = None,
@@ -505,8 +510,8 @@ class MegatronEngine:
     # ------------------------------------------------------------------ optimizer
     def optimizer_step(self) -> float:
         """Clip to ``optimizer.clip_grad`` and step; returns the pre-clip global grad norm. Non-finite
-        gradients skip the update (counted in ``num_skipped_steps``). ``empty_cache()`` first iff the
-        last ``forward_backward_batch`` ran with ``distillation_use_topk``."""
+        gradients skip the update (counted in ``num_skipped_steps``; the MoE expert biases stay too).
+        ``empty_cache()`` first iff the last ``forward_backward_batch`` ran with ``distillation_use_topk``."""
         self._require_training("optimizer_step")
         self._require_onloaded("optimizer_step", "params", "grads", "optimizer")
         if self._last_distillation_use_topk:
@@ -516,6 +521,8 @@ class MegatronEngine:
             self.num_skipped_steps += 1
         else:
             self.global_step += 1
+        if self._moe is not None:  # the aux-loss-free expert-bias update follows an applied step only
+            self._moe.end_optimizer_step(updated=not result.skipped)
         return result.grad_norm
 
     def lr_scheduler_step(self) -> float:

@@ -16,9 +16,10 @@ Megatron-Core's ``MLASelfAttention`` per token ``x [h]``, ``n`` heads (field nam
 ``beta_fast`` / ``beta_slow``, cos / sin scaled by ``mscale(f, mscale) / mscale(f, mscale_all_dim)``);
 ``m = mscale(f, mscale_all_dim)`` with ``mscale(f, a) = 0.1 a ln f + 1`` (1 for ``f <= 1``). The two
 latent norms use epsilon ``mcore_engine.layers.mla.LATENT_NORM_EPS`` (1e-6: DeepSeek's and
-``transformers``', whatever the layers' ``rms_norm_eps``) on the local spec; Transformer Engine's spec fuses them into the up
-projections with ``ModelConfig.norm_epsilon``. KV-cache-free training memory per layer: the latents
-``[s, q_lora_rank + kv_lora_rank + qk_pos_emb_head_dim]`` plus the expanded ``q, k, v``.
+``transformers``', whatever the layers' ``rms_norm_eps``) on the local spec; Transformer Engine's
+spec fuses them into the up projections with ``ModelConfig.norm_epsilon``. KV-cache-free training
+memory per layer: the latents ``[s, q_lora_rank + kv_lora_rank + qk_pos_emb_head_dim]`` plus the
+expanded ``q, k, v``.
 
 This module does not import ``config`` (``config`` imports it).
 """

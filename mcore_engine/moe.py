@@ -31,18 +31,20 @@ Memory: ``tokens x L_moe x k`` int64 per step.
 
 Expert bias (aux-loss-free balancing, ``MoEConfig.router_expert_bias``). Each router's
 ``expert_bias`` ``[E]`` (a buffer) shifts the top-k choice only (:mod:`mcore_engine.layers.router`).
-With ``router_bias_update_rate`` > 0, a training pass that succeeded (its loss guard passed) ends
-with Megatron's update::
+With ``router_bias_update_rate`` > 0, an optimizer step that updated the weights ends with
+Megatron's update (:meth:`MoERuntime.end_optimizer_step`)::
 
-    n = sum over TP x CP x DP of each rank's routed real tokens per expert    # [L, E], this pass
+    n = sum over TP x CP x DP of each rank's routed real tokens per expert    # [L, E], this step
     b += rate * sign(mean_e(n) - n)
 
 ``n`` is counted by the routers while gradients are enabled (once per token: a recomputed forward
-counts, its no-grad first run does not; padding is masked), zeroed at the start of every training
-pass (forward-only passes never count towards an update). The update is scale-free, so a layout that
-counts every token ``tp`` times (TP without SP) would update alike; with SP / CP each rank counts its
-share. Megatron's ``finalize_model_grads`` would update before the loss guard's verdict, so the
-engine takes the update over (a failed pass leaves the bias unchanged; rate 0 never touches it).
+counts, its no-grad first run does not; padding is masked) over the training passes since the last
+``zero_grad`` (gradient accumulation over several passes counts them all); a forward-only pass
+leaves the counts as it found them. The update is scale-free, so a layout that counts every token
+``tp`` times (TP without SP) would update alike; with SP / CP each rank counts its share. Megatron's
+``finalize_model_grads`` would update before the loss guard's verdict and whether or not the
+optimizer skips the step, so the engine takes the update over: a failed pass (zeroed grads) or a
+skipped update (non-finite gradients) leaves the bias unchanged; rate 0 never touches it.
 
 Sequence parallelism: each TP rank routes its ``s / tp`` slice of every micro-batch (router order is
 s-major, so a contiguous block of rows); replay targets are cut to it, each rank records its block
@@ -188,6 +190,7 @@ class MoERuntime:
         cp = cfg.parallel.context_parallel_size
         self._cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
         self._training = False
+        self._held_counts: list[torch.Tensor] | None = None
         self._valid = torch.ones(0, dtype=torch.bool)
         self._snapshot: dict[int, dict[str, float]] = {}
         self._mb_tokens = 0
@@ -237,9 +240,9 @@ class MoERuntime:
         moe_utils.clear_aux_losses_tracker()
         self._step = step
         self._training = training
-        if training:  # tokens counted outside a training pass (forward-only with grad) do not count
-            for router in self._bias_routers:
-                router.local_tokens_per_expert.zero_()
+        # a forward-only pass (with grad enabled, the routers count) leaves the step's counts as they were
+        self._held_counts = None if training else [r.local_tokens_per_expert.clone()
+                                                   for r in self._bias_routers]
         self._armed = True
 
     def _stage_targets(self, mb: Any) -> torch.Tensor:
@@ -275,8 +278,10 @@ class MoERuntime:
         filled on every rank: one SUM over the pipeline group) and the step's metrics (collective
         over PP and DP)."""
         step = self._step
-        if self._training:
-            self._update_expert_bias()
+        if self._held_counts is not None:
+            for router, counts in zip(self._bias_routers, self._held_counts, strict=True):
+                router.local_tokens_per_expert.copy_(counts)
+            self._held_counts = None
         pp_group = parallel_state.get_pipeline_model_parallel_group()
         per_mb = []
         flat = []
@@ -299,17 +304,22 @@ class MoERuntime:
             per_mb.append({ROUTING_KEY: _from_router_order(part, rows, cols)})
         return per_mb, self._metrics(pp_group)
 
-    def _update_expert_bias(self) -> None:
-        """Megatron's aux-loss-free update of every expert bias from this pass's token counts (one
-        all-reduce of ``[L, E]`` over TP x CP x DP); nothing at rate 0 or without biases."""
-        if self._bias_rate == 0 or not self._bias_routers:
-            return
-        counts = torch.stack([r.local_tokens_per_expert for r in self._bias_routers])
-        biases = torch.stack([r.expert_bias for r in self._bias_routers])
-        updated = get_updated_expert_bias(counts, biases, self._bias_rate)
-        for router, bias in zip(self._bias_routers, updated, strict=True):
-            router.expert_bias.copy_(bias)
+    def reset_expert_load(self) -> None:
+        """Forget the routed-token counts of the expert-bias update (a new optimizer step begins)."""
+        for router in self._bias_routers:
             router.local_tokens_per_expert.zero_()
+
+    def end_optimizer_step(self, updated: bool) -> None:
+        """After the optimizer step: when it ``updated`` the weights, Megatron's aux-loss-free update of
+        every expert bias from the step's token counts (one all-reduce of ``[L, E]`` over TP x CP x DP;
+        nothing at rate 0 or without biases); then the counts restart."""
+        if updated and self._bias_rate > 0 and self._bias_routers:
+            counts = torch.stack([r.local_tokens_per_expert for r in self._bias_routers])
+            biases = torch.stack([r.expert_bias for r in self._bias_routers])
+            updated_biases = get_updated_expert_bias(counts, biases, self._bias_rate)
+            for router, bias in zip(self._bias_routers, updated_biases, strict=True):
+                router.expert_bias.copy_(bias)
+        self.reset_expert_load()
 
     def _metrics(self, pp_group: Any) -> dict[str, float]:
         moe = self.cfg.model.moe

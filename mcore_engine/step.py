@@ -78,13 +78,17 @@ class PreparedStep:
 def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length: int, data_format: str,
                  default_micro_batch_size: int, has_logits_processor_func: bool, pad_multiple: int,
                  min_num_micro_batches: int, device: torch.device,
-                 dp_group: Any, common_shape: bool = False,
+                 dp_group: Any, common_shape: bool = False, micro_batch_count_group: Any = None,
                  context_parallel: tuple[int, int, Any] = (1, 0, None)) -> PreparedStep:
     """Validate and pack ``batch`` for one step; one host sync beyond ``validate_batch``'s. The
     micro-batch count is a multiple of ``min_num_micro_batches``. Teacher tensors are required under
     ``distillation_use_topk`` unless a custom logits processor brings its own. ``context_parallel``
     ``(size, rank, group)``: each micro-batch also gets this rank's share (``pad_multiple`` must be
-    a multiple of ``2 * size``; :mod:`mcore_engine.data.context_parallel`)."""
+    a multiple of ``2 * size``; :mod:`mcore_engine.data.context_parallel`). ``micro_batch_count_group``
+    (MoE expert parallelism: each micro-batch's token all-to-all spans data-parallel ranks, those of
+    Megatron's expert-tensor-and-model-parallel group): its ranks split into the largest count of any
+    (one all-reduce of one number), as verl does for its Megatron engine; a rank whose batch cannot
+    give that many fails the step on every rank by name."""
     error: Exception | None = None
     prepared = None
     local_tokens = torch.zeros((), dtype=torch.float64, device=device)
@@ -103,6 +107,21 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
             raise ValueError(f"the interleaved pipeline schedule needs a multiple of {min_num_micro_batches} "
                              f"(pipeline_model_parallel_size) micro-batches, the batch gives {len(mbs)}: "
                              "change micro_batch_size_per_gpu or the number of sequences")
+    except Exception as exc:  # any failure, not only validation: the other DP ranks must hear of it
+        error = exc
+    dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+    if micro_batch_count_group is not None and dist.get_world_size(micro_batch_count_group) > 1:
+        count = torch.tensor(0 if error is not None else len(mbs), dtype=torch.int64, device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=micro_batch_count_group)
+        if error is None and len(mbs) != int(count):
+            try:
+                mbs, order = split_micro_batches(batch, flags, num_micro_batches=int(count),
+                                                 default_micro_batch_size=default_micro_batch_size)
+            except Exception as exc:
+                error = exc
+    try:
+        if error is not None:
+            raise error
         micro_batches, start = [], 0
         for i, mb in enumerate(mbs):
             inputs = pack_micro_batch(mb, data_format=data_format, temperature=flags.temperature,
@@ -129,7 +148,6 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
     local = torch.stack([local_tokens,
                          torch.tensor(float(local_seqs), dtype=torch.float64, device=device),
                          torch.tensor(0.0 if error is None else 1.0, dtype=torch.float64, device=device)])
-    dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
     counts = local[None]                                                  # [dp, 3]
     if dp_size > 1:
         gathered = [torch.empty_like(local) for _ in range(dp_size)]

@@ -216,3 +216,12 @@ def test_flags_must_be_bools(kwargs, field):
     """A string or an int for a flag is refused by name (YAML ``"no"`` would read as true)."""
     with pytest.raises(ValueError, match=rf"^{field} must be a bool, got"):
         _engine(**kwargs)
+
+
+def test_mla_heads_need_not_divide_hidden():
+    """MLA's head dims are its own: hidden 96 with 5 heads builds (a GQA model needs kv_channels)."""
+    mla = dict(kv_lora_rank=16, qk_head_dim=12, qk_pos_emb_head_dim=8, v_head_dim=10)
+    assert ModelConfig(**(MODEL | dict(hidden_size=96, num_attention_heads=5, num_query_groups=None)),
+                       mla=mla).mla.v_head_dim == 10
+    with pytest.raises(ValueError, match="hidden_size.*num_attention_heads"):
+        ModelConfig(**(MODEL | dict(hidden_size=96, num_attention_heads=5, num_query_groups=None)))

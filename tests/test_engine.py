@@ -92,7 +92,7 @@ def test_optimizer_step_empties_cache_exactly_after_topk(topk):
 
     engine = _bare_engine()
     engine.optimizer, engine.global_step, engine.num_skipped_steps = object(), 0, 0
-    engine._last_distillation_use_topk = topk
+    engine._last_distillation_use_topk, engine._moe = topk, None
     calls = []
     device_cls = type(get_device())
     with mock.patch.object(device_cls, "empty_cache", side_effect=lambda: calls.append("empty_cache")), \

@@ -267,6 +267,24 @@ def _reference(rank: int, world_size: int, path: str) -> None:
     same_bits(biases(engine), before, "bias after a failed step")
     assert all(torch.equal(p, weights[k]) for k, p in engine.model[0].module.named_parameters())
 
+    # an update skipped for non-finite gradients leaves the bias too (Megatron's own would move it)
+    def nan_loss(outputs, data, ctx):
+        loss, metrics = policy_loss(outputs, data, ctx)
+        return loss * float("nan"), metrics
+
+    out = engine.train_batch(batch, nan_loss)
+    assert out.get_non_tensor("metrics")["update_skipped"] == 1.0
+    same_bits(biases(engine), before, "bias after a skipped update")
+
+    # gradient accumulation over two passes: the update counts the tokens of both
+    engine.zero_grad()
+    first = engine.forward_backward_batch(batch, policy_loss)
+    second = engine.forward_backward_batch(other, policy_loss)
+    engine.optimizer_step()
+    routed = torch.cat([flat_values(first["routed_experts"]), flat_values(second["routed_experts"])])
+    same_bits(biases(engine), expected_update(before, routed), "bias update after two accumulated passes")
+    before = biases(engine)
+
     # checkpoint round trip
     folder = os.path.join(os.path.dirname(path), "ckpt-1")
     engine.save_checkpoint(folder)
@@ -294,6 +312,25 @@ def _reference(rank: int, world_size: int, path: str) -> None:
     for _ in range(2):
         engine.train_batch(batch, policy_loss)
     same_bits(biases(engine), start, "bias at rate 0")
+
+
+def check_uneven_micro_batch_counts(engine, batch, dp_rank: int) -> None:
+    """EP = 2: data-parallel ranks whose batches split into different micro-batch counts (2 vs 4
+    sequences, micro-batches of 2) all run the largest count (the expert all-to-all would hang
+    otherwise), with the outputs of one micro-batch a rank; a rank that cannot give that many
+    (dynamic batch size: 1 sequence vs 3 micro-batches) fails the step on every rank by name."""
+    mine = batch[torch.arange(0, 2) if dp_rank == 0 else torch.arange(2, 6)]
+    got = engine.infer_batch(mine)
+    one = mine.clone()
+    one.set_non_tensor("micro_batch_size_per_gpu", len(mine))
+    want = engine.infer_batch(one)
+    for key in ("log_probs", "routed_experts"):
+        assert_rel_close(flat_values(got[key]).double(), flat_values(want[key]).double(), 1e-6,
+                         f"uneven micro-batch counts: {key}")
+    lengths = [8] if dp_rank == 0 else [8, 8, 8]
+    uneven = make_batch(SEED, lengths=lengths, use_dynamic_bsz=True, max_token_len_per_gpu=8)
+    with pytest.raises(ValueError, match="num_micro_batches" if dp_rank == 0 else "rejected"):
+        engine.infer_batch(uneven)
 
 
 LAYOUTS = (("dp2", dict()), ("ep2", dict(ep=2)), ("tp2-sp", dict(tp=2)), ("cp2", dict(cp=2)),
@@ -330,6 +367,7 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
         if name in ("ep2", "tp2-sp"):
             check_router_replay(name, engine, mine, tol=None if name == "ep2" else 1e-6)
         if name == "ep2":
+            check_uneven_micro_batch_counts(engine, batch, dp_rank)
             folder = os.path.join(os.path.dirname(path), "ckpt-ep2")
             engine.save_checkpoint(folder)
             saved = biases(engine)

@@ -398,7 +398,8 @@ def hf_objective(path, batch, scale: float) -> tuple[float, float]:
 
 BROKEN = {"missing": ("model.layers.2.eh_proj.weight", None),
           "misshaped": ("model.layers.2.hnorm.weight", (65,)),
-          "copy-misshaped": ("model.layers.2.embed_tokens.weight", (250, 63))}
+          "copy-misshaped": ("model.layers.2.embed_tokens.weight", (250, 63)),
+          "no-mtp-tensors": ("model.layers.2.", "drop")}  # num_nextn_predict_layers without its module
 
 
 def save_broken_folders(root) -> None:
@@ -414,6 +415,8 @@ def save_broken_folders(root) -> None:
         broken = dict(tensors)
         if shape is None:
             del broken[name]
+        elif shape == "drop":
+            broken = {k: v for k, v in broken.items() if not k.startswith(name)}
         else:
             broken[name] = torch.zeros(shape)
         save_file(broken, root / case / "model.safetensors", metadata={"format": "pt"})

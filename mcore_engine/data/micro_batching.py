@@ -50,18 +50,35 @@ def balanced_partition(lengths: Sequence[int], budget: int, *, min_parts: int = 
 
 
 def split_micro_batches(batch: TensorDictBase, flags: StepFlags, *, default_micro_batch_size: int,
-                        min_num_micro_batches: int = 1,
-                        pad_multiple: int = 1) -> tuple[list[TensorDictBase], list[int]]:
+                        min_num_micro_batches: int = 1, pad_multiple: int = 1,
+                        num_micro_batches: int | None = None) -> tuple[list[TensorDictBase], list[int]]:
     """Split ``batch [B]`` into micro-batches and ``order``. By count: ``micro_batch_size_per_gpu`` (or
     ``default_micro_batch_size``) consecutive sequences each. By token budget (``use_dynamic_bsz``,
     :func:`balanced_partition`): at most ``max_token_len_per_gpu`` tokens each, lengths rounded up to
-    packing's ``pad_multiple``, at least ``min_num_micro_batches``. Non-tensor entries go with each."""
+    packing's ``pad_multiple``, at least ``min_num_micro_batches``. ``num_micro_batches``: exactly that
+    many instead (by count: consecutive runs whose sizes differ by at most one; by budget: balanced;
+    ``ValueError`` when the batch cannot give them). Non-tensor entries go with each."""
     size = batch.batch_size[0]
+    if num_micro_batches is not None:
+        if num_micro_batches > size:
+            raise ValueError(f"num_micro_batches: {num_micro_batches} micro-batches (another data-parallel "
+                             f"rank's count) from this rank's {size} sequences; give the ranks batches that "
+                             "split alike (micro_batch_size_per_gpu / max_token_len_per_gpu)")
+        if not flags.use_dynamic_bsz:
+            bounds = [size * i // num_micro_batches for i in range(num_micro_batches + 1)]
+            groups = [list(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
+            order = [i for g in groups for i in g]
+            return [batch[torch.tensor(g, dtype=torch.int64)] for g in groups], order
+        min_num_micro_batches = num_micro_batches
     if flags.use_dynamic_bsz:
         if not isinstance(pad_multiple, int) or pad_multiple < 1:
             raise ValueError(f"pad_multiple must be a positive int, got {pad_multiple!r}")
         lengths = (-(-sequence_lengths(batch) // pad_multiple) * pad_multiple).tolist()
         groups = balanced_partition(lengths, flags.max_token_len_per_gpu, min_parts=min_num_micro_batches)
+        if num_micro_batches is not None and len(groups) != num_micro_batches:
+            raise ValueError(f"num_micro_batches: max_token_len_per_gpu={flags.max_token_len_per_gpu} splits "
+                             f"this rank's batch into {len(groups)} micro-batches, another data-parallel "
+                             f"rank's into {num_micro_batches}")
     else:
         mbs = flags.micro_batch_size_per_gpu or default_micro_batch_size
         if not isinstance(mbs, int) or mbs <= 0:

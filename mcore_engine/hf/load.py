@@ -96,6 +96,12 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_path: str | os.P
         # zero bias when a *ForTokenClassification folder has none
         fresh = value_head_names_to_skip(model_cfg, hf_config, set(reader.names()))
         shapes = {k: v for k, v in shapes.items() if k not in fresh}
+        first_mtp = f"model.layers.{model_cfg.num_layers}."
+        if model_cfg.mtp_num_layers and not any(n.startswith(first_mtp) for n in reader.names()):
+            raise ValueError(f"ModelConfig.mtp_num_layers: {model_cfg.mtp_num_layers} MTP module(s) (the "
+                             f"config's num_nextn_predict_layers) but the checkpoint has no {first_mtp}* "
+                             "tensors (transformers writes num_nextn_predict_layers without them): build "
+                             "with mtp_num_layers=0")
         reader.check(shapes)
         reader.check(mtp_alias_shapes(model_cfg, reader.names()))  # MTP copies of the shared weights, if any
         tp = (parallel_state.get_tensor_model_parallel_rank(),
