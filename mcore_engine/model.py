@@ -161,8 +161,8 @@ def _moe_config_kwargs(cfg: EngineConfig) -> dict:
     replay is always built (``RouterReplay`` per router; idle until ``mcore_engine.moe`` arms it).
     Routing follows the checkpoints (``apply_moe_compat``: grouped top-k by each group's top-2 scores,
     sigmoid weights renormalised unless ``router_pre_softmax``). The expert bias is a router buffer;
-    its update (``moe_router_bias_update_rate``) is run by ``mcore_engine.moe`` after a step succeeds,
-    not by Megatron's ``finalize_model_grads``."""
+    its update (``moe_router_bias_update_rate``) is run by ``mcore_engine.moe`` after an optimizer step
+    that updated the weights, not by Megatron's ``finalize_model_grads``."""
     moe = cfg.model.moe
     if moe is None:  # unused; the default dispatcher rejects variable lengths
         return {"moe_token_dispatcher_type": "alltoall"}

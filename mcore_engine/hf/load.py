@@ -20,7 +20,7 @@ from mcore_engine.hf.checkpoint_io import HFCheckpointReader
 from mcore_engine.hf.hf_config import from_hf_config, is_token_classification, read_hf_config
 from mcore_engine.hf.layout import shard_from_hf
 from mcore_engine.hf.mapping import check_hf_names, hf_shapes, iter_units
-from mcore_engine.hf.mtp_names import mtp_alias_shapes
+from mcore_engine.hf.mtp_names import check_mtp_present, mtp_alias_shapes
 
 # Fields that must agree between the engine config and the checkpoint's config.json (the others,
 # e.g. max_sequence_length or init_method_std, may differ on purpose), compared by their resolved
@@ -96,12 +96,7 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_path: str | os.P
         # zero bias when a *ForTokenClassification folder has none
         fresh = value_head_names_to_skip(model_cfg, hf_config, set(reader.names()))
         shapes = {k: v for k, v in shapes.items() if k not in fresh}
-        first_mtp = f"model.layers.{model_cfg.num_layers}."
-        if model_cfg.mtp_num_layers and not any(n.startswith(first_mtp) for n in reader.names()):
-            raise ValueError(f"ModelConfig.mtp_num_layers: {model_cfg.mtp_num_layers} MTP module(s) (the "
-                             f"config's num_nextn_predict_layers) but the checkpoint has no {first_mtp}* "
-                             "tensors (transformers writes num_nextn_predict_layers without them): build "
-                             "with mtp_num_layers=0")
+        check_mtp_present(model_cfg, reader.names())
         reader.check(shapes)
         reader.check(mtp_alias_shapes(model_cfg, reader.names()))  # MTP copies of the shared weights, if any
         tp = (parallel_state.get_tensor_model_parallel_rank(),

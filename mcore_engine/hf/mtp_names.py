@@ -27,8 +27,8 @@ import torch
 if TYPE_CHECKING:
     from mcore_engine.config import ModelConfig
 
-__all__ = ["is_mtp_unit", "mtp_aliases", "mtp_alias_shapes", "mtp_hf_shapes", "mtp_param_name", "mtp_rule",
-           "mtp_units", "skip_mtp_hf_name"]
+__all__ = ["check_mtp_present", "is_mtp_unit", "mtp_aliases", "mtp_alias_shapes", "mtp_hf_shapes",
+           "mtp_param_name", "mtp_rule", "mtp_units", "skip_mtp_hf_name"]
 
 # module-level units: Megatron suffix -> (kind, Hugging Face suffix)
 _OWN_UNITS = {"enorm.weight": ("replicated", "enorm.weight"), "hnorm.weight": ("replicated", "hnorm.weight"),
@@ -104,6 +104,17 @@ def mtp_alias_shapes(cfg: ModelConfig, names: list[str]) -> dict[str, tuple[int,
     shape = (cfg.vocab_size, cfg.hidden_size)
     return {alias: shape for source in ("model.embed_tokens.weight", "lm_head.weight")
             for alias in mtp_aliases(source, cfg) if alias in present}
+
+
+def check_mtp_present(cfg: ModelConfig, names: list[str]) -> None:
+    """``ValueError`` when ``cfg`` asks for MTP modules and the checkpoint's ``names`` hold no tensor of
+    the first (``transformers`` writes ``num_nextn_predict_layers`` into folders without them)."""
+    first = f"model.layers.{cfg.num_layers}."
+    if cfg.mtp_num_layers and not any(n.startswith(first) for n in names):
+        raise ValueError(f"ModelConfig.mtp_num_layers: {cfg.mtp_num_layers} MTP module(s) (the config's "
+                         f"num_nextn_predict_layers) but the checkpoint has no {first}* tensors "
+                         "(transformers writes num_nextn_predict_layers without them): build with "
+                         "mtp_num_layers=0")
 
 
 def skip_mtp_hf_name(name: str, cfg: ModelConfig) -> bool:
