@@ -33,21 +33,6 @@ from megatron.core.distributed import (
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from tensordict import TensorDict, TensorDictBase
 
-from mcore_engine.adapters import (
-    attach_lora,
-    gather_adapters,
-    iter_adapter_tensors,
-    merged_weight_overrides,
-    sum_partial_adapter_grads,
-)
-from mcore_engine.checkpoint import (
-    checkpoint_layout,
-    config_record,
-    load_engine_checkpoint,
-    rng_state,
-    save_engine_checkpoint,
-    set_rng_state,
-)
 from mcore_engine.config import EngineConfig
 from mcore_engine.data.context_parallel import gather_tokens
 from mcore_engine.hf import export_hf, iter_hf_tensors, load_hf_weights
@@ -56,14 +41,31 @@ from mcore_engine.hf.peft import write_adapter
 from mcore_engine.layers.lora import adapters_disabled
 from mcore_engine.layers.mtp import arm_mtp, pop_mtp_hidden
 from mcore_engine.layers.value_head import sequence_scores
-from mcore_engine.lm_head_outputs import check_head_flags, lm_head_outputs, merge_logits_func
-from mcore_engine.loss_guard import LossGuard
-from mcore_engine.model import build_model_chunks, is_last_stage_chunk, output_hidden_states
-from mcore_engine.moe import MoERuntime
-from mcore_engine.mtp import loss_with_mtp
-from mcore_engine.offload import HostOffloader
+from mcore_engine.model.build import build_model_chunks, is_last_stage_chunk, output_hidden_states
+from mcore_engine.model.moe import MoERuntime
 from mcore_engine.ops import scale_logits_by_temperature
-from mcore_engine.optim import (
+from mcore_engine.parallel.platform import apply_cpu_device_layer, get_device, init_distributed
+from mcore_engine.processor import process_lm_head_logits
+from mcore_engine.state.adapters import (
+    attach_lora,
+    gather_adapters,
+    iter_adapter_tensors,
+    merged_weight_overrides,
+    sum_partial_adapter_grads,
+)
+from mcore_engine.state.checkpoint import (
+    checkpoint_layout,
+    config_record,
+    load_engine_checkpoint,
+    rng_state,
+    save_engine_checkpoint,
+    set_rng_state,
+)
+from mcore_engine.state.offload import HostOffloader
+from mcore_engine.step.lm_head import check_head_flags, lm_head_outputs, merge_logits_func
+from mcore_engine.step.loss_guard import LossGuard
+from mcore_engine.step.mtp import loss_with_mtp
+from mcore_engine.step.optimizer import (
     build_optimizer,
     build_scheduler,
     load_optimizer_state_dict,
@@ -71,9 +73,7 @@ from mcore_engine.optim import (
     optimizer_state_dict,
     step_optimizer,
 )
-from mcore_engine.platform import apply_cpu_device_layer, get_device, init_distributed
-from mcore_engine.processor import process_lm_head_logits
-from mcore_engine.step import (
+from mcore_engine.step.prepare import (
     LOSS_CONVENTIONS,
     MicroBatch,
     PreparedStep,
@@ -185,7 +185,7 @@ class MegatronEngine:
             tcfg.calculate_per_token_loss = True          # no 1/num_microbatches, no DP averaging
             tcfg.finalize_model_grads_func = _finalize_grads_without_token_rescale
             # 1F1B exchanges each micro-batch's shape; the interleaved schedule gets equally
-            # shaped micro-batches instead (mcore_engine.step).
+            # shaped micro-batches instead (mcore_engine.step.prepare).
             tcfg.variable_seq_lengths = pipelined and not self._interleaved
         if cfg.forward_only:  # parameters keep requires_grad: Megatron's frozen-weight matmul differs
             _broadcast_params(chunks)
@@ -270,7 +270,7 @@ class MegatronEngine:
                          temperature, *, select: torch.Tensor | None = None,
                          **kwargs) -> dict[str, torch.Tensor]:
         """Per-token outputs of the output head, on every row or the ``select`` ones only
-        (:func:`mcore_engine.lm_head_outputs.lm_head_outputs`; logits through
+        (:func:`mcore_engine.step.lm_head.lm_head_outputs`; logits through
         :meth:`_lm_head_logits_processor`)."""
         return lm_head_outputs(self.config, model, output, label, temperature,
                                logits_processor=self._lm_head_logits_processor, select=select, **kwargs)
@@ -362,7 +362,7 @@ class MegatronEngine:
             output_hidden_states(model, enable=run.step.flags.outputs_on_loss_mask_only)  # rows to select
         # the SDPA core attention masks causally by itself (no [b, 1, S, S] mask)
         mask = attention_mask(mb) if model_cfg.core_attention == "local" else None
-        # MTP modules (last stage) run in training passes only: mcore_engine.layers.mtp / mcore_engine.mtp
+        # MTP modules (last stage) run in training passes only (layers/mtp.py, step/mtp.py)
         arm_mtp(model, run.needs_grad and model_cfg.mtp_loss_scaling_factor > 0)
         output = model(input_ids=inp.input_ids, position_ids=inp.position_ids,
                        attention_mask=mask, packed_seq_params=inp.packed_seq_params)
@@ -378,7 +378,7 @@ class MegatronEngine:
                     logits_func=logits_func, builtin_outputs=builtin_outputs, guard=LossGuard(),
                     needs_grad=not forward_only and torch.is_grad_enabled(), loss_convention=loss_convention)
         iterators = [micro_batch_iterator(step) for _ in self.model]
-        if self._moe is not None:  # aux-loss scale, router replay / recording (mcore_engine.moe)
+        if self._moe is not None:  # aux-loss scale, router replay / recording (mcore_engine.model.moe)
             self._moe.begin(step, training=not forward_only)
         store = get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, run),

@@ -182,7 +182,7 @@ def local_params(engine) -> list[dict[str, torch.Tensor]]:
 def engine_snapshot(engine, *, counters: bool = False) -> list[torch.Tensor]:
     """Clones of this rank's parameters, the optimizer's main params and its tensor state (sorted keys),
     with ``counters`` then ``[global_step, lr_scheduler.num_steps]``; compare with ``assert_identical``."""
-    from mcore_engine.optim import sub_optimizers
+    from mcore_engine.step.optimizer import sub_optimizers
 
     out = [p.detach().clone() for chunk in engine.model for p in chunk.module.parameters()]
     for sub in sub_optimizers(engine.optimizer):

@@ -25,7 +25,7 @@ def config(model: str, *, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: 
            micro_batch_size: int = 2):
     """The tiny GPT of ``tests.engine_setup`` as ``model`` ``"dense"``, ``"moe"`` (with QK-norm) or
     ``"value"``."""
-    from mcore_engine.moe_config import MoEConfig
+    from mcore_engine.config.moe import MoEConfig
 
     cfg = tiny_config(tp=tp, pp=pp, vpp=vpp, data_format=data_format, micro_batch_size=micro_batch_size,
                       fused_lm_head=fused_lm_head, precision=precision, lr=3e-3)

@@ -84,7 +84,7 @@ def _engine(weights, seed: int = 1234, **kwargs):
 
 def _padded(weights: dict, tp: int) -> dict:
     """TP=1 ``weights`` with their vocab rows zero-padded to TP's padded vocab."""
-    from mcore_engine.model import padded_vocab_size
+    from mcore_engine.model.build import padded_vocab_size
 
     rows = padded_vocab_size(VOCAB, VOCAB_MULTIPLE, tp)
     return {k: torch.cat([w, w.new_zeros(rows - len(w), *w.shape[1:])]) if k in VOCAB_PADDED else w
@@ -143,7 +143,7 @@ def _refused(engine, path: str, needle: str) -> None:
 def _two_ranks(rank: int, world_size: int, tmp: str) -> None:
     import torch.distributed as dist
 
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     # --- sources at DP=2: plain and distributed optimizer; the latter also resumes in place ---
     src = _engine(None)
@@ -279,7 +279,7 @@ def test_resharded_resume_and_bad_checkpoints(tmp_path):
 def test_only_vocab_rows_may_differ():
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from mcore_engine.checkpoint import _check_tensors
+    from mcore_engine.state.checkpoint import _check_tensors
 
     def tensors(rows: int, cols: int = 8, other: int = 8) -> dict:
         out = {}

@@ -98,7 +98,7 @@ def test_invalid_combinations_name_their_fields(kwargs, fields):
 
 
 def test_kv_channels_and_rope_scaling_reach_the_transformer_config():
-    from mcore_engine.model import build_transformer_config
+    from mcore_engine.model.build import build_transformer_config
 
     cfg = _engine(model=dict(hidden_size=66, kv_channels=32, rope_scaling_factor=8.0))  # heads * d != hidden
     assert build_transformer_config(cfg).kv_channels == 32
@@ -107,7 +107,7 @@ def test_kv_channels_and_rope_scaling_reach_the_transformer_config():
 
 
 def test_recompute_reaches_the_transformer_config():
-    from mcore_engine.model import build_transformer_config, has_te
+    from mcore_engine.model.build import build_transformer_config, has_te
 
     cfg = _engine(recompute_granularity="full")  # uniform, 1 layer per unit
     assert (cfg.recompute_method, cfg.recompute_num_layers) == ("uniform", 1)
@@ -179,7 +179,7 @@ def test_shipped_configs_load_and_round_trip(path, tmp_path):
 
 
 def test_required_configs():
-    from mcore_engine.model import padded_vocab_size
+    from mcore_engine.model.build import padded_vocab_size
 
     tiny = EngineConfig.from_yaml(CONFIG_DIR / "tiny_cpu_tp2.yaml")
     assert tiny.parallel.tensor_model_parallel_size == 2 and tiny.precision == "fp32"

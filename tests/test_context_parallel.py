@@ -60,7 +60,7 @@ REFERENCES = (("dense", "thd"), ("dense", "bshd"), ("value", "thd"), ("distill",
 
 def _reference(rank: int, world_size: int, path: str) -> None:
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     ref, starts = {}, {}
     for model, fmt in REFERENCES:
@@ -129,7 +129,7 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
     from megatron.core import parallel_state
 
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     refs = torch.load(path, weights_only=False)
     for name, model, fmt, kwargs, select, tol in (LAYOUTS_2 if world_size == 2 else LAYOUTS_4):
@@ -177,7 +177,7 @@ def _checkpoint_holds_no_cp_state(full0: dict, folder: str) -> None:
     the same global loss and gradient): the weights bit for bit and the next step equal to 1e-5;
     that engine's checkpoint loaded back at CP = 2 bit for bit. CP holds no state."""
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     batch = make_batch(77, lengths=[9, 2, 40], calculate_entropy=True)
 

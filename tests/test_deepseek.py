@@ -122,7 +122,7 @@ def _full_state(engine) -> dict[str, torch.Tensor]:
 
 def _reference(rank: int, world_size: int, root: Path) -> None:
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     ref = torch.load(root / "reference.pt")
     out = {"errors": {}, "seconds": {}}
@@ -161,7 +161,7 @@ def _refuse_broken_bias(engine, root: Path) -> None:
 
 def _layouts(rank: int, world_size: int, root: Path) -> None:
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
     from tests.engine_setup import local_reference
 
     ref = torch.load(root / "reference.pt")

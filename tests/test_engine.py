@@ -87,8 +87,8 @@ def test_distillation_only_never_starts_log_probs():
 
 @pytest.mark.parametrize("topk", [True, False])
 def test_optimizer_step_empties_cache_exactly_after_topk(topk):
-    from mcore_engine.optim import StepResult
-    from mcore_engine.platform import get_device
+    from mcore_engine.parallel.platform import get_device
+    from mcore_engine.step.optimizer import StepResult
 
     engine = _bare_engine()
     engine.optimizer, engine.global_step, engine.num_skipped_steps = object(), 0, 0
@@ -104,7 +104,7 @@ def test_optimizer_step_empties_cache_exactly_after_topk(topk):
 
 
 def test_loss_result_is_checked():
-    from mcore_engine.loss_guard import LossGuard, check_loss_result
+    from mcore_engine.step.loss_guard import LossGuard, check_loss_result
 
     x = torch.randn(5, requires_grad=True)
     loss, metrics = check_loss_result((x.sum().reshape(1), {"a": 2, "b": x.sum() * 3}), needs_grad=True)
@@ -137,7 +137,7 @@ def test_loss_result_is_checked():
 
 
 def test_gather_results_reads_the_host_once():
-    from mcore_engine.step import gather_results
+    from mcore_engine.step.prepare import gather_results
 
     store = [{"index": 2, "loss": torch.tensor(0.25), "outputs": {},
               "metrics": {"tokens": torch.tensor(3), "x": torch.tensor(0.5, dtype=torch.float64)}},
@@ -157,7 +157,7 @@ def test_gather_results_reads_the_host_once():
 
 def test_token_counts_are_exact_beyond_float32():
     """Three micro-batches with 2**24 + 1, 1 and 1 loss tokens: a float32 running sum gives 2**24."""
-    import mcore_engine.step as step_module
+    import mcore_engine.step.prepare as step_module
 
     real = step_module.pack_micro_batch
     counts = iter([2**24 + 1, 1, 1])
@@ -189,7 +189,7 @@ def _expect_value_error(fn, what: str) -> str:
 
 def _state(engine):
     """Parameters, gradients and Adam state, cloned."""
-    from mcore_engine.optim import sub_optimizers
+    from mcore_engine.step.optimizer import sub_optimizers
 
     params = {k: v.detach().clone() for k, v in engine.model[0].module.named_parameters()}
     grads = {k: v.main_grad.clone() for k, v in engine.model[0].module.named_parameters()}
@@ -308,7 +308,7 @@ def _check_fused_lm_head_same_step_and_refuses_logits_funcs(s: _Setup) -> None:
 def _check_empty_cache_exactly_after_topk_and_infer_leaves_state(s: _Setup) -> None:
     """empty_cache iff top-k distillation ran with gradients; no log_probs under distillation_only;
     infer_batch leaves parameters, gradients and the hook alone."""
-    from mcore_engine.platform import get_device
+    from mcore_engine.parallel.platform import get_device
 
     engine, flags, calls = s.restored(), s.FLAGS, []
     with mock.patch.object(type(get_device()), "empty_cache", side_effect=lambda: calls.append(1)):

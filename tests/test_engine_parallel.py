@@ -131,7 +131,7 @@ def _data_parallel_failures(engine, batch) -> None:
 
     import torch.distributed as dist
 
-    import mcore_engine.step as step_module
+    import mcore_engine.step.prepare as step_module
 
     rank, before = dist.get_rank(), local_params(engine)
 
@@ -167,7 +167,7 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
     from megatron.core import parallel_state
 
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     ref = torch.load(path, weights_only=False)
     for name, kwargs, split, flags in LAYOUTS:

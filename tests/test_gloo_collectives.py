@@ -1,4 +1,4 @@
-"""mcore_engine.gloo_collectives on two gloo ranks: unequal all-gathers and tensor split sizes give
+"""mcore_engine.parallel.gloo_collectives on two gloo ranks: unequal all-gathers and tensor split sizes give
 what the collectives mean (each rank's own rows, in rank order), sync and async, fp32 and bf16."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from tests.utils import run_distributed
 def _collectives(rank: int, world_size: int) -> None:
     import torch.distributed as dist
 
-    from mcore_engine.gloo_collectives import apply_gloo_collectives
+    from mcore_engine.parallel.gloo_collectives import apply_gloo_collectives
 
     apply_gloo_collectives()
     sizes = [3, 5]

@@ -151,7 +151,7 @@ _E2E = ["name=e2e", "grpo.steps=16", "grpo.prompts_per_step=8", "grpo.group_size
 
 def _grpo_job(rank: int, world_size: int, out_dir: str) -> None:
     from mcore_engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
     from mcore_engine.recipes.grpo import run_grpo
 
     cfg = GRPOJobConfig.from_yaml(GRPO_CONFIG, [*_E2E, f"output_dir={out_dir}"])
@@ -228,7 +228,7 @@ def _grpo_lora_job(rank: int, world_size: int, out_dir: str) -> None:
     import dataclasses
 
     from mcore_engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
     from mcore_engine.recipes.grpo import ReferencePolicy, run_grpo
 
     cfg = GRPOJobConfig.from_yaml(GRPO_LORA_CONFIG, [*_E2E, f"output_dir={out_dir}"])

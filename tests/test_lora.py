@@ -130,8 +130,8 @@ def references(tmp_path_factory) -> Path:
 
 def _config(root: Path, family: str, tp: int, pp: int, sp: bool, dist_opt: bool):
     from mcore_engine.config import EngineConfig, OptimizerConfig, ParallelConfig
+    from mcore_engine.config.lora import LoRAConfig
     from mcore_engine.hf import from_hf_config, read_hf_config
-    from mcore_engine.lora_config import LoRAConfig
 
     folder = root / family
     model = from_hf_config(read_hf_config(folder), hf_path=str(folder))
@@ -147,7 +147,7 @@ def _config(root: Path, family: str, tp: int, pp: int, sp: bool, dist_opt: bool)
 
 def _layouts(rank: int, world_size: int, root: Path) -> None:
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     refs = torch.load(root / "refs.pt", weights_only=False)
     batch = _batch()
@@ -207,7 +207,7 @@ def _checkpoints(root: Path, batch: TensorDict) -> None:
     from safetensors.torch import load_file
 
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     def engine_at(tp: int, pp: int, hf_family: str = "llama") -> MegatronEngine:
         cfg = _config(root, "llama", tp, pp, False, False)
@@ -283,8 +283,8 @@ def test_lora_matches_peft_on_every_layout(references):
 
 def test_lora_config_refusals(tmp_path):
     from mcore_engine.config import ModelConfig
-    from mcore_engine.lora_config import LoRAConfig
-    from mcore_engine.moe_config import MoEConfig
+    from mcore_engine.config.lora import LoRAConfig
+    from mcore_engine.config.moe import MoEConfig
 
     for kwargs, field in ((dict(rank=0), "rank"), (dict(rank=4, alpha=0.0), "alpha"),
                           (dict(rank=4, dropout=1.0), "dropout"), (dict(rank=4, target_modules=["w1"]), "w1"),
@@ -311,8 +311,8 @@ def test_adapter_folder_checks(references, tmp_path):
     import json
     import shutil
 
+    from mcore_engine.config.lora import LoRAConfig
     from mcore_engine.hf.peft import read_adapter
-    from mcore_engine.lora_config import LoRAConfig
 
     folder = references / "llama-adapter"
     shapes = {"q": (64, 64), "k": (32, 64), "v": (32, 64), "o": (64, 64), "gate": (88, 64), "up": (88, 64),

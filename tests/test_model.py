@@ -15,14 +15,14 @@ from tests.utils import REL_TOL, assert_rel_close, run_distributed
                                                     (151936, 128, 4, 152064), (50257, 128, 8, 51200),
                                                     (7, 1, 3, 9)])
 def test_padded_vocab_size(vocab, div, tp, expected):
-    from mcore_engine.model import padded_vocab_size
+    from mcore_engine.model.build import padded_vocab_size
 
     assert padded_vocab_size(vocab, div, tp) == expected
 
 
 @pytest.mark.parametrize("bad", [dict(vocab_size=0), dict(divisible_by=-1), dict(tp=1.5)])
 def test_padded_vocab_size_rejects(bad):
-    from mcore_engine.model import padded_vocab_size
+    from mcore_engine.model.build import padded_vocab_size
 
     args = dict(vocab_size=250, divisible_by=128, tp=2) | bad
     with pytest.raises(ValueError, match=next(iter(bad))):
@@ -33,7 +33,7 @@ def test_build_model_chunks_needs_parallel_state():
     from megatron.core import parallel_state
 
     from mcore_engine.config import EngineConfig
-    from mcore_engine.model import build_model_chunks
+    from mcore_engine.model.build import build_model_chunks
 
     if parallel_state.model_parallel_is_initialized():
         pytest.skip("parallel_state initialised by another test in this process")
@@ -43,7 +43,7 @@ def test_build_model_chunks_needs_parallel_state():
 
 def test_transformer_config_from_engine_config():
     from mcore_engine.config import EngineConfig, ParallelConfig
-    from mcore_engine.model import build_transformer_config
+    from mcore_engine.model.build import build_transformer_config
 
     cfg = EngineConfig.from_yaml("configs/qwen2_0p5b_tp2.yaml")
     tc = build_transformer_config(cfg)
@@ -107,8 +107,8 @@ def _shard(full: torch.Tensor, param: torch.Tensor, rank: int, world: int) -> to
 
 def _build(model_kwargs: dict, precision: str, tp: int):
     from mcore_engine.config import EngineConfig, ModelConfig, ParallelConfig
-    from mcore_engine.model import build_model_chunks
-    from mcore_engine.platform import init_distributed
+    from mcore_engine.model.build import build_model_chunks
+    from mcore_engine.parallel.platform import init_distributed
 
     cfg = EngineConfig(model=ModelConfig(**(BASE | model_kwargs)),
                        parallel=ParallelConfig(tensor_model_parallel_size=tp), precision=precision)
@@ -127,7 +127,7 @@ def _run(model, ids, pos, w, mask=None, packed=None):
 
 
 def _compare_tp(rank: int, world: int, name: str, model_kwargs: dict, precision: str) -> None:
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     # fp32: TP shards are exact slices, so only the reduction order differs (up to 1.2e-6 measured)
     tol = REL_TOL[torch.bfloat16] if precision == "bf16" else 1e-5
@@ -167,7 +167,7 @@ def _compare_thd_bshd(rank: int, world: int) -> None:
     """Packed thd (PackedDotProductAttention) equals padded bshd per real token, values and grads."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     lengths = [7, 12, 1]
     g = torch.Generator().manual_seed(5)
@@ -210,8 +210,8 @@ def _compare_recompute(rank: int, world: int) -> None:
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from mcore_engine.config import EngineConfig, ModelConfig, ParallelConfig
-    from mcore_engine.model import build_model_chunks
-    from mcore_engine.platform import destroy_distributed, init_distributed
+    from mcore_engine.model.build import build_model_chunks
+    from mcore_engine.parallel.platform import destroy_distributed, init_distributed
 
     lengths = [7, 12, 1]
     g = torch.Generator().manual_seed(6)
@@ -259,7 +259,7 @@ LM_KEYS = ("log_probs", "entropy", "sum_pi_squared", "distillation_losses")
 # ----------------------------------------------------------------------------------------------------
 def _gpt_run(model, fused: bool, ids, pos, kwargs: dict, upstream: dict):
     """Outputs and parameter grads of the logits path (``fused=False``) or the fused lm-head path."""
-    from mcore_engine.model import lm_head_weight, output_hidden_states
+    from mcore_engine.model.build import lm_head_weight, output_hidden_states
     from mcore_engine.ops import vocab_parallel_logits_outputs
     from mcore_engine.ops.lm_head import fused_lm_head_outputs
 
@@ -274,8 +274,8 @@ def _gpt_run(model, fused: bool, ids, pos, kwargs: dict, upstream: dict):
 
 def _gpt_checks(rank: int, world: int) -> None:
     from mcore_engine.config import EngineConfig, ModelConfig, ParallelConfig
-    from mcore_engine.model import build_model_chunks
-    from mcore_engine.platform import destroy_distributed, init_distributed
+    from mcore_engine.model.build import build_model_chunks
+    from mcore_engine.parallel.platform import destroy_distributed, init_distributed
 
     g = torch.Generator().manual_seed(21)
     b, s, vocab, k = 2, 11, 250, 3

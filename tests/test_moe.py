@@ -46,7 +46,7 @@ MOE = dict(num_experts=E, router_topk=K, ffn_hidden_size=32, aux_loss_coeff=0.01
 
 def moe_config(*, ep: int = 1, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, data_format: str = "thd",
                fused_lm_head: bool = False, use_distributed_optimizer: bool = False, seed: int = 1234, **moe):
-    from mcore_engine.moe_config import MoEConfig
+    from mcore_engine.config.moe import MoEConfig
 
     cfg = tiny_config(tp=tp, pp=pp, micro_batch_size=micro_batch_size, data_format=data_format,
                       fused_lm_head=fused_lm_head, use_distributed_optimizer=use_distributed_optimizer,
@@ -264,7 +264,7 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
     from megatron.core import parallel_state
 
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     ref = torch.load(path, weights_only=False)
     batch = make_batch(SEED, NUM_SEQS, calculate_entropy=True)
@@ -297,7 +297,7 @@ def _check_ep_resharding(full0, folder: str) -> None:
     from megatron.core import parallel_state
 
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     batches = [make_batch(SEED + s, NUM_SEQS, calculate_entropy=True) for s in (0, 3)]
 

@@ -108,7 +108,7 @@ def test_megatron_group_rule_differs_only_where_k_is_not_two_groups(name):
     """Megatron-Core's group score (top ``k / topk_group``) agrees with the checkpoints' (top 2) only
     when ``k = 2 topk_group``; the engine's routing follows the checkpoints' everywhere."""
     from mcore_engine.layers import router
-    from mcore_engine.platform import apply_moe_compat
+    from mcore_engine.parallel.platform import apply_moe_compat
 
     apply_moe_compat()
     num_experts, groups, group_topk, topk = CONFIGS[name]
@@ -160,7 +160,7 @@ MOE_LAYERS = (1, 2, 3)
 
 
 def routing_config(*, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, rate: float = RATE):
-    from mcore_engine.moe_config import MoEConfig
+    from mcore_engine.config.moe import MoEConfig
 
     cfg = tiny_config(tp=tp, pp=pp, micro_batch_size=2)
     moe = MoEConfig(**{**ENGINE_MOE, "router_bias_update_rate": rate})
@@ -341,7 +341,7 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
     from megatron.core import parallel_state
 
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
     from tests.engine_setup import load_full_state, local_reference
 
     ref = torch.load(path, weights_only=False)

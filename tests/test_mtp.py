@@ -183,7 +183,7 @@ def check_modules_run_in_training_only(engine, batch) -> None:
 # ------------------------------------------------------------------------------------------ one rank
 def _one_rank(rank: int, world_size: int, path: str) -> None:
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     saved = {}
     for name, kwargs, tol in (("fp32", {}, FP32_TOL), ("bf16", dict(precision="bf16"), BF16_TOL),
@@ -230,7 +230,7 @@ def check_moe_routing() -> None:
     replay cover the decoder's MoE layers only, and replaying the recorded routing reproduces the
     pass, MTP loss included."""
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
     from tests.engine_setup import check_router_replay
     from tests.parallel_setup import config
 
@@ -261,7 +261,7 @@ LAYOUTS = [("tp2", dict(tp=2)), ("tp2-sp", dict(tp=2, sp=True)), ("pp2", dict(pp
 
 def _two_ranks(rank: int, world_size: int, path: str) -> None:
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     saved = torch.load(path, weights_only=False)
     for name, kwargs in LAYOUTS:
@@ -293,7 +293,7 @@ def check_checkpoint(engine, path: str) -> None:
 def _untrained_run(state, *, mtp: int, pp: int) -> dict:
     """Inference and two train steps with ``mtp`` modules and ``mtp_loss_scaling_factor = 0``."""
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     engine = MegatronEngine(mtp_config(mtp=mtp, scale=0.0, pp=pp))
     engine.initialize()
@@ -425,7 +425,7 @@ def save_broken_folders(root) -> None:
 def _hf_layouts(rank: int, world_size: int, root, refs: dict) -> None:
     from mcore_engine.engine import MegatronEngine
     from mcore_engine.hf import from_hf_config, load_hf_weights, read_hf_config
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     for name, layout in [*HF_MODELS.items(), ("glm-without-mtp", {})]:
         folder = root / name.removesuffix("-without-mtp")

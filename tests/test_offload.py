@@ -40,7 +40,7 @@ def _key(t: torch.Tensor) -> int:
 
 def _part_tensors(engine) -> dict[str, list[torch.Tensor]]:
     """What each part holds, found from the engine's objects (not through the offloader)."""
-    from mcore_engine.optim import sub_optimizers
+    from mcore_engine.step.optimizer import sub_optimizers
 
     params = [p for chunk in engine.model for p in chunk.module.parameters()]
     grads = [b.grad_data for chunk in engine.model for b in chunk.buffers]
@@ -131,8 +131,8 @@ def _pin(t: torch.Tensor) -> None:
 def _offload_is_atomic(name: str, engine) -> None:
     """Streamed tensors pin nothing; a pinned storage is refused before anything moves; a failure
     part-way (the pre-check bypassed) puts back everything it freed. Pins ``engine`` for good."""
-    import mcore_engine.offload as offload_module
-    from mcore_engine.optim import sub_optimizers
+    import mcore_engine.state.offload as offload_module
+    from mcore_engine.step.optimizer import sub_optimizers
 
     batch = make_batch(4, 5, calculate_entropy=True)
     want, before, full = _outputs(engine.infer_batch(batch)), engine_snapshot(engine), _sizes(engine)
@@ -168,7 +168,7 @@ def _offload_is_atomic(name: str, engine) -> None:
 
 def _offload_layouts(rank: int, world_size: int, path: str) -> None:
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     for name, kwargs in LAYOUTS.items():
         destroy_distributed()

@@ -131,7 +131,7 @@ def _check_layout(name: str, kwargs: dict, value: bool) -> None:
 
 
 def _all_layouts(rank: int, world_size: int) -> None:
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     for name, kwargs, value in LAYOUTS:
         _check_layout(name, kwargs, value)

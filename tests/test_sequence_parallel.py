@@ -45,7 +45,7 @@ from tests.utils import REL_TOL, assert_rel_close, run_distributed
 
 def _reference(rank: int, world_size: int, path: str) -> None:
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     ref = {}
     for model in ("dense", "moe", "value"):
@@ -88,7 +88,7 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
     from megatron.core import parallel_state
 
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
     ref = torch.load(path, weights_only=False)
     lengths = torch.cat([b["input_ids"].offsets().diff() for b in batches()])
     assert (lengths % 2 == 1).any(), "the batches must need padding to a multiple of TP"
@@ -152,7 +152,7 @@ def _moe_without_sequence_parallel(full0) -> None:
     """MoE at TP=2 without sequence parallelism: inference matches TP=1, training raises a
     ``ValueError`` naming ``sequence_parallel`` with the weights untouched."""
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     engine = MegatronEngine(config("moe", tp=2))
     engine.initialize()

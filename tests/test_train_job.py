@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from mcore_engine.checkpoint import FORMAT
 from mcore_engine.losses import LossContext
 from mcore_engine.recipes import JobConfig, MarkovCorpus
 from mcore_engine.recipes.distill import distillation_batch, lm_batch, next_token_loss
 from mcore_engine.recipes.logging import RunLogger, plot_curves, read_metrics
 from mcore_engine.recipes.sampling import GumbelMaxSampler, topk_processor
+from mcore_engine.state.checkpoint import FORMAT
 from tests.utils import assert_rel_close, run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent

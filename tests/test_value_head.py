@@ -123,7 +123,7 @@ def _check_hf(root: str, tp: int) -> None:
     round trip; a causal-LM folder gives the same trunk and a seeded head identical at any TP."""
     import torch.distributed as dist
 
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
     from tests.hf.models import load_folder
 
     ids = _hf_ids()
@@ -178,7 +178,7 @@ def _check_hf(root: str, tp: int) -> None:
 # ----------------------------------------------------------------------------- launches
 def _reference(rank: int, world_size: int, root: str) -> None:
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     engine = MegatronEngine(value_config())
     engine.initialize()
@@ -212,7 +212,7 @@ def _layouts(rank: int, world_size: int, root: str) -> None:
     from megatron.core import parallel_state
 
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     ref = torch.load(os.path.join(root, "ref.pt"), weights_only=False)
     for name, kwargs, split in LAYOUTS:

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         result = worker(cp, attention, seq_len, args)
         if result is not None:
             print("RESULT " + json.dumps(result), flush=True)
-        from mcore_engine.platform import destroy_distributed
+        from mcore_engine.parallel.platform import destroy_distributed
 
         destroy_distributed()
         return 0

@@ -27,7 +27,7 @@ KINDS = ("full", "lora-r8", "lora-r64")
 
 def _engine_config(kind: str, args: argparse.Namespace):
     from mcore_engine.config import EngineConfig, ModelConfig, OptimizerConfig
-    from mcore_engine.lora_config import LoRAConfig
+    from mcore_engine.config.lora import LoRAConfig
 
     h = args.hidden
     lora = None if kind == "full" else LoRAConfig(rank=int(kind.split("-r")[1]), alpha=16.0,
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         result = worker(args.worker, args)
         print("RESULT " + json.dumps(result), flush=True)
-        from mcore_engine.platform import destroy_distributed
+        from mcore_engine.parallel.platform import destroy_distributed
 
         destroy_distributed()
         return 0

@@ -51,7 +51,7 @@ DEEPSEEK_KINDS = ("moe-ep1", "deepseek-v3")
 
 def _engine_config(kind: str, args: argparse.Namespace):
     from mcore_engine.config import EngineConfig, ModelConfig, OptimizerConfig, ParallelConfig
-    from mcore_engine.moe_config import MoEConfig
+    from mcore_engine.config.moe import MoEConfig
 
     h, f, k = args.hidden, args.expert_ffn, args.topk
     if kind == "deepseek-v3":
@@ -73,8 +73,8 @@ def _engine_config(kind: str, args: argparse.Namespace):
 def _deepseek_config(args: argparse.Namespace):
     """``--deepseek``'s DeepSeek-V3-style model (see the module docstring)."""
     from mcore_engine.config import EngineConfig, ModelConfig, OptimizerConfig, ParallelConfig
-    from mcore_engine.mla_config import MLAConfig
-    from mcore_engine.moe_config import MoEConfig
+    from mcore_engine.config.mla import MLAConfig
+    from mcore_engine.config.moe import MoEConfig
 
     h, f, k = args.hidden, args.expert_ffn, args.topk
     moe = MoEConfig(num_experts=2 * args.experts, router_topk=k, ffn_hidden_size=f // 2,
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         result = worker(args.worker, args)
         if result is not None:
             print("RESULT " + json.dumps(result), flush=True)
-        from mcore_engine.platform import destroy_distributed
+        from mcore_engine.parallel.platform import destroy_distributed
 
         destroy_distributed()
         return 0

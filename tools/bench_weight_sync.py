@@ -74,8 +74,8 @@ def worker(spec: dict) -> dict:
     from mcore_engine.config import EngineConfig, ParallelConfig
     from mcore_engine.hf import from_hf_config
     from mcore_engine.hf.mapping import hf_shapes
-    from mcore_engine.model import build_model_chunks
-    from mcore_engine.platform import init_distributed
+    from mcore_engine.model.build import build_model_chunks
+    from mcore_engine.parallel.platform import init_distributed
     from mcore_engine.weight_sync import plan_buckets
 
     torch.set_num_threads(1)

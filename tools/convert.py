@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             mcore_to_hf(args)
     finally:
-        from mcore_engine.platform import destroy_distributed
+        from mcore_engine.parallel.platform import destroy_distributed
 
         destroy_distributed()
 

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     # Megatron-Core's import-time notes that it falls back to torch norms / optimizers without Apex or TE.
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed",
                             category=UserWarning)
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
     from mcore_engine.recipes.grpo import run_grpo
     from mcore_engine.recipes.grpo_config import GRPOJobConfig
 

@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from mcore_engine.config import ModelConfig
-from mcore_engine.config_checks import _require
-from mcore_engine.mla_config import MLAConfig
-from mcore_engine.moe_config import MoEConfig
+from mcore_engine.config.checks import _require
+from mcore_engine.config.mla import MLAConfig
+from mcore_engine.config.moe import MoEConfig
 
 __all__ = ["SIGMOID_MOE_FAMILIES", "deepseek_from_hf", "deepseek_to_hf"]
 

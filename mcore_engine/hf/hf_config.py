@@ -102,7 +102,7 @@ def _moe_from_hf(hf_config: Mapping[str, Any], family: str) -> dict[str, Any]:
     Routing ``softmax -> top-k (-> renormalise if norm_topk_prob)`` is ``router_pre_softmax =
     not norm_topk_prob`` (Mixtral always renormalises).
     """
-    from mcore_engine.moe_config import MoEConfig
+    from mcore_engine.config.moe import MoEConfig
 
     num_layers = int(hf_config["num_hidden_layers"])
     experts = hf_config.get("num_experts", hf_config.get("num_local_experts"))

@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mcore_engine.lora_config import HF_PROJECTIONS, PROJECTION_HF_NAMES, LoRAConfig
+from mcore_engine.config.lora import HF_PROJECTIONS, PROJECTION_HF_NAMES, LoRAConfig
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "peft_key", "read_adapter", "write_adapter"]
 

@@ -196,7 +196,7 @@ class McoreEngineVerl(BaseEngine):
     def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any,
                  checkpoint_config: Any = None) -> None:
         super().__init__()
-        from mcore_engine.platform import apply_cpu_device_layer, init_distributed
+        from mcore_engine.parallel.platform import apply_cpu_device_layer, init_distributed
 
         self.model_config = model_config
         self.engine_config = engine_config
@@ -265,7 +265,7 @@ class McoreEngineVerl(BaseEngine):
         super().to(device=device, model=model, optimizer=optimizer, grad=grad)
         from verl.utils.device import get_device_name
 
-        from mcore_engine.platform import get_device
+        from mcore_engine.parallel.platform import get_device
 
         own = get_device().type
         if device == "cpu":

@@ -26,7 +26,7 @@ from verl.workers.config.optimizer import McoreOptimizerConfig, OptimizerConfig
 from mcore_engine import EngineConfig
 from mcore_engine.config import OptimizerConfig as CoreOptimizerConfig
 from mcore_engine.config import ParallelConfig
-from mcore_engine.lora_config import HF_PROJECTIONS, LoRAConfig
+from mcore_engine.config.lora import HF_PROJECTIONS, LoRAConfig
 
 __all__ = ["BACKEND", "NOT_APPLICABLE", "engine_config_from_verl", "lora_from_verl", "lora_merge",
            "router_replay_mode"]
@@ -500,7 +500,7 @@ def _recompute_from_verl(m: Any, e: Any) -> tuple[dict[str, Any], str]:
             out[key] = list(otc[key]) if key == "recompute_modules" else otc[key]
             source += f", engine_config.override_transformer_config.{key}={otc[key]!r}"
     if "layernorm" in (out.get("recompute_modules") or ()):
-        from mcore_engine.model import has_te
+        from mcore_engine.model.build import has_te
 
         _check(has_te(), "engine_config.override_transformer_config.recompute_modules",
                out["recompute_modules"], "'layernorm' needs Transformer Engine (GPU); use core_attn / mlp")

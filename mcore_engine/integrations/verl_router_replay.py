@@ -2,7 +2,7 @@
 
 The core records every token's top-k experts per MoE layer in every pass and routes a batch that
 carries ``routed_experts`` (``input_ids``' layout + ``[L_moe, k]``) exactly by it
-(``mcore_engine.moe``). verl 0.9.1's modes (``EngineRouterReplayConfig.mode``) choose, per pass,
+(``mcore_engine.model.moe``). verl 0.9.1's modes (``EngineRouterReplayConfig.mode``) choose, per pass,
 what the batch hands the core and what goes back to verl, as verl's Megatron engine does:
 
 - ``"disabled"``: the model routes by itself. A batch's ``routed_experts`` (a rollout's, with

@@ -14,7 +14,7 @@ MoE or dense, as the trunk.
 Megatron's own ``_postprocess`` needs ``labels`` and computes the MTP loss per micro-batch with its
 own normalisation; :class:`MTPGPTModel` only runs the block when the engine arms it (training
 passes with ``mtp_loss_scaling_factor > 0``) and keeps ``h^1 .. h^D`` for the engine's loss
-(:mod:`mcore_engine.mtp`); its return value is the plain GPTModel's (logits, or hidden states under
+(:mod:`mcore_engine.step.mtp`); its return value is the plain GPTModel's (logits, or hidden states under
 ``output_hidden_states``). Memory when armed: the block's ``[(1 + D) s, b, H]`` output plus each
 module's layer activations.
 """

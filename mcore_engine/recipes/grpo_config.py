@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from mcore_engine.config import EngineConfig
-from mcore_engine.config_checks import _positive_int, _require
+from mcore_engine.config.checks import _positive_int, _require
 from mcore_engine.losses import AGG_MODES, KL_ESTIMATORS
 from mcore_engine.recipes.job_config import apply_overrides
 

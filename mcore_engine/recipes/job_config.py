@@ -13,8 +13,8 @@ from typing import Any
 import yaml
 
 from mcore_engine.config import EngineConfig
-from mcore_engine.config_checks import _positive_int as _positive_ints
-from mcore_engine.config_checks import _require
+from mcore_engine.config.checks import _positive_int as _positive_ints
+from mcore_engine.config.checks import _require
 
 __all__ = ["CorpusConfig", "DistillationConfig", "JobConfig", "TeacherTrainingConfig", "apply_overrides"]
 

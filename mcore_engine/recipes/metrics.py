@@ -34,6 +34,6 @@ def global_metrics(out: TensorDict, dp_group: dist.ProcessGroup | None) -> dict[
 
 def peak_memory_gib() -> float:
     """This process's peak device memory (CPU: peak RSS) in GiB."""
-    from mcore_engine.platform import get_device
+    from mcore_engine.parallel.platform import get_device
 
     return get_device().max_memory_allocated() / _GIB

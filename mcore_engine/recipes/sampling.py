@@ -77,7 +77,7 @@ def from_last_stage(out, key: str, shape: tuple[int, ...], dtype: torch.dtype) -
     """``out[key]`` (dense ``shape``) on every pipeline stage: one broadcast from the last stage."""
     from megatron.core import parallel_state
 
-    from mcore_engine.platform import get_device
+    from mcore_engine.parallel.platform import get_device
 
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return out[key]

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from mcore_engine.config import EngineConfig, ModelConfig, ParallelConfig
+from mcore_engine.config.lora import LoRAConfig
+from mcore_engine.config.mla import MLAConfig
 from mcore_engine.hf import from_hf_config, read_hf_config, to_hf_config
 from mcore_engine.hf.mapping import check_hf_names, hf_shapes
-from mcore_engine.lora_config import LoRAConfig
-from mcore_engine.mla_config import MLAConfig
 from tests.hf.deepseek_models import MODELS, YARN, hf_config_dict, save_tiny_model
 from tests.hf.models import hf_config_dict as qwen_config_dict
 from tests.hf.models import load_folder

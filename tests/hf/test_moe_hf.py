@@ -149,7 +149,7 @@ def _check_layouts(rank: int, world_size: int, root: Path) -> None:
 
     from mcore_engine import MegatronEngine
     from mcore_engine.hf.checkpoint_io import HFCheckpointReader
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     ref = torch.load(root / "reference.pt")
     ids = ref["ids"]

@@ -105,8 +105,8 @@ def _forward(chunks: list[torch.nn.Module], ids: torch.Tensor) -> torch.Tensor |
 
 def _check_all_layouts(rank: int, world_size: int, root: Path) -> None:
     from mcore_engine.hf import export_hf, iter_hf_tensors
-    from mcore_engine.model import build_model_chunks
-    from mcore_engine.platform import destroy_distributed, init_distributed
+    from mcore_engine.model.build import build_model_chunks
+    from mcore_engine.parallel.platform import destroy_distributed, init_distributed
 
     ref = torch.load(root / "reference.pt")
     ids, labels = ref["ids"], ref["ids"][:, 1:, None]

@@ -175,7 +175,7 @@ def _check_layouts(rank: int, world_size: int, root: Path) -> None:
     from mcore_engine import MegatronEngine
     from mcore_engine.config import EngineConfig, ParallelConfig
     from mcore_engine.hf import from_hf_config, read_hf_config
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     expected_all = torch.load(root / "expected.pt")
     for tp, pp in LAYOUTS:

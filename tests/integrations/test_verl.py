@@ -162,7 +162,7 @@ def spy(adapter, events: Events) -> None:
     """Record empty_cache / optimizer.step order and the processor's arguments and divisions."""
     from torch.overrides import TorchFunctionMode
 
-    from mcore_engine.platform import get_device
+    from mcore_engine.parallel.platform import get_device
 
     dev = get_device()
     if not hasattr(dev, "spy_events"):
@@ -173,7 +173,7 @@ def spy(adapter, events: Events) -> None:
         dev.empty_cache = empty_cache
     dev.spy_events = events
     core = adapter.engine
-    prepare = core.optimizer.prepare_grads  # the optimizer step's first action (mcore_engine.optim)
+    prepare = core.optimizer.prepare_grads  # the optimizer step's first action (mcore_engine.step.optimizer)
     def opt_step(*a, **k):
         events.log.append("step")
         return prepare(*a, **k)
@@ -472,7 +472,7 @@ def reference_policy(hf_dir: str, ckpt_dir: str, report: dict) -> None:
 def held(core) -> dict[str, int]:
     """Bytes held by the storages behind the parameters, the DDP grad buffers and the Adam state,
     found from the engine's own objects."""
-    from mcore_engine.optim import sub_optimizers
+    from mcore_engine.step.optimizer import sub_optimizers
 
     parts = {"params": [p for c in core.model for p in c.module.parameters()],
              "grads": [b.grad_data for c in core.model for b in c.buffers],

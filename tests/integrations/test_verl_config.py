@@ -222,8 +222,8 @@ def test_verl_lora_mapping(hf_dir, tmp_path):
 
     from omegaconf import OmegaConf
 
+    from mcore_engine.config.lora import LoRAConfig
     from mcore_engine.integrations.verl_config import engine_config_from_verl, lora_from_verl, lora_merge
-    from mcore_engine.lora_config import LoRAConfig
 
     def lora(**model):
         return engine_config_from_verl(*build_configs(hf_dir, "model", model)).model.lora
@@ -368,7 +368,7 @@ def test_verl_sequence_parallel(hf_dir):
 
 def test_verl_refused_without_transformer_engine(hf_dir):
     from mcore_engine.integrations.verl_config import engine_config_from_verl
-    from mcore_engine.model import has_te
+    from mcore_engine.model.build import has_te
 
     if has_te():
         pytest.skip("Transformer Engine imports here")
@@ -383,7 +383,7 @@ def test_verl_to_device_names():
     from verl.utils.device import get_device_name
 
     from mcore_engine.integrations.verl import McoreEngineVerl
-    from mcore_engine.platform import get_device
+    from mcore_engine.parallel.platform import get_device
 
     class Core:
         def __init__(self):
@@ -522,8 +522,8 @@ def test_verl_trainer_config_lora(hf_dir):
     are refused by name. The model block reaches the engine as verl's workers build it."""
     from verl.utils.config import omega_conf_to_dataclass
 
+    from mcore_engine.config.lora import LoRAConfig
     from mcore_engine.integrations.verl_config import engine_config_from_verl, lora_merge
-    from mcore_engine.lora_config import LoRAConfig
 
     run = (f"{ARR}.model.path={hf_dir}", f"+{ARR}.model.load_tokenizer=False",
            f"{ARR}.model.enable_gradient_checkpointing=False", f"{ARR}.model.lora.rank=4",

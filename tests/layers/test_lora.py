@@ -426,8 +426,8 @@ VOCAB, SEQ = 250, 12  # vocab padded to 256 at TP 1 and 2
 def _gpt(tp: int, sp: bool = False, **model_kwargs):
     """The engine's GPTModel (local spec, torch norms, SDPA core attention), base frozen."""
     from mcore_engine.config import EngineConfig, ModelConfig, ParallelConfig
-    from mcore_engine.model import build_model_chunks
-    from mcore_engine.platform import init_distributed
+    from mcore_engine.model.build import build_model_chunks
+    from mcore_engine.parallel.platform import init_distributed
 
     model = ModelConfig(**(dict(num_layers=2, hidden_size=H, num_attention_heads=NH, num_query_groups=NG,
                                 ffn_hidden_size=FFN, vocab_size=VOCAB, max_sequence_length=32,
@@ -479,7 +479,7 @@ def _model_tp1() -> dict:
     """TP=1: fresh adapters == base bit for bit; 28 adapter params; random B changes the logits;
     disabled == base bit for bit. Returns the record for TP=2."""
     from mcore_engine.layers.lora import adapters_disabled, apply_lora, lora_modules
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     _, _, w = _gpt_inputs()
     model = _gpt(1)
@@ -508,7 +508,7 @@ def _model_tp1() -> dict:
 def _model_tp2(sp: bool, tp1: dict) -> None:
     """TP=2 (+SP): adapters are slices of TP=1's; logits and adapter grads equal TP=1's."""
     from mcore_engine.layers.lora import adapters_disabled, apply_lora
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     model = _gpt(2, sp)
     apply_lora(model, rank=R, alpha=ALPHA, targets=ALL_TARGETS, seed=SEED, init_lora_weights=False)
@@ -598,8 +598,8 @@ def _peft_model_checks(folder: str, tp: int) -> None:
         load_adapters,
         lora_modules,
     )
-    from mcore_engine.model import build_model_chunks
-    from mcore_engine.platform import destroy_distributed, init_distributed
+    from mcore_engine.model.build import build_model_chunks
+    from mcore_engine.parallel.platform import destroy_distributed, init_distributed
 
     saved = torch.load(f"{folder}/peft.pt")
     adapters: dict[tuple[int, str], list] = {}
@@ -668,6 +668,7 @@ def peft_qwen2(tmp_path_factory) -> str:
 def _refusals_tp1() -> None:
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
+    from mcore_engine.config.moe import MoEConfig
     from mcore_engine.layers.lora import (
         ColumnLayout,
         LoRAColumnParallelLinear,
@@ -675,8 +676,7 @@ def _refusals_tp1() -> None:
         apply_lora,
         lora_modules,
     )
-    from mcore_engine.moe_config import MoEConfig
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     model = _gpt(1)
     good = dict(rank=R, alpha=ALPHA, targets=ALL_TARGETS, seed=SEED)
@@ -724,7 +724,7 @@ def _refusals_tp1() -> None:
 
     # --- from_base / load_full ---
     from mcore_engine.config import ParallelConfig
-    from mcore_engine.platform import init_distributed
+    from mcore_engine.parallel.platform import init_distributed
 
     init_distributed(ParallelConfig(), SEED)
     full = _full("qkv", 1, torch.float32)
@@ -760,7 +760,7 @@ def _refusals_tp2() -> None:
     from megatron.core.transformer import TransformerConfig
 
     from mcore_engine.layers.lora import ColumnLayout, apply_lora, lora_modules
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     _init(2)
     with pytest.raises(ValueError, match="num_query_groups"):
@@ -780,13 +780,13 @@ def _refusals_tp2() -> None:
 # ----------------------------------------------------------------------------------------------------
 def _init(tp: int) -> None:
     from mcore_engine.config import ParallelConfig
-    from mcore_engine.platform import init_distributed
+    from mcore_engine.parallel.platform import init_distributed
 
     init_distributed(ParallelConfig(tensor_model_parallel_size=tp), SEED)
 
 
 def _one_rank(rank: int, world: int) -> None:
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     _init(1)
     for i, (kind, targets) in enumerate(CASES):
@@ -799,7 +799,7 @@ def _one_rank(rank: int, world: int) -> None:
 
 
 def _two_ranks(rank: int, world: int, peft_folder: str) -> None:
-    from mcore_engine.platform import destroy_distributed
+    from mcore_engine.parallel.platform import destroy_distributed
 
     # --- TP=1 records (DP=2) ---
     _init(1)

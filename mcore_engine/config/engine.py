@@ -22,11 +22,11 @@ from typing import Any
 
 import yaml
 
-from mcore_engine.config_checks import _bools, _positive_int, _require
-from mcore_engine.lora_config import LoRAConfig
-from mcore_engine.mla_config import MLAConfig, _validate_mla_layout, _validate_mla_model
-from mcore_engine.moe_config import MoEConfig, _validate_moe_layout
-from mcore_engine.mtp_config import validate_mtp
+from mcore_engine.config.checks import _bools, _positive_int, _require
+from mcore_engine.config.lora import LoRAConfig
+from mcore_engine.config.mla import MLAConfig, _validate_mla_layout, _validate_mla_model
+from mcore_engine.config.moe import MoEConfig, _validate_moe_layout
+from mcore_engine.config.mtp import validate_mtp
 
 __all__ = ["EngineConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig"]
 

@@ -263,7 +263,7 @@ class MoERuntime:
     def finish_into(self, out: TensorDictBase, step: Any) -> None:
         """Add ``routed_experts`` (``input_ids``' layout + ``[L, k]``) and the router metrics to a
         step's output TensorDict ``out``; disarms (collective over PP and DP)."""
-        from mcore_engine.step import collect_outputs
+        from mcore_engine.step.prepare import collect_outputs
 
         try:
             per_mb, metrics = self.finish()

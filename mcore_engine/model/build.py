@@ -33,7 +33,12 @@ from mcore_engine.layers.mla import LatentNorm, MLASelfAttention
 from mcore_engine.layers.mtp import MTPGPTModel, freeze_untrained_mtp, mtp_block_spec
 from mcore_engine.layers.norm import with_torch_norms
 from mcore_engine.layers.value_head import ValueHead, attach_value_head
-from mcore_engine.platform import apply_cpu_device_layer, apply_mla_compat, apply_moe_compat, mcore_version
+from mcore_engine.parallel.platform import (
+    apply_cpu_device_layer,
+    apply_mla_compat,
+    apply_moe_compat,
+    mcore_version,
+)
 
 __all__ = ["PackedDotProductAttention", "build_model_chunks", "build_transformer_config", "has_te",
            "apply_output_layer", "is_last_stage_chunk", "lm_head_weight", "output_hidden_states",
@@ -141,7 +146,7 @@ def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
         recompute_method=cfg.recompute_method,
         recompute_num_layers=cfg.recompute_num_layers,
         recompute_modules=list(cfg.recompute_modules or ["core_attn"]),
-        mtp_num_layers=m.mtp_num_layers or None,  # the loss: mcore_engine.mtp (Megatron's is not run)
+        mtp_num_layers=m.mtp_num_layers or None,  # the loss: mcore_engine.step.mtp (Megatron's is not run)
         mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
         bf16=cfg.precision == "bf16",
         params_dtype=dtype,
@@ -158,10 +163,10 @@ def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
 
 def _moe_config_kwargs(cfg: EngineConfig) -> dict:
     """``TransformerConfig`` MoE arguments for ``cfg.model.moe``. Routing
-    replay is always built (``RouterReplay`` per router; idle until ``mcore_engine.moe`` arms it).
+    replay is always built (``RouterReplay`` per router; idle until ``mcore_engine.model.moe`` arms it).
     Routing follows the checkpoints (``apply_moe_compat``: grouped top-k by each group's top-2 scores,
     sigmoid weights renormalised unless ``router_pre_softmax``). The expert bias is a router buffer;
-    its update (``moe_router_bias_update_rate``) is run by ``mcore_engine.moe`` after an optimizer step
+    its update (``moe_router_bias_update_rate``) is run by ``mcore_engine.model.moe`` after an optimizer step
     that updated the weights, not by Megatron's ``finalize_model_grads``."""
     moe = cfg.model.moe
     if moe is None:  # unused; the default dispatcher rejects variable lengths
@@ -248,7 +253,7 @@ def _z_loss_coeff(cfg: EngineConfig) -> float | None:
 def _aux_loss_coeff(cfg: EngineConfig) -> float:
     """The load-balancing loss coefficient. From Megatron-Core 0.19 the router weights that loss by
     the rank's routed tokens times the TP x CP size (0.16 - 0.18: the routed tokens only, which the
-    engine's ``1 / N`` step scale, :mod:`mcore_engine.moe`, expects), so it gets ``coeff / (tp cp)``
+    engine's ``1 / N`` step scale, :mod:`mcore_engine.model.moe`, expects), so it gets ``coeff / (tp cp)``
     there, with the tokens split as in :func:`_z_loss_coeff` (the logged loss is unchanged)."""
     coeff = cfg.model.moe.aux_loss_coeff
     return coeff / _token_split(cfg) if mcore_version() >= (0, 19) else coeff
@@ -329,7 +334,7 @@ def build_model_chunks(cfg: EngineConfig) -> list[GPTModel]:
     """
     if not parallel_state.model_parallel_is_initialized():
         raise ValueError("build_model_chunks: parallel_state is not initialised; call "
-                         "mcore_engine.platform.init_distributed(cfg.parallel, cfg.seed) first")
+                         "mcore_engine.parallel.platform.init_distributed(cfg.parallel, cfg.seed) first")
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if (tp, pp) != (cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size):

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from mcore_engine.config_checks import _positive_int, _require
+from mcore_engine.config.checks import _positive_int, _require
 
 __all__ = ["MLAConfig"]
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from mcore_engine.config_checks import _bools, _positive_int, _require
+from mcore_engine.config.checks import _bools, _positive_int, _require
 
 __all__ = ["MoEConfig"]
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mcore_engine.model import apply_output_layer, lm_head_weight
+from mcore_engine.model.build import apply_output_layer, lm_head_weight
 from mcore_engine.processor import RowSelection, process_lm_head_hidden
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mcore_engine.platform import get_device
+from mcore_engine.parallel.platform import get_device
 
 __all__ = ["LossGuard", "check_loss_result"]
 

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_engine.config import EngineConfig
-from mcore_engine.platform import get_device
+from mcore_engine.parallel.platform import get_device
 
 __all__ = ["FORMAT", "IGNORED_CONFIG", "checkpoint_layout", "config_mismatch", "config_record",
            "load_engine_checkpoint", "rng_state", "save_engine_checkpoint", "set_rng_state"]
@@ -185,7 +185,7 @@ def _rng_object(layout: dict[str, Any], state: Any):
 
 
 def _has_state(optimizer) -> bool:
-    from mcore_engine.optim import sub_optimizers
+    from mcore_engine.step.optimizer import sub_optimizers
 
     return any(sub.optimizer is not None and len(sub.optimizer.state) > 0
                for sub in sub_optimizers(optimizer))
@@ -377,7 +377,7 @@ def _adam_step_kept(optimizer):
     ``step`` tensor (a shared one would be bumped once per parameter)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from mcore_engine.optim import sub_optimizers
+    from mcore_engine.step.optimizer import sub_optimizers
 
     original = DistributedOptimizer._set_main_param_and_optimizer_states
 
@@ -408,7 +408,7 @@ def _fit_optimizer_common(saved: dict, optimizer) -> dict:
     engine's optimizer structure: one Megatron optimizer at EP=1, a dense + expert chain at EP > 1.
     Each param group takes the saved group of its kind (``_GROUP_KIND``), every other entry the
     first saved optimizer's (a chain keeps its steps equal)."""
-    from mcore_engine.optim import sub_optimizers
+    from mcore_engine.step.optimizer import sub_optimizers
 
     def split(tree):  # one optimizer's dict, or {index: dict} for a chain
         return [tree[k] for k in sorted(tree)] if tree and all(isinstance(k, int) for k in tree) else [tree]
@@ -480,7 +480,7 @@ def load_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, 
     then load the model chunks and optimizer in place, restore the RNG states when ``layout`` is the
     checkpoint's, and return the ``common`` dict the save was given. ``optimizer`` None: the model
     part of any checkpoint."""
-    from mcore_engine.optim import init_optimizer_state, reset_optimizer_state
+    from mcore_engine.step.optimizer import init_optimizer_state, reset_optimizer_state
 
     path = _resolve(os.path.abspath(path))
     marker, error = None, None

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from mcore_engine.config import ParallelConfig
-from mcore_engine.gloo_collectives import apply_gloo_collectives
+from mcore_engine.parallel.gloo_collectives import apply_gloo_collectives
 
 __all__ = ["Device", "apply_cpu_device_layer", "apply_mla_compat", "apply_moe_compat",
            "cpu_device_layer_active",
@@ -177,7 +177,7 @@ def apply_moe_compat() -> None:
     route; idempotent. Binds ``moe_utils.te_general_gemm`` to ``None`` (the router's torch path),
     installs the checkpoints' routing (:mod:`mcore_engine.layers.router`: DeepSeek-V3's grouped top-k,
     sigmoid weights renormalised unless ``moe_router_pre_softmax``, on CPU and GPU) and, CPU only,
-    :mod:`mcore_engine.gloo_collectives` (split sizes as lists, unequal all-gathers)."""
+    :mod:`mcore_engine.parallel.gloo_collectives` (split sizes as lists, unequal all-gathers)."""
     global _MOE_COMPAT
     if _MOE_COMPAT:
         return
@@ -398,8 +398,9 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> None:
                                parallel_state.get_context_parallel_world_size())
         if current != wanted:
             raise ValueError(f"init_distributed: parallel_state is already initialised with {current}, but "
-                             f"parallel asks for {wanted}; call mcore_engine.platform.destroy_distributed() "
-                             "first (engines built on the old layout stop working)")
+                             f"parallel asks for {wanted}; call "
+                             "mcore_engine.parallel.platform.destroy_distributed() first "
+                             "(engines built on the old layout stop working)")
     else:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tensor_model_parallel_size,

@@ -28,12 +28,12 @@ import torch
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from mcore_engine.data.context_parallel import ContextParallelSplit, gather_tokens
-from mcore_engine.lm_head_outputs import lm_head_outputs
+from mcore_engine.step.lm_head import lm_head_outputs
 
 if TYPE_CHECKING:
     from mcore_engine.config import EngineConfig
     from mcore_engine.losses.context import LossContext
-    from mcore_engine.step import MicroBatch
+    from mcore_engine.step.prepare import MicroBatch
 
 __all__ = ["MTP_METRIC", "loss_with_mtp", "mtp_loss", "shift_in_sequence"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from mcore_engine.config_checks import _positive_int, _require
+from mcore_engine.config.checks import _positive_int, _require
 
 __all__ = ["HF_PROJECTIONS", "LINEAR_PROJECTIONS", "LoRAConfig"]
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from mcore_engine.optim import sub_optimizers
+from mcore_engine.step.optimizer import sub_optimizers
 
 __all__ = ["PARTS", "HostOffloader"]
 

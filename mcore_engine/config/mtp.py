@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mcore_engine.config_checks import _require
+from mcore_engine.config.checks import _require
 
 __all__ = ["validate_mtp"]
 

@@ -1,0 +1,1 @@
+"""The Megatron-Core ``GPTModel`` built from the config: layer spec choice, MoE runtime, MTP."""

@@ -1,0 +1,1 @@
+"""Where the engine's state goes: distributed checkpoints, host offload, LoRA adapters."""
