@@ -9,7 +9,7 @@
 #      fused lm-head table (bf16 [32768, 152064] logits; achieved TB/s and TFLOP/s vs the device)
 #   2. tools/bench.py --markdown, the acceptance sizes (N=4096, V_local=32768, fp32, T=0.7), every
 #      configuration, ours vs the naive upstream path (peak memory and time)
-#   3. tools/bench.py --markdown, realistic bf16 sizes (N=16384, V_local=75968: a 152k vocab at TP=2),
+#   3. tools/bench.py --markdown, realistic bf16 sizes (N=32768, a 152064 vocab split over TP, H=4096),
 #      configurations A (log-probs) and E (top-k KL + log-probs + entropy)
 # TP=2 runs are added to the benchmarks when the machine has two or more GPUs (NCCL needs one per rank).
 # Environment: PYTHON (default: the repo's .venv if present, else python3), LOG_DIR (default: $OUT if
