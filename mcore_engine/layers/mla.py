@@ -73,7 +73,7 @@ class _SumTailGradOverTP(torch.autograd.Function):
 class MLASelfAttention(megatron_mla.MLASelfAttention):
     """Megatron-Core's ``MLASelfAttention`` whose gathered ``[c_kv | k_pe]`` gets the whole ``k_pe``
     gradient under TP (module docstring, 1.); otherwise unchanged (same parameters and state dict).
-    With ``config.qk_layernorm`` off (the local spec without q LoRA: ``mcore_engine.model.build``) it builds
+    With ``config.qk_layernorm`` off (the local spec without q LoRA: ``mcore_engine.model.spec``) it builds
     its kv latent :class:`LatentNorm` itself."""
 
     def __init__(self, config: TransformerConfig, *args: Any, **kwargs: Any) -> None:

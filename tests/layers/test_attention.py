@@ -153,7 +153,7 @@ def _cp1_checks(rank: int, world: int) -> None:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from mcore_engine.model.build import PackedDotProductAttention
+    from mcore_engine.layers.packed_attention import PackedDotProductAttention
 
     _setup(1)
     ours = _ours()
