@@ -1,5 +1,4 @@
-"""Megatron-Core's local ``DotProductAttention`` that also takes packed ``thd`` sequences
-(``model.core_attention: local``)."""
+"""``model.core_attention: local``: Megatron-Core's ``DotProductAttention`` for packed ``thd`` too."""
 
 from __future__ import annotations
 

@@ -3,9 +3,7 @@ process-group code): the layer spec of :mod:`.spec`, the config of :mod:`.transf
 vocabulary padded as Megatron pads it; logits vocab-sharded ``[b, s, V_padded / tp]`` in the
 parameters' dtype. On CPU a TP shard is an exact slice of the TP=1 weight.
 
-Also importable from here (their homes: :mod:`.spec`, :mod:`.transformer_config`, :mod:`.head`):
-``has_te``, ``build_transformer_config``, ``apply_output_layer``, ``is_last_stage_chunk``,
-``lm_head_weight``, ``output_hidden_states``.
+Re-exported for their callers: ``has_te``, ``build_transformer_config`` and the :mod:`.head` names.
 """
 
 from __future__ import annotations

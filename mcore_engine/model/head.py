@@ -19,9 +19,8 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
-    """The lm-head weight shard ``[V_local, H]`` of a (last-stage) ``GPTModel``: the tied embedding
-    when embeddings are shared, else ``output_layer.weight``.
-    """
+    """The lm-head weight shard ``[V_local, H]`` of a last-stage ``GPTModel`` (the tied embedding
+    when shared)."""
     gpt = _unwrap(model)
     if gpt.share_embeddings_and_output_weights:
         return gpt.shared_embedding_or_output_weight()
@@ -34,12 +33,10 @@ def is_last_stage_chunk(model: torch.nn.Module) -> bool:
 
 
 def apply_output_layer(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The last stage's output layer on hidden states ``[..., H]`` (3-d, e.g. ``[1, n, H]``), also
-    while :func:`output_hidden_states` is on: logits ``[..., V_local]`` (the tied embedding when
-    shared) or, with a value head, fp32 values ``[..., 1]``. Differentiable as the layer itself.
-    Under sequence parallelism ``hidden`` is the gathered (replicated) hidden of
-    :func:`output_hidden_states`: the lm-head runs as under plain TP (no sequence gather; its input
-    gradient summed over TP); a value head (its weight gradient is summed over TP) refuses."""
+    """The last stage's output layer on ``hidden`` ``[..., H]`` (3-d), also while
+    :func:`output_hidden_states` is on: logits ``[..., V_local]`` or, with a value head, fp32 values
+    ``[..., 1]``; differentiable. Under sequence parallelism ``hidden`` is the gathered hidden of
+    :func:`output_hidden_states` and the lm-head runs as under plain TP; a value head refuses."""
     gpt = _unwrap(model)
     layer = gpt.output_layer
     weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
@@ -71,10 +68,8 @@ def _gathered_hidden(input_: torch.Tensor, weight: torch.Tensor | None = None,
 
 def output_hidden_states(model: torch.nn.Module, enable: bool = True) -> None:
     """Make a last-stage ``GPTModel`` return its final hidden states ``[b, s, H]`` instead of logits
-    (for ``processor.process_lm_head_hidden`` with :func:`lm_head_weight`); ``enable=False`` restores
-    the logits. Parameters and state dict are untouched. Under sequence parallelism the hidden
-    states are all-gathered over the sequence (:func:`_gathered_hidden`; memory ``[s, b, H]``).
-    """
+    (``enable=False`` restores them); parameters and state dict untouched. Under sequence parallelism
+    the hidden states are all-gathered over the sequence (memory ``[s, b, H]``)."""
     gpt = _unwrap(model)
     layer = getattr(gpt, "output_layer", None)
     if layer is None:

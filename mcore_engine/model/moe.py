@@ -1,9 +1,6 @@
 """Mixture-of-experts side of one engine step: aux-loss normalisation, router metrics, expert bias,
 and the router replay of :mod:`.routing`.
 
-Megatron-Core's ``TopKRouter`` does the routing, the aux / z losses and the replay;
-:class:`MoERuntime` only scopes and drives them for one engine.
-
 Aux-loss normalisation. Each router attaches its losses to the activations with
 ``MoEAuxLossAutoScaler`` (``calculate_per_token_loss=True``: micro-batch ``m``'s loss times its
 routed-token count ``n_m``), and the backward multiplies that by the class-wide scale the schedule
@@ -12,9 +9,8 @@ objective's router term is the token-weighted mean over the step, like the main 
 
     objective = main_loss + sum_layers sum_{dp, m} (n_m / N) * (c_aux * lb_m + c_z * z_m)
 
-independent of how the tokens are split into micro-batches and data-parallel ranks (as far as each
-``lb_m`` is: the load-balancing loss is a per-micro-batch statistic). Padding slots are not routed
-tokens (``padding_mask``).
+independent of how the tokens are split into micro-batches and DP ranks (as far as each ``lb_m``,
+a per-micro-batch statistic, is). Padding slots are not routed tokens (``padding_mask``).
 
 Metrics (token-weighted means over the step, every rank): ``moe/load_balancing_loss`` and
 ``moe/z_loss`` (mean over MoE layers of the coefficient-free losses; per layer under
@@ -30,11 +26,9 @@ Megatron's update (:meth:`MoERuntime.end_optimizer_step`)::
     n = sum over TP x CP x DP of each rank's routed real tokens per expert    # [L, E], this step
     b += rate * sign(mean_e(n) - n)
 
-``n`` is counted by the routers while gradients are enabled (once per token: a recomputed forward
-counts, its no-grad first run does not; padding is masked) over the training passes since the last
-``zero_grad``; a forward-only pass leaves the counts as it found them. With SP / CP each rank counts
-its share (the update is scale-free). The engine, not Megatron's ``finalize_model_grads``, runs the
-update, so a failed pass or a skipped optimizer step leaves the bias unchanged; rate 0 never touches it.
+``n`` counts the real tokens of the training passes since the last ``zero_grad`` (a forward-only
+pass leaves it as it was). The engine, not ``finalize_model_grads``, runs the update, so a failed
+pass or a skipped optimizer step leaves the bias unchanged; rate 0 never touches it.
 """
 
 from __future__ import annotations

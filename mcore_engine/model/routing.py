@@ -1,16 +1,10 @@
-"""Router replay for one engine's model chunks: record each token's top-k expert ids per MoE layer,
-or route by the ids a batch carries.
-
-Every pass records the ids and returns them as the per-token output ``routed_experts`` (int64,
-``input_ids``' layout + ``[L_moe, k]``). A batch carrying ``routed_experts`` is routed exactly by it
-(Megatron-Core's ``RouterReplay``, ``REPLAY_FORWARD``: the router's probabilities are its scores
-gathered at the given ids, so the gradient reaches the router through them only). ``RouterReplay``
-keeps every instance in a class-level list; this engine's are taken out of it, so two engines in one
-process never see each other's. Memory: ``tokens x L_moe x k`` int64 per step.
-
-Sequence parallelism: each TP rank routes its ``s / tp`` slice of every micro-batch (router order is
-s-major, so a contiguous block of rows); replay targets are cut to it, each rank records its block
-and the blocks are summed over TP. Context parallelism: likewise each CP rank's share (``mb.cp``).
+"""Router replay for one engine's chunks: each token's top-k expert ids per MoE layer, recorded on
+every pass as the per-token output ``routed_experts`` (int64, ``input_ids``' layout + ``[L_moe, k]``),
+or replayed from a batch that carries them (``RouterReplay.REPLAY_FORWARD``: the probabilities are
+the router's scores gathered at the given ids, the gradient reaches it through them only). This
+engine's ``RouterReplay`` instances leave the class-wide list, so two engines in one process never
+meet. Under SP / CP each rank routes its share of a micro-batch (SP: a contiguous block of the s-major
+router order); the records are summed over TP / CP. Memory: ``tokens x L_moe x k`` int64 per step.
 """
 
 from __future__ import annotations

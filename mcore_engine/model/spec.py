@@ -40,10 +40,8 @@ def qk_layernorm(cfg: EngineConfig) -> bool:
 
 def decoder_spec(cfg: EngineConfig, config: TransformerConfig, vp_stage: int | None):
     """The layer spec (Transformer Engine, dense) or this stage's block spec: the local layer spec
-    repeated (dense) or Megatron's ``get_gpt_decoder_block_spec`` (MoE: dense and ``MoELayer`` layers
-    by ``moe.layer_freq``); local specs get :mod:`~mcore_engine.layers.norm` torch norms (sequence
-    parallel capable), the core attention of ``model.core_attention`` and, with MLA,
-    :class:`~mcore_engine.layers.mla.MLASelfAttention` with :class:`~mcore_engine.layers.mla.LatentNorm`."""
+    repeated (dense) or Megatron's ``get_gpt_decoder_block_spec`` (MoE, by ``moe.layer_freq``), with
+    the local modules of the module docstring."""
     te = has_te()
     if cfg.model.moe is None:
         if te:
