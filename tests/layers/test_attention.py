@@ -21,7 +21,8 @@ FP32_TOL = 1e-6
 def _setup(cp: int) -> None:
     from megatron.core import parallel_state
 
-    from mcore_engine.parallel.platform import apply_cpu_device_layer, seed_everything
+    from mcore_engine.parallel.cpu_device import apply_cpu_device_layer
+    from mcore_engine.parallel.distributed import seed_everything
 
     apply_cpu_device_layer()
     parallel_state.initialize_model_parallel(context_parallel_size=cp)
