@@ -43,7 +43,7 @@ def test_build_model_chunks_needs_parallel_state():
 
 def test_transformer_config_from_engine_config():
     from mcore_engine.config import EngineConfig, ParallelConfig
-    from mcore_engine.model.build import build_transformer_config
+    from mcore_engine.model.transformer_config import build_transformer_config
 
     cfg = EngineConfig.from_yaml("configs/qwen2_0p5b_tp2.yaml")
     tc = build_transformer_config(cfg)
@@ -108,7 +108,7 @@ def _shard(full: torch.Tensor, param: torch.Tensor, rank: int, world: int) -> to
 def _build(model_kwargs: dict, precision: str, tp: int):
     from mcore_engine.config import EngineConfig, ModelConfig, ParallelConfig
     from mcore_engine.model.build import build_model_chunks
-    from mcore_engine.parallel.platform import init_distributed
+    from mcore_engine.parallel.distributed import init_distributed
 
     cfg = EngineConfig(model=ModelConfig(**(BASE | model_kwargs)),
                        parallel=ParallelConfig(tensor_model_parallel_size=tp), precision=precision)
@@ -127,7 +127,7 @@ def _run(model, ids, pos, w, mask=None, packed=None):
 
 
 def _compare_tp(rank: int, world: int, name: str, model_kwargs: dict, precision: str) -> None:
-    from mcore_engine.parallel.platform import destroy_distributed
+    from mcore_engine.parallel.distributed import destroy_distributed
 
     # fp32: TP shards are exact slices, so only the reduction order differs (up to 1.2e-6 measured)
     tol = REL_TOL[torch.bfloat16] if precision == "bf16" else 1e-5
@@ -167,7 +167,7 @@ def _compare_thd_bshd(rank: int, world: int) -> None:
     """Packed thd (PackedDotProductAttention) equals padded bshd per real token, values and grads."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from mcore_engine.parallel.platform import destroy_distributed
+    from mcore_engine.parallel.distributed import destroy_distributed
 
     lengths = [7, 12, 1]
     g = torch.Generator().manual_seed(5)
@@ -211,7 +211,7 @@ def _compare_recompute(rank: int, world: int) -> None:
 
     from mcore_engine.config import EngineConfig, ModelConfig, ParallelConfig
     from mcore_engine.model.build import build_model_chunks
-    from mcore_engine.parallel.platform import destroy_distributed, init_distributed
+    from mcore_engine.parallel.distributed import destroy_distributed, init_distributed
 
     lengths = [7, 12, 1]
     g = torch.Generator().manual_seed(6)
@@ -259,7 +259,7 @@ LM_KEYS = ("log_probs", "entropy", "sum_pi_squared", "distillation_losses")
 # ----------------------------------------------------------------------------------------------------
 def _gpt_run(model, fused: bool, ids, pos, kwargs: dict, upstream: dict):
     """Outputs and parameter grads of the logits path (``fused=False``) or the fused lm-head path."""
-    from mcore_engine.model.build import lm_head_weight, output_hidden_states
+    from mcore_engine.model.head import lm_head_weight, output_hidden_states
     from mcore_engine.ops import vocab_parallel_logits_outputs
     from mcore_engine.ops.lm_head import fused_lm_head_outputs
 
@@ -275,7 +275,7 @@ def _gpt_run(model, fused: bool, ids, pos, kwargs: dict, upstream: dict):
 def _gpt_checks(rank: int, world: int) -> None:
     from mcore_engine.config import EngineConfig, ModelConfig, ParallelConfig
     from mcore_engine.model.build import build_model_chunks
-    from mcore_engine.parallel.platform import destroy_distributed, init_distributed
+    from mcore_engine.parallel.distributed import destroy_distributed, init_distributed
 
     g = torch.Generator().manual_seed(21)
     b, s, vocab, k = 2, 11, 250, 3

@@ -264,7 +264,7 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
     from megatron.core import parallel_state
 
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.parallel.platform import destroy_distributed
+    from mcore_engine.parallel.distributed import destroy_distributed
 
     ref = torch.load(path, weights_only=False)
     batch = make_batch(SEED, NUM_SEQS, calculate_entropy=True)
@@ -297,7 +297,7 @@ def _check_ep_resharding(full0, folder: str) -> None:
     from megatron.core import parallel_state
 
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.parallel.platform import destroy_distributed
+    from mcore_engine.parallel.distributed import destroy_distributed
 
     batches = [make_batch(SEED + s, NUM_SEQS, calculate_entropy=True) for s in (0, 3)]
 

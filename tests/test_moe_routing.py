@@ -108,7 +108,7 @@ def test_megatron_group_rule_differs_only_where_k_is_not_two_groups(name):
     """Megatron-Core's group score (top ``k / topk_group``) agrees with the checkpoints' (top 2) only
     when ``k = 2 topk_group``; the engine's routing follows the checkpoints' everywhere."""
     from mcore_engine.layers import router
-    from mcore_engine.parallel.platform import apply_moe_compat
+    from mcore_engine.parallel.compat import apply_moe_compat
 
     apply_moe_compat()
     num_experts, groups, group_topk, topk = CONFIGS[name]
@@ -341,7 +341,7 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
     from megatron.core import parallel_state
 
     from mcore_engine.engine import MegatronEngine
-    from mcore_engine.parallel.platform import destroy_distributed
+    from mcore_engine.parallel.distributed import destroy_distributed
     from tests.engine_setup import load_full_state, local_reference
 
     ref = torch.load(path, weights_only=False)

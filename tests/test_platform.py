@@ -75,7 +75,7 @@ def test_cpu_only_third_party_hints_are_quiet():
 
 
 def test_cpu_device_stats(monkeypatch):
-    from mcore_engine.parallel.platform import get_device
+    from mcore_engine.parallel.device import get_device
 
     dev = get_device()
     assert dev is get_device() and dev.type == "cpu" and dev.torch_device == torch.device("cpu")
@@ -98,7 +98,7 @@ def test_cpu_device_stats(monkeypatch):
 def _check_device_layer() -> None:
     from megatron.core.tensor_parallel import random as mcore_random
 
-    from mcore_engine.parallel.platform import apply_cpu_device_layer, cpu_device_layer_active
+    from mcore_engine.parallel.cpu_device import apply_cpu_device_layer, cpu_device_layer_active
 
     apply_cpu_device_layer()
     apply_cpu_device_layer()  # idempotent
@@ -135,7 +135,7 @@ def _check_seed_layout(rank: int, world_size: int) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     from mcore_engine.config import ParallelConfig
-    from mcore_engine.parallel.platform import destroy_distributed, init_distributed
+    from mcore_engine.parallel.distributed import destroy_distributed, init_distributed
 
     init_distributed(ParallelConfig(tensor_model_parallel_size=2), seed=5)
     default = torch.Generator().manual_seed(5)
@@ -199,7 +199,7 @@ def _one_step(parallel: dict, precision: str, distributed_optimizer: bool, num_m
 
     from mcore_engine.config import EngineConfig, ModelConfig, ParallelConfig
     from mcore_engine.model.build import build_model_chunks
-    from mcore_engine.parallel.platform import destroy_distributed, init_distributed
+    from mcore_engine.parallel.distributed import destroy_distributed, init_distributed
 
     cfg = EngineConfig(model=ModelConfig(**TINY, tie_word_embeddings=tied),
                        parallel=ParallelConfig(**parallel), precision=precision)
@@ -274,7 +274,7 @@ REINIT = """
 import dataclasses, sys
 import torch.distributed as dist
 from mcore_engine import EngineConfig, MegatronEngine
-from mcore_engine.parallel.platform import destroy_distributed
+from mcore_engine.parallel.distributed import destroy_distributed
 
 cfg = EngineConfig.from_yaml(sys.argv[1])
 for parallel in (cfg.parallel, dataclasses.replace(cfg.parallel, tensor_model_parallel_size=1,

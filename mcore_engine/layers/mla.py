@@ -1,24 +1,19 @@
 """Megatron-Core's multi-latent attention (``MLASelfAttention``) made exact under tensor parallelism on
 the local layer spec, and its latent norms.
 
-On the local spec the down projections are ``ColumnParallelLinear``: each TP rank computes a column
-slice of ``[c_q]`` and of ``[c_kv | k_pe]`` (``kv_lora_rank + qk_pos_emb_head_dim`` wide) and MLA
-all-gathers them (``gather_from_tensor_model_parallel_region``, backward: keep this rank's columns).
-Megatron-Core 0.16 - 0.19 get two TP > 1 gradients wrong there:
+On the local spec each TP rank computes a column slice of the down projections' ``[c_q]`` and
+``[c_kv | k_pe]`` (``kv_lora_rank + qk_pos_emb_head_dim`` wide) and MLA all-gathers them (backward:
+keep this rank's columns). Two TP > 1 gradients are fixed here (wrong in Megatron-Core 0.16 - 0.19):
 
-1. ``k_pe`` is one key per token shared by every head, but each rank feeds it to its own heads only,
-   so the gathered tensor's ``k_pe`` gradient holds this rank's heads' part; the split keeps it for
-   the owning rank's columns and drops the rest. :class:`MLASelfAttention` sums that gradient over TP
-   before the split (all-reduce of ``[s, b, qk_pos_emb_head_dim]`` per layer; the ``c_kv`` columns are
-   already whole: ``linear_kv_up_proj``'s input gradient is reduced).
-2. ``finalize_model_grads`` sums the gradient of every parameter named ``*q_layernorm*`` over TP
-   (meant for per-head QK-norms); MLA's query latent norm sees the gathered latent on every rank
-   (without sequence parallelism), so that sum is ``tp`` x the gradient. :class:`LatentNorm` marks its
-   weight ``average_gradients_across_tp_domain`` (an average of equal gradients) unless sequence
-   parallelism makes the gradient a partial sum (then it is summed, as Megatron does).
+1. ``k_pe``, one key per token shared by every head, gets a gradient from this rank's heads only:
+   :class:`MLASelfAttention` sums it over TP before the split (an all-reduce of
+   ``[s, b, qk_pos_emb_head_dim]`` per layer; the ``c_kv`` columns are already whole).
+2. ``finalize_model_grads`` sums every ``*q_layernorm*`` gradient over TP; the query latent norm sees
+   the whole latent on every rank, so that is ``tp`` x its gradient. :class:`LatentNorm` averages it
+   instead (summed under sequence parallelism, where it is a partial sum).
 
-Transformer Engine's spec replicates the down projections (no gather) and fuses the latent norms into
-the up projections: nothing here applies to it.
+Transformer Engine's spec replicates the down projections and fuses the latent norms: nothing here
+applies to it.
 """
 
 from __future__ import annotations
@@ -73,7 +68,7 @@ class _SumTailGradOverTP(torch.autograd.Function):
 class MLASelfAttention(megatron_mla.MLASelfAttention):
     """Megatron-Core's ``MLASelfAttention`` whose gathered ``[c_kv | k_pe]`` gets the whole ``k_pe``
     gradient under TP (module docstring, 1.); otherwise unchanged (same parameters and state dict).
-    With ``config.qk_layernorm`` off (the local spec without q LoRA: ``mcore_engine.model.build``) it builds
+    With ``config.qk_layernorm`` off (the local spec without q LoRA: ``mcore_engine.model.spec``) it builds
     its kv latent :class:`LatentNorm` itself."""
 
     def __init__(self, config: TransformerConfig, *args: Any, **kwargs: Any) -> None:

@@ -8,15 +8,11 @@ Module ``k = 1..D`` (all on the last pipeline stage, as Megatron-Core 0.16 place
     h^k_t = final_layernorm_k(Layer_k(eh_proj_k(cat(enorm_k(emb(x_{t+k})), hnorm_k(h^{k-1}_t)))))
     logits^k_t = W h^k_t                                                 # predicts x_{t+k+1}
 
-(ids rolled within each sequence, 0 past its end; the normed ``h^k`` feeds module ``k + 1``, as in
-``transformers``' ``MtpModel``). ``Layer_k`` is built from the decoder's last layer spec: MLA or not,
-MoE or dense, as the trunk.
-Megatron's own ``_postprocess`` needs ``labels`` and computes the MTP loss per micro-batch with its
-own normalisation; :class:`MTPGPTModel` only runs the block when the engine arms it (training
-passes with ``mtp_loss_scaling_factor > 0``) and keeps ``h^1 .. h^D`` for the engine's loss
-(:mod:`mcore_engine.step.mtp`); its return value is the plain GPTModel's (logits, or hidden states under
-``output_hidden_states``). Memory when armed: the block's ``[(1 + D) s, b, H]`` output plus each
-module's layer activations.
+(ids rolled within each sequence, 0 past its end; the normed ``h^k`` feeds module ``k + 1``).
+``Layer_k`` is the decoder's last layer spec. :class:`MTPGPTModel` runs the block only when the
+engine arms it (training passes with ``mtp_loss_scaling_factor > 0``) and keeps ``h^1 .. h^D`` for
+the engine's loss (:mod:`mcore_engine.step.mtp`); it returns what the plain GPTModel returns. Memory
+when armed: the block's ``[(1 + D) s, b, H]`` output plus each module's layer activations.
 """
 
 from __future__ import annotations

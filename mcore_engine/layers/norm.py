@@ -1,12 +1,10 @@
 """Torch norms for the local layer spec that also run under sequence parallelism.
 
-Megatron-Core's ``WrappedTorchNorm`` refuses ``sequence_parallel`` (its norms are only offered with
-Transformer Engine or Apex, which mark their parameters). Under sequence parallelism a norm sees this
-rank's ``[s / tp, b, H]`` slice, so its weight gradient is a partial sum over the TP group; Megatron's
-``finalize_model_grads`` sums the gradients of parameters marked ``sequence_parallel`` over TP. This
-norm is the same ``torch.nn.LayerNorm`` / ``RMSNorm`` with that mark (the norm math is per token, so
-nothing else changes), and :func:`with_torch_norms` puts it wherever a spec names
-``WrappedTorchNorm``. Memory: none beyond the norm.
+Megatron-Core's ``WrappedTorchNorm`` refuses ``sequence_parallel``. Under it a norm sees this rank's
+``[s / tp, b, H]`` slice, so its weight gradient is a partial sum, which ``finalize_model_grads``
+sums over TP for parameters marked ``sequence_parallel``: :class:`TorchNorm` is ``torch.nn.LayerNorm``
+/ ``RMSNorm`` with that mark, and :func:`with_torch_norms` puts it wherever a spec names
+``WrappedTorchNorm``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Top-k routing with the checkpoints' semantics, in place of Megatron-Core's routing function.
 
-Megatron-Core's ``TopKRouter`` computes logits ``z = x W_r^T`` ``[T, E]`` and calls
-``topk_routing_with_score_function``; :func:`install_checkpoint_routing` binds that name (and
-``moe_utils.group_limited_topk``) to the functions here, which differ from Megatron-Core 0.16 - 0.19
-in three places, each to match DeepSeek-V3 / GLM-4.5 as ``transformers`` runs them
-(``DeepseekV3TopkRouter``, ``Glm4MoeTopkRouter``)::
+:func:`install_checkpoint_routing` binds ``TopKRouter``'s ``topk_routing_with_score_function`` (and
+``moe_utils.group_limited_topk``) to the functions here, which route the logits ``z = x W_r^T``
+``[T, E]`` as ``transformers``' ``DeepseekV3TopkRouter`` / ``Glm4MoeTopkRouter`` (numbered: where
+Megatron-Core 0.16 - 0.19 differ)::
 
     s = sigmoid(z)                                   # [T, E], fp32 (fp64 for fp64 logits)
     c = s + b                                        # expert bias b [E]: the choice only
@@ -17,15 +16,9 @@ in three places, each to match DeepSeek-V3 / GLM-4.5 as ``transformers`` runs th
                                                      #    ignores it for sigmoid)
     w = w * scaling_factor                           # routed_scaling_factor, after the normalisation
 
-The group rule (1.) also holds for softmax scores, whose remaining path is Megatron-Core's own.
-The expert-bias token count (``TopKRouter._apply_expert_bias``, ``n_e += #real tokens routed to e``
-while gradients are enabled) masks padding per token: Megatron-Core 0.16 - 0.19 broadcast the
-``[T]`` padding mask against the ``[T, E]`` routing map (an error unless T = E) inside a
-``torch.compile`` region; here it is ``[T, 1]``, eager.
-
-Router replay (``RouterReplay.get_replay_topk``) chooses ``ids`` as Megatron does (recorded ids, or
-``compute_topk`` while recording); ``w`` is always recomputed from the current scores. Memory: a few
-``[T, E]`` temporaries, as Megatron's.
+The group rule (1.) also holds for softmax scores (otherwise Megatron-Core's path). The expert-bias
+token count masks padding per token (:func:`count_routed_tokens`). Router replay chooses ``ids`` as
+Megatron does; ``w`` always comes from the current scores. Memory: a few ``[T, E]`` temporaries.
 """
 
 from __future__ import annotations

@@ -9,8 +9,7 @@
    requires equal sizes, so every rank's input is padded to the largest, gathered, and each
    entry copied out of its padded slot. Memory: ``tp x max_rows`` of the input's row size.
 
-Equal sizes and every other call go straight to torch. (Reduce-scatter, even with unequal splits,
-and ``all_gather_into_tensor`` work on gloo as they are, measured on torch 2.13.)
+Equal sizes and every other call go straight to torch.
 """
 
 from __future__ import annotations

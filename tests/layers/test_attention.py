@@ -21,7 +21,8 @@ FP32_TOL = 1e-6
 def _setup(cp: int) -> None:
     from megatron.core import parallel_state
 
-    from mcore_engine.parallel.platform import apply_cpu_device_layer, seed_everything
+    from mcore_engine.parallel.cpu_device import apply_cpu_device_layer
+    from mcore_engine.parallel.distributed import seed_everything
 
     apply_cpu_device_layer()
     parallel_state.initialize_model_parallel(context_parallel_size=cp)
@@ -153,7 +154,7 @@ def _cp1_checks(rank: int, world: int) -> None:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from mcore_engine.model.build import PackedDotProductAttention
+    from mcore_engine.layers.packed_attention import PackedDotProductAttention
 
     _setup(1)
     ours = _ours()

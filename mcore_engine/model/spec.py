@@ -1,0 +1,84 @@
+"""The decoder's layer spec: Transformer Engine's when it imports, else Megatron's local spec with
+the project's own modules (:mod:`mcore_engine.layers`): torch norms, the core attention of
+``model.core_attention`` and, with MLA, the TP-exact attention and its latent norms."""
+
+from __future__ import annotations
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+from mcore_engine.config import EngineConfig
+from mcore_engine.layers.attention import SDPACoreAttention
+from mcore_engine.layers.mla import LatentNorm, MLASelfAttention
+from mcore_engine.layers.norm import with_torch_norms
+from mcore_engine.layers.packed_attention import PackedDotProductAttention
+
+__all__ = ["decoder_spec", "has_te", "qk_layernorm"]
+
+
+def has_te() -> bool:
+    """True when Transformer Engine imports (never on CPU-only machines)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def qk_layernorm(cfg: EngineConfig) -> bool:
+    """Megatron's ``qk_layernorm``: ``model.qk_layernorm``; with MLA the latent norms, always on with
+    Transformer Engine (fused into the up projections) and on the local spec with q LoRA. Without q
+    LoRA the local spec leaves it off and :class:`~mcore_engine.layers.mla.MLASelfAttention` builds its
+    kv latent norm itself (Megatron-Core 0.19 reads the flag as "a query norm too")."""
+    m = cfg.model
+    return m.qk_layernorm or (m.mla is not None and (m.mla.q_lora_rank is not None or has_te()))
+
+
+def decoder_spec(cfg: EngineConfig, config: TransformerConfig, vp_stage: int | None):
+    """The layer spec (Transformer Engine, dense) or this stage's block spec: the local layer spec
+    repeated (dense) or Megatron's ``get_gpt_decoder_block_spec`` (MoE, by ``moe.layer_freq``), with
+    the local modules of the module docstring."""
+    te = has_te()
+    if cfg.model.moe is None:
+        if te:
+            return _layer_spec(cfg)
+        block = TransformerBlockSubmodules(
+            layer_specs=[_layer_spec(cfg)] * get_num_layers_to_build(config, vp_stage),
+            layer_norm=WrappedTorchNorm)
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=te,
+                                           normalization=cfg.model.normalization, vp_stage=vp_stage)
+        if te:
+            return block
+    for spec in {id(s): s for s in block.layer_specs}.values():
+        attention = spec.submodules.self_attention.submodules
+        attention.core_attention = _core_attention(cfg)
+        if cfg.model.mla is not None:
+            spec.submodules.self_attention.module = MLASelfAttention
+            # without q LoRA the kv latent norm is MLASelfAttention's own (see qk_layernorm)
+            norm = IdentityOp if cfg.model.mla.q_lora_rank is None else LatentNorm
+            attention.q_layernorm = attention.kv_layernorm = norm
+    return with_torch_norms(block)
+
+
+def _core_attention(cfg: EngineConfig) -> type:
+    """The local spec's core attention: ``model.core_attention`` ("sdpa" or Megatron's "local")."""
+    return SDPACoreAttention if cfg.model.core_attention == "sdpa" else PackedDotProductAttention
+
+
+def _layer_spec(cfg: EngineConfig) -> ModuleSpec:
+    """One decoder layer's spec (Transformer Engine's when it imports, else the local one), MLA when
+    ``model.mla`` is set."""
+    m = cfg.model
+    kwargs = dict(qk_layernorm=qk_layernorm(cfg), multi_latent_attention=m.mla is not None)
+    if has_te():
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(**kwargs)
+    return get_gpt_layer_local_spec(normalization=m.normalization, **kwargs)
