@@ -196,7 +196,7 @@ class McoreEngineVerl(BaseEngine):
     def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any,
                  checkpoint_config: Any = None) -> None:
         super().__init__()
-        from mcore_engine.parallel.platform import apply_cpu_device_layer, init_distributed
+        from mcore_engine.parallel.platform import init_distributed
 
         self.model_config = model_config
         self.engine_config = engine_config
@@ -210,10 +210,7 @@ class McoreEngineVerl(BaseEngine):
             _refuse("model_config.model_type", model_type,
                     f"{type(self).__name__} builds model.head={self.head!r}; "
                     f"build it through EngineRegistry with model_type={model_type!r}")
-        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-        self.config.validate_world_size(world)
-        apply_cpu_device_layer()
-        init_distributed(self.config.parallel, self.config.seed)
+        init_distributed(self.config.parallel, self.config.seed)  # verl asks for the DP rank first
         self.engine = MegatronEngine(self.config)
         self.mode = None
         self._saved: list[str] = []
@@ -329,12 +326,6 @@ class McoreEngineVerl(BaseEngine):
     def lr_scheduler_step(self) -> float:
         return self.engine.lr_scheduler_step()
 
-    def train_batch(self, data: TensorDict, loss_function: Callable) -> Any:
-        """verl's ``BaseEngine.train_batch`` (forward-backward, then the optimizer step and its grad
-        norm in the metrics); refused under ``forward_only``."""
-        self._refuse_if_forward_only("train_batch()")
-        return super().train_batch(data, loss_function)
-
     # --- the step
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable | None,
                                forward_only: bool = False) -> dict[str, Any]:
@@ -344,8 +335,6 @@ class McoreEngineVerl(BaseEngine):
         verl's result dict on the last pipeline stage."""
         from megatron.core import parallel_state
 
-        if not forward_only:  # before the token count's all-reduce
-            self._refuse_if_forward_only("forward_backward_batch(forward_only=False)")
         pad_mode = _flag(data, "pad_mode", None)
         if pad_mode is not None and str(getattr(pad_mode, "value", pad_mode)).lower() != "no_padding":
             raise ValueError(f"pad_mode={pad_mode!r}: only verl's no-padding batches are supported")
@@ -353,24 +342,13 @@ class McoreEngineVerl(BaseEngine):
         if bool(fused) != bool(self.config.model.fused_lm_head):
             raise ValueError(f"use_fused_kernels={fused!r} on the batch must match "
                              "engine_config.use_fused_kernels")
-        loss_mask = data["loss_mask"]
-        num_tokens = (loss_mask.values().sum() if loss_mask.is_nested else loss_mask.sum()).to(torch.float64)
-        group = self.get_data_parallel_group()
-        dp_size = self.get_data_parallel_size()
-        if dp_size > 1:
-            dist.all_reduce(num_tokens, group=group)
-        tu.assign_non_tensor(data, batch_num_tokens=int(num_tokens.item()), dp_size=dp_size, sp_size=1)
         clamp = _topk_clamp(loss_function)
         if clamp is not None:
             tu.assign_non_tensor(data, distillation_log_prob_min_clamp=clamp)
-        temperature = data.get("temperature") if "temperature" in data.keys() else None
-        if isinstance(temperature, torch.Tensor) and temperature.shape != data.batch_size:
-            data = data.copy()  # shallow: a per-sample [B, 1] temperature as the core's [B]
-            data.set("temperature", temperature.reshape(data.batch_size).to(torch.float32))
         routing = prepare_routing(data, self.router_replay, self.config.model, forward_only=forward_only,
                                   replay_enabled=_flag(data, "enable_routing_replay", None))
-        bridge = None if loss_function is None else VerlLossBridge(loss_function, dp_size=dp_size,
-                                                                    dp_group=group)
+        bridge = None if loss_function is None else VerlLossBridge(loss_function,
+                                                                    dp_group=self.get_data_parallel_group())
         out = self.engine.forward_backward_batch(routing.data, bridge, forward_only,
                                                  loss_convention="micro_batch")
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):

@@ -422,7 +422,8 @@ def critic(hf_dir: str, report: dict) -> None:
 def reference_policy(hf_dir: str, ckpt_dir: str, report: dict) -> None:
     """``engine_config.forward_only`` (verl's reference policy) is the core's ``forward_only``
     engine: no DDP wrapper, optimizer or gradient storage; inference matches the native API; every
-    training call raises naming ``forward_only``; an actor's checkpoint loads into it."""
+    training call raises naming ``forward_only`` (the core's refusal; ``train_mode`` the adapter's); an
+    actor's checkpoint loads into it."""
     import dataclasses
 
     from megatron.core.distributed import DistributedDataParallel
@@ -445,15 +446,14 @@ def reference_policy(hf_dir: str, ckpt_dir: str, report: dict) -> None:
     if out is not None:
         close(tu.get(out, "log_probs"), ref["log_probs"], "forward_only: infer log_probs", report)
     train = ppo_train_batch(0)
-    adapter_calls = {"train_batch": lambda: adapter.train_batch(train, worker.loss_fn),
-                     "forward_backward_batch": lambda: adapter.forward_backward_batch(train, worker.loss_fn),
-                     "train_mode": lambda: adapter.train_mode().__enter__()}
-    for name, call in adapter_calls.items():
-        with pytest.raises(RuntimeError, match=rf"^{name}\(.*engine_config\.forward_only=True"):
-            call()
-    core_calls = {"optimizer_step": adapter.optimizer_step, "zero_grad": adapter.optimizer_zero_grad,
-                  "lr_scheduler_step": adapter.lr_scheduler_step}
-    for name, call in core_calls.items():
+    with pytest.raises(RuntimeError, match=r"^train_mode\(.*engine_config\.forward_only=True"):
+        adapter.train_mode().__enter__()  # verl's train mode: the adapter's own refusal
+    core_calls = [("optimizer_step", adapter.optimizer_step), ("zero_grad", adapter.optimizer_zero_grad),
+                  ("lr_scheduler_step", adapter.lr_scheduler_step),
+                  ("zero_grad", lambda: adapter.train_batch(train, worker.loss_fn)),  # verl zeroes first
+                  (r"forward_backward_batch\(forward_only=False\)",
+                   lambda: adapter.forward_backward_batch(train, worker.loss_fn))]
+    for name, call in core_calls:  # the core refuses; the adapter does not re-check
         with pytest.raises(RuntimeError, match=rf"^{name}: .*EngineConfig\.forward_only=True"):
             call()
     adapter.to("device", model=True, optimizer=True, grad=True)  # the parameters are all there is
