@@ -63,17 +63,14 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 from torch import Tensor
 
+from mcore_engine.config.lora import LINEAR_PROJECTIONS, LoRAConfig
+
 __all__ = ["LINEAR_PROJECTIONS", "LORA_TP_PARTIAL_GRAD", "ColumnLayout", "LoRAColumnParallelLinear",
            "LoRARowParallelLinear", "LoRAShard", "adapter_shards", "adapters_disabled", "apply_lora",
            "load_adapters", "lora_modules", "set_adapters_enabled"]
 
 LORA_TP_PARTIAL_GRAD = "lora_tp_partial_grad"
 """Parameter attribute: its gradient is a partial sum on each TP rank; SUM it over the TP group."""
-
-LINEAR_PROJECTIONS: dict[str, tuple[str, ...]] = {
-    "linear_qkv": ("q", "k", "v"), "linear_proj": ("o",), "linear_fc1": ("gate", "up"),
-    "linear_fc2": ("down",)}
-"""Megatron linear -> the projections it holds (SwiGLU ``linear_fc1``; without SwiGLU: ``("up",)``)."""
 
 
 @dataclass(frozen=True)
@@ -148,15 +145,11 @@ def _draw_full(a_shape: tuple[int, int], b_shape: tuple[int, int], init: bool | 
     return a, b
 
 
-def _check_hyper(rank: int, alpha: float, dropout: float, init_lora_weights: bool | str) -> None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-        raise ValueError(f"rank must be an int > 0, got {rank!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise ValueError(f"alpha must be a finite number, got {alpha!r}")
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+def _hyper(rank: int, alpha: float, dropout: float, init_lora_weights: bool | str) -> LoRAConfig:
+    """The config's rules for rank / alpha / dropout (and its ``scaling``); ``ValueError`` naming them."""
     if init_lora_weights not in (True, False, "gaussian"):
         raise ValueError(f"init_lora_weights must be True, False or 'gaussian', got {init_lora_weights!r}")
+    return LoRAConfig(rank=rank, alpha=alpha, dropout=dropout, target_modules="all-linear")
 
 
 class _LoRA:
@@ -167,12 +160,13 @@ class _LoRA:
     _A_TP_DIM: int | None
     _B_TP_DIM: int | None
 
-    def _init_lora(self, targets: tuple[str, ...], shapes: dict[str, tuple[int, int]], *, rank: int,
-                   alpha: float, dropout: float, seed: int, name: str, init_lora_weights: bool | str) -> None:
+    def _init_lora(self, targets: tuple[str, ...], shapes: dict[str, tuple[int, int]], *, hyper: LoRAConfig,
+                   seed: int, name: str, init_lora_weights: bool | str) -> None:
         """Draw each projection's full ``A [r, in]`` / ``B [out, r]`` (``shapes[p] = (out, in)``) and keep
         this rank's slices as parameters in the base weight's dtype and device."""
-        self.lora_rank, self.lora_alpha, self.lora_scaling = rank, alpha, alpha / rank
-        self.lora_dropout, self.lora_name, self.lora_targets = float(dropout), name, targets
+        rank = hyper.rank
+        self.lora_rank, self.lora_alpha, self.lora_scaling = rank, hyper.alpha, hyper.scaling
+        self.lora_dropout, self.lora_name, self.lora_targets = float(hyper.dropout), name, targets
         self.lora_enabled = True
         self.lora_layer: int | None = None  # global layer index, set by apply_lora
         self._lora_shapes = shapes
@@ -257,7 +251,7 @@ class LoRAColumnParallelLinear(_LoRA, ColumnParallelLinear):
         ``decoder.layers.<global layer>.self_attention.linear_qkv``. ``ValueError`` before any change
         for a base that is not a plain local-spec ``ColumnParallelLinear`` or a layout / target mismatch."""
         _check_base(base, ColumnParallelLinear)
-        _check_hyper(rank, alpha, dropout, init_lora_weights)
+        hyper = _hyper(rank, alpha, dropout, init_lora_weights)
         targets = set(targets)
         if not targets or not targets <= set(layout.projections):
             raise ValueError(f"targets {sorted(targets)} must be a non-empty subset of {layout.projections}")
@@ -274,7 +268,7 @@ class LoRAColumnParallelLinear(_LoRA, ColumnParallelLinear):
         base._lora_local_width = dict(zip(layout.projections, widths, strict=True))
         ordered = tuple(p for p in layout.projections if p in targets)
         shapes = {p: (layout.out_features(p), base.input_size) for p in ordered}
-        base._init_lora(ordered, shapes, rank=rank, alpha=alpha, dropout=dropout, seed=seed, name=name,
+        base._init_lora(ordered, shapes, hyper=hyper, seed=seed, name=name,
                         init_lora_weights=init_lora_weights)
         return base
 
@@ -360,11 +354,10 @@ class LoRARowParallelLinear(_LoRA, RowParallelLinear):
                   init_lora_weights: bool | str = True) -> LoRARowParallelLinear:
         """Convert ``base`` in place (and return it); see :meth:`LoRAColumnParallelLinear.from_base`."""
         _check_base(base, RowParallelLinear)
-        _check_hyper(rank, alpha, dropout, init_lora_weights)
+        hyper = _hyper(rank, alpha, dropout, init_lora_weights)
         base.__class__ = cls
-        base._init_lora((projection,), {projection: (base.output_size, base.input_size)}, rank=rank,
-                        alpha=alpha, dropout=dropout, seed=seed, name=name,
-                        init_lora_weights=init_lora_weights)
+        base._init_lora((projection,), {projection: (base.output_size, base.input_size)}, hyper=hyper,
+                        seed=seed, name=name, init_lora_weights=init_lora_weights)
         return base
 
     def forward(self, input_: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -510,7 +503,7 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, targets: Mapp
     linear / projection, MoE MLPs under ``linear_fc1`` / ``linear_fc2``, MLA, Transformer Engine linears,
     ``num_query_groups`` not divisible by TP, or adapters already present.
     """
-    _check_hyper(rank, alpha, dropout, init_lora_weights)
+    _hyper(rank, alpha, dropout, init_lora_weights)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")
     if hasattr(model, "module") or not hasattr(model, "decoder"):
