@@ -1,7 +1,5 @@
-"""verl's loss functions on the core's ``loss_convention="micro_batch"``: :class:`VerlLossBridge`
-(verl's normalisation), :func:`verl_results` (verl's result dict) and the top-k distillation clamp
-of a verl distillation loss (see ``mcore_engine.integrations.verl``).
-"""
+"""verl's losses on the core's ``loss_convention="micro_batch"``: :class:`VerlLossBridge` (verl's
+normalisation), :func:`verl_results` (verl's result dict), a verl distillation loss's top-k clamp."""
 
 from __future__ import annotations
 
@@ -19,16 +17,10 @@ __all__ = ["VerlLossBridge", "verl_results"]
 
 
 class VerlLossBridge:
-    """A verl loss function on the core's ``loss_convention="micro_batch"``: verl's normalisation and
-    result format, nothing else.
-
-    The core calls ``bridge(model_output=..., data=micro_batch, ctx=...)`` once per micro-batch with
-    the outputs as jagged ``[b, j]`` tensors and verl's own rows of the batch (dense ``[b, R]`` fields,
-    jagged fields, the non-tensor entries, ``batch_num_tokens`` / ``dp_size`` included). The bridge
-    calls ``loss_function(model_output=..., data=micro_batch, dp_group=...)``, records ``L_i.item()``
-    and returns ``L_i / dp_size`` to the core (module docstring) with verl's metrics, which the core
-    hands back per micro-batch (``micro_batch_metrics``) for :meth:`results`.
-    """
+    """A verl loss on the core's ``loss_convention="micro_batch"``: called once per micro-batch with
+    jagged ``[b, j]`` outputs and the core's copy of verl's rows, on which it sets ``batch_num_tokens``
+    (``ctx.global_num_tokens``, a 0-d device tensor: no host sync), ``dp_size`` and ``sp_size``;
+    returns ``L_i / dp_size`` and verl's metrics."""
 
     def __init__(self, loss_function: Callable, *, dp_group: Any) -> None:
         self.loss_function = loss_function

@@ -112,18 +112,14 @@ def _plan(model: torch.nn.Module, targets: dict[str, set[str]], swiglu: bool) ->
 def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, targets: Mapping[str, Iterable[str]],
                seed: int, dropout: float = 0.0, swiglu: bool | None = None,
                init_lora_weights: bool | str = True) -> list[torch.nn.Parameter]:
-    """Put LoRA adapters on every transformer layer of one (unwrapped) ``GPTModel`` chunk, in place.
-
-    ``targets`` maps Megatron linear names to the projections adapted there: ``linear_qkv`` ⊆
-    {q, k, v}, ``linear_proj`` {o}, ``linear_fc1`` ⊆ {gate, up} (SwiGLU; else {up}), ``linear_fc2``
-    {down}. Adapter ``p`` of global layer ``i`` is drawn from ``(seed, "decoder.layers.<i>.<where>.<linear>",
-    p)`` in full and sliced, so any TP / PP layout holds slices of the same adapters. ``swiglu`` (default:
-    the config's ``gated_linear_unit``) must match the model. Returns the adapter parameters
-    (requires_grad; the base is not frozen here). Apply before Megatron's DDP wraps the model. MTP
-    layers are not adapted. ``ValueError``, before anything changes, for bad hyper-parameters, an unknown
-    linear / projection, MoE MLPs under ``linear_fc1`` / ``linear_fc2``, MLA, Transformer Engine linears,
-    ``num_query_groups`` not divisible by TP, or adapters already present.
-    """
+    """Put LoRA adapters on every decoder layer of one unwrapped ``GPTModel`` chunk, in place, before
+    DDP; returns the adapter parameters. ``targets``: Megatron linear -> projections (``linear_qkv`` ⊆
+    {q, k, v}, ``linear_proj`` {o}, ``linear_fc1`` ⊆ {gate, up} (without SwiGLU {up}), ``linear_fc2``
+    {down}). Adapter ``p`` of global layer ``i`` is drawn in full from ``(seed,
+    "decoder.layers.<i>.<where>.<linear>", p)`` and sliced, so every TP / PP layout holds slices of the
+    same adapters. MTP layers are not adapted. ``ValueError`` before any change for bad
+    hyper-parameters or targets, MoE MLPs, MLA, Transformer Engine linears, ``num_query_groups`` not
+    divisible by TP, or adapters already present."""
     _hyper(rank, alpha, dropout, init_lora_weights)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")

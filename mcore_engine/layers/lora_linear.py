@@ -1,40 +1,24 @@
 """PEFT's LoRA on Megatron-Core's tensor-parallel linears (local spec), sharded like the weights.
 
-Math, per adapted projection ``p`` (PEFT's separate ``q`` / ``k`` / ``v``, ``o``, ``gate`` / ``up``,
-``down`` adapters; ``peft/tuners/lora/layer.py``, ``use_rslora=False``)::
+Per adapted projection ``p`` (PEFT's separate ``q`` / ``k`` / ``v``, ``o``, ``gate`` / ``up``, ``down``)::
 
     y_p = x @ W_p.T + b_p + scaling * ((dropout(x) @ A_p.T) @ B_p.T)     # scaling = alpha / rank
     A_p [r, in]: kaiming_uniform_(a=sqrt(5)) over the FULL fan-in;  B_p [out_p, r]: zeros
 
-Sharding (Megatron-Bridge ``ParallelLinearAdapter``, torchtitan ``components/lora.py``):
+- column-parallel (``linear_qkv``, ``linear_fc1``): ``A_p`` replicated, ``B_p`` split on dim 0 like
+  ``W_p`` (:class:`ColumnLayout`: per local query group ``[q | k | v]``; ``[gate; up]``).
+- row-parallel (``linear_proj``, ``linear_fc2``): ``A`` split on dim 1 like ``W``, ``B`` replicated; the
+  partial delta joins the base's partial output before its all-reduce / reduce-scatter.
 
-- column-parallel (``linear_qkv``, ``linear_fc1``): ``A_p`` replicated ``[r, H]``; ``B_p`` split along
-  dim 0 like ``W_p``: TP rank ``t`` holds rows ``[t n, (t + 1) n)``, ``n = out_p / tp`` (``q``:
-  ``np / tp * d``, ``k`` / ``v``: ``ng / tp * d``, ``gate`` / ``up``: ``ffn / tp``). The deltas land in the
-  base's local layout (:class:`ColumnLayout`: per local query group ``[q | k | v]``; ``[gate; up]``);
-  projections without an adapter add nothing.
-- row-parallel (``linear_proj``, ``linear_fc2``): ``A`` split along dim 1 like ``W`` (``[r, in / tp]``),
-  ``B`` replicated ``[H, r]``; the partial ``x_t A_t.T B.T * scaling`` joins the base's partial output
-  before its all-reduce / reduce-scatter.
+No communication is added: the deltas are computed on the input the base matmul sees, so the base's
+backward collective carries both terms. Replicated adapters (column ``A``, row ``B``) get partial
+gradients per TP rank and carry :data:`LORA_TP_PARTIAL_GRAD` (the engine SUMs them over TP). Dropout:
+column side on the default generator (the same mask on every TP rank), row side in Megatron's TP RNG
+tracker (per-rank masks).
 
-No communication is added in the forward: the base matmul is computed here on the very input the base
-would use (after ``copy_to_tensor_model_parallel_region``, or ``gather_from_sequence_parallel_region``
-under sequence parallelism), so the backward's one all-reduce / reduce-scatter carries both terms.
-Gradients: column ``A`` and row ``B`` are replicated but each TP rank computes only its partial
-gradient; they carry ``param.lora_tp_partial_grad = True`` (:data:`LORA_TP_PARTIAL_GRAD`): the engine
-SUMS their gradients over the TP group after backward. Sharded adapters are marked
-``tensor_model_parallel`` (grad norm, checkpoints); all carry ``allreduce = True`` (DP reduction).
-
-Dropout (``p > 0``, training only; PEFT draws one mask per projection): column side on the default
-generator, which Megatron keeps identical across TP ranks (its seed layout), so every rank applies the
-same mask to the replicated input (TP = 2 equals TP = 1 draw for draw); row side inside Megatron's
-TP RNG tracker (the input's features are split, so per-rank streams give independent masks, PEFT's
-distribution, not TP = 1's draws).
-
-Memory: ``r * (in + out_p)`` parameters per projection, ``r * (H + out_p / tp)`` / ``r * (in / tp + H)``
-per rank. Saved for backward beyond a frozen base: the linear's input (under sequence parallelism
-the all-gathered ``[s, b, H]``, which a frozen Megatron linear does not keep), the ``[s, b, r]``
-intermediates, and with dropout one dropped copy of the input per projection.
+Memory: ``r * (in + out_p)`` parameters per projection; saved for backward beyond a frozen base: the
+linear's input (all-gathered ``[s, b, H]`` under sequence parallelism), the ``[s, b, r]``
+intermediates, with dropout one dropped copy of the input per projection.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""LoRA in the engine (``ModelConfig.lora``): adapters on the model chunks over a frozen base, the TP
-sum of the replicated adapters' partial gradients, and the adapters in PEFT's names.
-
-- :func:`attach_lora`: every base parameter ``requires_grad=False`` (so Megatron's DDP gives it no
-  grad buffer and its optimizer no state), then :func:`mcore_engine.layers.lora.apply_lora` on each
-  chunk and, with ``lora.adapter_path``, the PEFT folder's adapters sliced onto this rank; the
-  embedding's output is made to require grad, so activation recompute still reaches the adapters.
-- :func:`sum_partial_adapter_grads`: after Megatron's gradient finalisation, one coalesced all-reduce
-  (SUM) over TP of the ``main_grad`` of every adapter marked ``lora_tp_partial_grad`` (column ``A``,
-  row ``B``: replicated, each TP rank computes a partial gradient).
-- :func:`gather_adapters`: the full ``(A, B)`` of every adapted projection, keyed ``(global layer,
-  projection)``; collective over TP (all-gather of the sharded dims) and PP (one object all-gather).
-- :func:`merged_weight_overrides`: ``W + scaling B A`` per adapted base weight, for exports of the
-  merged model. Memory: the adapters (small); one merged weight at a time.
+"""LoRA in the engine (``ModelConfig.lora``): :func:`attach_lora` freezes the base (no grad buffer, no
+optimizer state), applies the adapters and loads ``adapter_path``; :func:`sum_partial_adapter_grads`
+SUMs the replicated adapters' partial gradients over TP (one coalesced all-reduce);
+:func:`gather_adapters` / :func:`iter_adapter_tensors` give the full adapters (collective over TP and
+PP); :func:`merged_weight_overrides` the merged ``W + scaling B A`` for exports. Memory: the adapters;
+one merged weight at a time.
 """
 
 from __future__ import annotations
