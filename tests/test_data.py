@@ -163,6 +163,40 @@ def test_parse_step_flags_rejects_bad_combinations():
         parse_step_flags(td)
 
 
+def test_per_sample_temperature_b_or_b1():
+    """A per-sample temperature ``[B]`` or verl's ``[B, 1]`` column: the same float32 ``[B]``, the same
+    packed per-token temperature, on every micro-batch; the batch is not modified."""
+    from mcore_engine.data.flags import per_sample_temperature
+
+    td, _ = make_batch()
+    column = td.clone()
+    column["temperature"] = td["temperature"].reshape(-1, 1).double()
+    snap = snapshot(column)
+    assert parse_step_flags(column).temperature is None
+    flat = per_sample_temperature(column)
+    assert flat.dtype == torch.float32 and flat.shape == (len(LENGTHS),)
+    assert torch.equal(flat, td["temperature"])
+    for data_format in ("thd", "bshd"):
+        for a, b in zip(split_micro_batches(td, parse_step_flags(td), default_micro_batch_size=4)[0],
+                        split_micro_batches(column, parse_step_flags(column), default_micro_batch_size=4)[0],
+                        strict=True):
+            want = pack_micro_batch(a, data_format=data_format, temperature=None).temperature
+            got = pack_micro_batch(b, data_format=data_format, temperature=None).temperature
+            assert torch.equal(got, want), data_format
+    assert_unchanged(column, snap)
+
+
+@pytest.mark.parametrize("value", [
+    torch.zeros(len(LENGTHS)), torch.tensor([1.0, math.nan, 1, 1, 1, 1]), torch.full((len(LENGTHS), 1), -1.0),
+    torch.ones(len(LENGTHS), dtype=torch.int64), torch.ones(len(LENGTHS), 2), torch.ones(len(LENGTHS), 1, 1),
+], ids=["zero", "nan", "negative_column", "int", "b2", "b11"])
+def test_parse_step_flags_rejects_bad_tensor_temperature(value):
+    td, _ = make_batch()
+    td.set("temperature", value)
+    with pytest.raises(ValueError, match="temperature must be"):
+        parse_step_flags(td)
+
+
 # ------------------------------------------------------------------ validation
 @pytest.mark.parametrize("padded", [False, True])
 def test_validate_batch_accepts_good_batches(padded):
@@ -221,12 +255,6 @@ BAD_JAGGED = {
         td, "loss_mask", [x.index_fill(0, torch.tensor([0]), math.nan) for x in r["loss_mask"]])),
     "loss_mask_inf": ("loss_mask", lambda td, r: _set_rows(
         td, "loss_mask", [x.index_fill(0, torch.tensor([0]), -math.inf) for x in r["loss_mask"]])),
-    "temperature_zero": ("temperature", lambda td, r: td.set("temperature", torch.zeros(len(LENGTHS)))),
-    "temperature_nan": ("temperature", lambda td, r: td.set(
-        "temperature", torch.tensor([1.0, math.nan, 1, 1, 1, 1]))),
-    "temperature_int": ("temperature", lambda td, r: td.set(
-        "temperature", torch.ones(len(LENGTHS), dtype=torch.int64))),
-    "temperature_2d": ("temperature", lambda td, r: td.set("temperature", torch.ones(len(LENGTHS), 2))),
 }
 
 

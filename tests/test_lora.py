@@ -300,10 +300,10 @@ def test_lora_config_refusals(tmp_path):
         ModelConfig(**common, lora=dict(rank=2, adapter_path=str(tmp_path)))
     assert LoRAConfig(rank=2, target_modules=["linear_qkv", "o_proj"]).targets() == {
         "linear_qkv": {"q", "k", "v"}, "linear_proj": {"o"}}
-    from mcore_engine import lora_config
+    from mcore_engine.config import lora as lora_config
     from mcore_engine.layers import lora
 
-    assert lora_config.LINEAR_PROJECTIONS == lora.LINEAR_PROJECTIONS  # layers/ cannot import the config
+    assert lora.LINEAR_PROJECTIONS is lora_config.LINEAR_PROJECTIONS  # one definition
 
 
 def test_adapter_folder_checks(references, tmp_path):

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 from tensordict import TensorDictBase, is_non_tensor
 
-__all__ = ["StepFlags", "parse_step_flags"]
+__all__ = ["StepFlags", "parse_step_flags", "per_sample_temperature"]
 
 _BOOL_FLAGS = ("calculate_entropy", "calculate_sum_pi_squared", "distillation_use_topk",
                "distillation_only", "use_dynamic_bsz", "outputs_on_loss_mask_only")
@@ -23,7 +24,7 @@ class StepFlags:
     """Per-step switches, parsed from a batch by :func:`parse_step_flags`."""
 
     temperature: float | None = 1.0
-    """Host number; ``None`` when the batch holds a per-sample ``[B]`` tensor ``temperature``."""
+    """Host number; ``None`` when the batch holds a per-sample tensor (:func:`per_sample_temperature`)."""
     calculate_entropy: bool = False
     """Return the per-token entropy of ``softmax(logits / temperature)``."""
     calculate_sum_pi_squared: bool = False
@@ -63,6 +64,19 @@ def check_temperature_number(value: float) -> None:
         raise ValueError(f"temperature must be finite and > 0, got {value}")
 
 
+def per_sample_temperature(batch: TensorDictBase) -> torch.Tensor:
+    """The batch's tensor ``temperature`` as float32 ``[B]``: ``[B]`` or ``[B, 1]`` (verl's column),
+    floating, finite and > 0, else ``ValueError``. One host sync."""
+    temp, size = batch.get("temperature"), list(batch.batch_size)
+    if temp.is_nested or temp.shape not in (torch.Size(size), torch.Size([*size, 1])) \
+            or not temp.is_floating_point():
+        raise ValueError(f"temperature must be a floating per-sample tensor [B] or [B, 1] (B={size[0]}) "
+                         f"or a non-tensor number, got {temp.dtype} {tuple(temp.shape)}")
+    if not bool((torch.isfinite(temp) & (temp > 0)).all()):
+        raise ValueError(f"temperature must be finite and > 0, got {temp.reshape(-1).tolist()}")
+    return temp.reshape(size).to(torch.float32)
+
+
 def _non_tensor_value(batch: TensorDictBase, key: str) -> Any:
     """The Python value of a non-tensor entry; a stack of equal values collapses to one."""
     value = batch.get_non_tensor(key)
@@ -86,9 +100,10 @@ def _as_positive_int(key: str, value: Any) -> int:
 
 
 def parse_step_flags(batch: TensorDictBase) -> StepFlags:
-    """The step flags of ``batch`` (absent ones: defaults; a tensor ``temperature``: ``None``).
-    ``ValueError`` naming the key for a flag stored as a tensor, a wrong type (``1`` for a bool, ``2.0``
-    for a size), a size <= 0, a non-finite or non-positive temperature, a non-finite clamp,
+    """The step flags of ``batch`` (absent ones: defaults; a tensor ``temperature``: ``None``, checked
+    by :func:`per_sample_temperature`). ``ValueError`` naming the key for a flag stored as a tensor, a
+    wrong type (``1`` for a bool, ``2.0`` for a size), a size <= 0, a non-finite or non-positive
+    temperature, a non-finite clamp,
     ``distillation_only`` without ``distillation_use_topk``, ``use_dynamic_bsz`` without
     ``max_token_len_per_gpu``."""
     if not isinstance(batch, TensorDictBase):
@@ -121,5 +136,6 @@ def parse_step_flags(batch: TensorDictBase) -> StepFlags:
             check_temperature_number(float(value))
             kwargs["temperature"] = value  # as given: an int 1 stays a unit temperature (never divided)
         else:
+            per_sample_temperature(batch)
             kwargs["temperature"] = None
     return StepFlags(**kwargs)

@@ -117,8 +117,8 @@ def pack_micro_batch(mb: TensorDictBase, *, data_format: str, temperature: float
                      pad_multiple: int = 1, thd_attention_mask: bool = False,
                      device: torch.device | str | None = None) -> ModelInputs:
     """Pack a validated micro-batch (only read) into :class:`ModelInputs`. ``temperature``: a number
-    is passed through, ``None`` expands ``mb["temperature"] [b]`` per token. ``device`` defaults to
-    ``input_ids``' device."""
+    is passed through, ``None`` expands ``mb["temperature"] [b]`` (or ``[b, 1]``) per token.
+    ``device`` defaults to ``input_ids``' device."""
     if data_format not in DATA_FORMATS:
         raise ValueError(f"data_format must be one of {DATA_FORMATS}, got {data_format!r}")
     if not isinstance(pad_multiple, int) or pad_multiple < 1:
@@ -175,7 +175,7 @@ def pack_micro_batch(mb: TensorDictBase, *, data_format: str, temperature: float
     if temperature is None:
         if "temperature" not in mb.keys() or is_non_tensor(mb.get("temperature")):
             raise ValueError("temperature=None needs a per-sample tensor temperature [b] in the batch")
-        per_sample = mb["temperature"].to(device=device, dtype=torch.float32)
+        per_sample = mb["temperature"].reshape(-1).to(device=device, dtype=torch.float32)  # [b] or [b, 1]
         temperature = scatter(per_sample[seq_of_token.to(device)], fill=1.0)
     teacher_ids = teacher_logprobs = None
     if all(k in mb.keys() for k in TEACHER_KEYS):

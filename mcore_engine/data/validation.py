@@ -4,7 +4,7 @@ before any model work starts (the engine agrees on the outcome over data-paralle
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDictBase, is_non_tensor
+from tensordict import TensorDictBase
 
 from mcore_engine.data.layout import (
     INPUT_KEYS,
@@ -102,7 +102,7 @@ def validate_batch(batch: TensorDictBase, *, vocab_size: int, max_sequence_lengt
       beside jagged ``input_ids``, a dense ``[B, R]`` response mask instead (``layout``).
     - ``teacher_ids`` (in the vocab), ``teacher_logprobs`` (no NaN / +inf) ``[B, j, K]``, one ``K``;
       required when ``require_teacher``.
-    - a tensor ``temperature``: floating ``[B]``, finite and > 0.
+    (A tensor ``temperature`` is checked with the flags: ``data.flags.per_sample_temperature``.)
 
     Only real tokens are checked. Reads only; a few host syncs per key."""
     if not isinstance(batch, TensorDictBase):
@@ -169,14 +169,6 @@ def validate_batch(batch: TensorDictBase, *, vocab_size: int, max_sequence_lengt
         _check_ids("teacher_ids", token_values(batch, "teacher_ids"), vocab_size)
         _check_no_nan_or_pos_inf("teacher_logprobs", token_values(batch, "teacher_logprobs"),
                                  allow_neg_inf=True)
-
-    if "temperature" in batch.keys() and not is_non_tensor(batch.get("temperature")):
-        temp = batch["temperature"]
-        if temp.is_nested or temp.shape != batch.batch_size or not temp.is_floating_point():
-            raise ValueError(f"temperature must be a floating per-sample tensor [B]={list(batch.batch_size)} "
-                             f"or a non-tensor number, got {temp.dtype} {tuple(temp.shape)}")
-        if not bool((torch.isfinite(temp) & (temp > 0)).all()):
-            raise ValueError(f"temperature must be finite and > 0, got {temp.tolist()}")
 
     for key in batch.keys():
         if not is_jagged(ids) and key not in INPUT_KEYS and is_jagged(batch.get(key)):

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from mcore_engine.config.lora import HF_PROJECTIONS, PROJECTION_HF_NAMES, LoRAConfig
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "peft_key", "read_adapter", "write_adapter"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "peft_config", "peft_key", "read_adapter", "write_adapter"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -44,6 +44,12 @@ def peft_key(layer: int, projection: str, which: str) -> str:
             f"{PROJECTION_HF_NAMES[projection]}.lora_{which}.weight")
 
 
+def peft_config(lora: LoRAConfig, *, swiglu: bool) -> dict[str, Any]:
+    """PEFT's ``LoraConfig`` fields for ``lora`` (``peft_type`` / ``task_type`` as strings)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+            "lora_dropout": lora.dropout, "target_modules": lora.hf_target_modules(swiglu), "bias": "none"}
+
+
 def write_adapter(out_dir: str | os.PathLike, adapters: Adapters, lora: LoRAConfig, *, swiglu: bool,
                   base_model: str | None, dtype: torch.dtype) -> None:
     """Write a PEFT folder (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules`` from ``lora``)."""
@@ -54,11 +60,10 @@ def write_adapter(out_dir: str | os.PathLike, adapters: Adapters, lora: LoRAConf
         tensors[peft_key(layer, projection, "A")] = a.detach().to("cpu", dtype).contiguous()
         tensors[peft_key(layer, projection, "B")] = b.detach().to("cpu", dtype).contiguous()
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-              "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
-              "target_modules": lora.hf_target_modules(swiglu), "bias": "none", "fan_in_fan_out": False,
-              "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
-              "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
+    config = {**peft_config(lora, swiglu=swiglu), "base_model_name_or_path": base_model,
+              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+              "inference_mode": True, "modules_to_save": None, "layers_to_transform": None,
+              "rank_pattern": {}, "alpha_pattern": {}}
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
 

@@ -1,36 +1,19 @@
-"""verl's MoE router replay (``engine_config.router_replay``) on the core's replay.
+"""verl's MoE router replay (``engine_config.router_replay.mode``) on the core's replay.
 
-The core records every token's top-k experts per MoE layer in every pass and routes a batch that
-carries ``routed_experts`` (``input_ids``' layout + ``[L_moe, k]``) exactly by it
-(``mcore_engine.model.moe``). verl 0.9.1's modes (``EngineRouterReplayConfig.mode``) choose, per pass,
-what the batch hands the core and what goes back to verl, as verl's Megatron engine does:
+The core routes a batch carrying ``routed_experts`` (jagged ``[B, j, L, k]`` like ``input_ids``; ``L``
+the MoE layers or every decoder layer) by it and records the routing of every pass. Per pass, as
+verl's Megatron engine:
 
-- ``"disabled"``: the model routes by itself. A batch's ``routed_experts`` (a rollout's, with
-  ``rollout.enable_rollout_routing_replay``) is not replayed and no routing is returned: verl's
-  trainer adds a returned ``routed_experts`` to the batch, which the update would then replay.
-- ``"R2"``: a forward-only pass whose batch has no ``routed_experts`` (the actor's old-log-prob pass)
-  returns the routing (``model_output["routed_experts"]``: jagged ``[B, j, L_moe, k]``, int16 as
-  verl's); the trainer adds it to the batch, and the update replays it in every micro-batch, however
-  the batch is split (dynamic batch size, packing, CP / SP slices: the core cuts the targets with the
-  tokens). A batch that has it (the update; the reference pass on the actor with LoRA) replays it.
-- ``"R3"``: every pass replays the rollout's routing (``enable_rollout_routing_replay``: verl's agent
-  loop puts the rollout's routes of prompt + response in the batch, jagged per token like
-  ``input_ids`` after ``left_right_2_no_padding``), so the actor's old log-probs and its update are
-  computed under the routing that sampled the responses. The rollout never feeds the last generated
-  token, so that row (verl: an appended or zero placeholder), and any trailing rows it did not route
-  (zeros, e.g. a tool response after the last generation), have no route: they are routed to experts
-  ``0 .. k-1`` (verl's Megatron engine routes them natively, through a replay mask Megatron-Core
-  0.16.1's ``RouterReplay`` lacks). No log-prob depends on them (causal attention: no used position
-  reads the tokens after the last generated one); only those tokens' share of the router statistics
-  (tokens per expert, the expert-bias load) differs.
+- ``"disabled"``: native routing; a batch's routes are dropped and none returned (verl's trainer
+  would replay a returned one).
+- ``"R2"``: a forward-only pass without routes (the old log-probs) returns the recorded routing
+  (int16); a batch with routes (the update) replays them, however the core splits it.
+- ``"R3"``: every pass replays the rollout's routes; rows the rollout never routed (the last
+  generated token, trailing all-zero rows) go to experts ``0 .. k-1`` (no log-prob depends on them).
 
-The layer axis of the routes may list the MoE layers (``L_moe``: ``transformers``' router outputs,
-the core's own records) or every decoder layer (``num_layers``; dense layers' rows are ignored), as
-verl's Megatron engine indexes them. An engine built ``forward_only`` (verl's reference policy, whose
-``compute_ref_log_prob`` runs without replay) and a critic route natively and take no mode; a batch
-flag ``enable_routing_replay=False`` (what verl's worker sets on the reference pass for its own
-Megatron engine) turns replay off for that pass. Cost: one int64 copy of the routes per pass
-(``tokens x L_moe x k``), one int16 copy of a returned routing.
+A ``forward_only`` engine and a critic route natively; the batch flag ``enable_routing_replay=False``
+turns replay off for a pass. Memory: one int64 copy of the routes per pass, one int16 copy of a
+returned routing.
 """
 
 from __future__ import annotations
@@ -66,11 +49,9 @@ class RouterReplayPass:
 
 def prepare_routing(data: TensorDict, mode: str, model: ModelConfig, *, forward_only: bool,
                     replay_enabled: bool | None) -> RouterReplayPass:
-    """The pass for ``mode`` (module docstring); ``data`` is not modified (a shallow copy is).
-
-    ``forward_only``: this pass has no backward (an inference pass); ``replay_enabled``: verl's batch
-    flag ``enable_routing_replay`` (None when absent). ``ValueError`` naming the field when the mode
-    needs routes the batch lacks or the routes do not fit the model."""
+    """The pass for ``mode`` (module docstring); ``data`` is not modified. ``replay_enabled``: verl's
+    batch flag ``enable_routing_replay`` (None when absent). ``ValueError`` naming the field when the
+    mode needs routes the batch lacks or the routes do not fit the model."""
     has_routes = ROUTING_KEY in data.keys()
     if mode == "disabled" or model.moe is None or replay_enabled is False:
         return RouterReplayPass(data.exclude(ROUTING_KEY) if has_routes else data, False)

@@ -1,17 +1,9 @@
-"""LoRA in the engine (``ModelConfig.lora``): adapters on the model chunks over a frozen base, the TP
-sum of the replicated adapters' partial gradients, and the adapters in PEFT's names.
-
-- :func:`attach_lora`: every base parameter ``requires_grad=False`` (so Megatron's DDP gives it no
-  grad buffer and its optimizer no state), then :func:`mcore_engine.layers.lora.apply_lora` on each
-  chunk and, with ``lora.adapter_path``, the PEFT folder's adapters sliced onto this rank; the
-  embedding's output is made to require grad, so activation recompute still reaches the adapters.
-- :func:`sum_partial_adapter_grads`: after Megatron's gradient finalisation, one coalesced all-reduce
-  (SUM) over TP of the ``main_grad`` of every adapter marked ``lora_tp_partial_grad`` (column ``A``,
-  row ``B``: replicated, each TP rank computes a partial gradient).
-- :func:`gather_adapters`: the full ``(A, B)`` of every adapted projection, keyed ``(global layer,
-  projection)``; collective over TP (all-gather of the sharded dims) and PP (one object all-gather).
-- :func:`merged_weight_overrides`: ``W + scaling B A`` per adapted base weight, for exports of the
-  merged model. Memory: the adapters (small); one merged weight at a time.
+"""LoRA in the engine (``ModelConfig.lora``): :func:`attach_lora` freezes the base (no grad buffer, no
+optimizer state), applies the adapters and loads ``adapter_path``; :func:`sum_partial_adapter_grads`
+SUMs the replicated adapters' partial gradients over TP (one coalesced all-reduce);
+:func:`gather_adapters` / :func:`iter_adapter_tensors` give the full adapters (collective over TP and
+PP); :func:`merged_weight_overrides` the merged ``W + scaling B A`` for exports. Memory: the adapters;
+one merged weight at a time.
 """
 
 from __future__ import annotations
@@ -24,7 +16,13 @@ from megatron.core import parallel_state
 
 from mcore_engine.config import EngineConfig
 from mcore_engine.hf.peft import Adapters, peft_key, read_adapter
-from mcore_engine.layers.lora import LORA_TP_PARTIAL_GRAD, apply_lora, lora_modules
+from mcore_engine.layers.lora import (
+    LORA_TP_PARTIAL_GRAD,
+    adapter_shards,
+    apply_lora,
+    load_adapters,
+    lora_modules,
+)
 
 __all__ = ["attach_lora", "gather_adapters", "iter_adapter_tensors", "merged_weight_overrides",
            "sum_partial_adapter_grads"]
@@ -51,9 +49,7 @@ def attach_lora(chunks: Sequence[torch.nn.Module], cfg: EngineConfig) -> None:
             # checkpoint of a block whose inputs need no grad) would give the adapters in it none
             chunk.embedding.register_forward_hook(_require_grad)
     if adapters is not None:
-        for _, module in lora_modules(chunks):
-            for projection in module.lora_targets:
-                module.load_full(projection, *adapters[(module.lora_layer, projection)])
+        load_adapters(chunks, adapters)
 
 
 def _require_grad(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -100,11 +96,9 @@ def _gather_dim(t: torch.Tensor, dim: int | None) -> torch.Tensor:
 def gather_adapters(model_chunks: Sequence[torch.nn.Module]) -> Adapters:
     """Every adapted projection's full ``(A [r, in], B [out, r])`` on every rank, keyed ``(global
     layer, projection)``, on the CPU in the parameters' dtype. Collective over TP and PP."""
-    local: Adapters = {}
-    for _, module in lora_modules([_unwrap(c) for c in model_chunks]):
-        for projection, shard in module.adapter_shards().items():
-            local[(module.lora_layer, projection)] = (_gather_dim(shard.a, shard.a_tp_dim).cpu(),
-                                          _gather_dim(shard.b, shard.b_tp_dim).cpu())
+    shards = adapter_shards([_unwrap(c) for c in model_chunks])
+    local: Adapters = {key: (_gather_dim(s.a, s.a_tp_dim).cpu(), _gather_dim(s.b, s.b_tp_dim).cpu())
+                       for key, s in shards.items()}
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     if dist.get_world_size(pp_group) == 1:
         return local

@@ -422,7 +422,8 @@ def critic(hf_dir: str, report: dict) -> None:
 def reference_policy(hf_dir: str, ckpt_dir: str, report: dict) -> None:
     """``engine_config.forward_only`` (verl's reference policy) is the core's ``forward_only``
     engine: no DDP wrapper, optimizer or gradient storage; inference matches the native API; every
-    training call raises naming ``forward_only``; an actor's checkpoint loads into it."""
+    training call raises naming ``forward_only`` (the core's refusal; ``train_mode`` the adapter's); an
+    actor's checkpoint loads into it."""
     import dataclasses
 
     from megatron.core.distributed import DistributedDataParallel
@@ -445,15 +446,14 @@ def reference_policy(hf_dir: str, ckpt_dir: str, report: dict) -> None:
     if out is not None:
         close(tu.get(out, "log_probs"), ref["log_probs"], "forward_only: infer log_probs", report)
     train = ppo_train_batch(0)
-    adapter_calls = {"train_batch": lambda: adapter.train_batch(train, worker.loss_fn),
-                     "forward_backward_batch": lambda: adapter.forward_backward_batch(train, worker.loss_fn),
-                     "train_mode": lambda: adapter.train_mode().__enter__()}
-    for name, call in adapter_calls.items():
-        with pytest.raises(RuntimeError, match=rf"^{name}\(.*engine_config\.forward_only=True"):
-            call()
-    core_calls = {"optimizer_step": adapter.optimizer_step, "zero_grad": adapter.optimizer_zero_grad,
-                  "lr_scheduler_step": adapter.lr_scheduler_step}
-    for name, call in core_calls.items():
+    with pytest.raises(RuntimeError, match=r"^train_mode\(.*engine_config\.forward_only=True"):
+        adapter.train_mode().__enter__()  # verl's train mode: the adapter's own refusal
+    core_calls = [("optimizer_step", adapter.optimizer_step), ("zero_grad", adapter.optimizer_zero_grad),
+                  ("lr_scheduler_step", adapter.lr_scheduler_step),
+                  ("zero_grad", lambda: adapter.train_batch(train, worker.loss_fn)),  # verl zeroes first
+                  (r"forward_backward_batch\(forward_only=False\)",
+                   lambda: adapter.forward_backward_batch(train, worker.loss_fn))]
+    for name, call in core_calls:  # the core refuses; the adapter does not re-check
         with pytest.raises(RuntimeError, match=rf"^{name}: .*EngineConfig\.forward_only=True"):
             call()
     adapter.to("device", model=True, optimizer=True, grad=True)  # the parameters are all there is
@@ -575,3 +575,59 @@ def test_verl_training_worker_matches_native_api(tmp_path):
     run_distributed(verl_ranks, 2, hf_dir, str(tmp_path))
     print(open(tmp_path / "parity.json").read())
 
+
+
+def test_packaged_hydra_targets_import():
+    """Every ``_target_`` of the packaged verl Hydra config imports, and the split adapter keeps the
+    engines' and configs' public module (``mcore_engine.integrations.verl``)."""
+    import importlib
+    import pathlib
+    import re
+
+    import mcore_engine.integrations as integrations
+    from mcore_engine.integrations import verl
+
+    folder = pathlib.Path(integrations.__file__).parent / "verl_hydra"
+    targets = {t for p in folder.glob("*.yaml") for t in re.findall(r"_target_:\s*([\w.]+)", p.read_text())}
+    assert {"mcore_engine.integrations.verl.McoreEngineActorConfig",
+            "mcore_engine.integrations.verl.McoreEngineVerlConfig"} <= targets
+    for target in sorted(targets):
+        module, name = target.rsplit(".", 1)
+        assert isinstance(getattr(importlib.import_module(module), name), type), target
+    for cls in (verl.McoreEngineVerl, verl.McoreEngineVerlValue, verl.McoreEngineVerlConfig,
+                verl.McoreEngineActorConfig):
+        assert cls.__module__ == "mcore_engine.integrations.verl", cls
+
+
+def test_loss_bridge_takes_the_core_normalisers():
+    """verl's ``batch_num_tokens`` / ``dp_size`` are the core's ``LossContext`` values (the 0-d device
+    tensor itself: no all-reduce, no host sync in the adapter); ``L_i / dp_size`` goes back to the core;
+    the losses reach verl's result as floats, one per micro-batch."""
+    from tensordict import TensorDict
+
+    from mcore_engine.integrations.verl_loss import VerlLossBridge, verl_results
+    from mcore_engine.losses.context import LossContext
+
+    seen = []
+
+    def loss_function(model_output, data, dp_group):
+        seen.append((data["batch_num_tokens"], data["dp_size"], data["sp_size"], dp_group))
+        loss = model_output["log_probs"].sum() / data["batch_num_tokens"] * data["dp_size"]
+        return loss, {"entropy": float(len(seen))}
+
+    ctx = LossContext.from_counts(7, 3, dp_size=2)
+    bridge = VerlLossBridge(loss_function, dp_group="dp")
+    for values in ([1.0, 2.5], [-0.5]):
+        rows = TensorDict({"x": torch.zeros(len(values))}, batch_size=[len(values)])
+        log_probs = torch.tensor(values, requires_grad=True)
+        loss, metrics = bridge(model_output={"log_probs": log_probs}, data=rows, ctx=ctx)
+        torch.testing.assert_close(loss, torch.tensor(sum(values) / 7), rtol=1e-6, atol=0)
+        loss.backward()
+        torch.testing.assert_close(log_probs.grad, torch.full_like(log_probs, 1 / 7), rtol=1e-6, atol=0)
+    assert all(n is ctx.global_num_tokens and dp == 2 and sp == 1 and g == "dp" for n, dp, sp, g in seen)
+    out = TensorDict({"log_probs": torch.zeros(3)}, batch_size=[3])
+    out.set_non_tensor("micro_batch_metrics", [{"entropy": 1.0}, {"entropy": 2.0}])
+    results = verl_results(out, bridge.losses)
+    assert results["loss"] == pytest.approx([3.5 * 2 / 7, -0.5 * 2 / 7], rel=1e-6)
+    assert all(type(x) is float for x in results["loss"]) and results["metrics"] == {"entropy": [1.0, 2.0]}
+    assert verl_results(out, None)["loss"] == [1.0, 1.0]

@@ -681,7 +681,8 @@ def _refusals_tp1() -> None:
     model = _gpt(1)
     good = dict(rank=R, alpha=ALPHA, targets=ALL_TARGETS, seed=SEED)
     bad = [(dict(rank=0), "rank"), (dict(rank=True), "rank"), (dict(rank=2.5), "rank"),
-           (dict(alpha=math.inf), "alpha"), (dict(dropout=1.0), "dropout"), (dict(dropout=-0.1), "dropout"),
+           (dict(alpha=math.inf), "alpha"), (dict(alpha=0), "alpha"), (dict(alpha=-2.0), "alpha"),
+           (dict(dropout=1.0), "dropout"), (dict(dropout=-0.1), "dropout"),
            (dict(init_lora_weights="orthogonal"), "init_lora_weights"), (dict(seed=None), "seed"),
            (dict(targets={"linear_qq": {"q"}}), "unknown linear"),
            (dict(targets={"linear_qkv": {"o"}}), "linear_qkv"),
