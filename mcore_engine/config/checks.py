@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 
@@ -22,3 +23,9 @@ def _bools(obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
         _require(isinstance(value, bool), f"{type(obj).__name__}.{name} must be a bool, got {value!r}")
+
+
+def _check_keys(cls: type, d: dict[str, Any], where: str) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    _require(not unknown, f"{where}: unknown field(s) {unknown}; expected some of {sorted(known)}")
