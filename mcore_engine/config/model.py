@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import Any
 
-from mcore_engine.config.checks import _bools, _check_keys, _positive_int, _require
+from mcore_engine.config.checks import Block, is_number
 from mcore_engine.config.lora import LoRAConfig
-from mcore_engine.config.mla import MLAConfig, _validate_mla_model
+from mcore_engine.config.mla import MLAConfig
 from mcore_engine.config.moe import MoEConfig
+from mcore_engine.config.mtp import MTP
 
 __all__ = ["ModelConfig"]
 
 
 @dataclass(kw_only=True)
-class ModelConfig:
+class ModelConfig(Block):
     """GPT architecture (Megatron-Core ``TransformerConfig`` + ``GPTModel`` arguments)."""
+
+    PATH = "model"
 
     num_layers: int
     """Transformer layers of the whole model (all pipeline stages)."""
@@ -65,11 +68,9 @@ class ModelConfig:
     fused_lm_head: bool = False
     """Compute the lm-head outputs from hidden states without materialising logits (when supported)."""
     core_attention: str = "sdpa"
-    """Core attention of the local layer spec (without Transformer Engine; TE's is used when it
-    imports): ``"sdpa"`` (:class:`~mcore_engine.layers.attention.SDPACoreAttention`: causal
-    ``scaled_dot_product_attention`` per sequence, no ``[s, s]`` tensor kept for backward, context
-    parallel) or ``"local"`` (Megatron's ``DotProductAttention`` + packed sequences; keeps
-    ``[b, heads, s, s]`` scores; CP = 1 only)."""
+    """Core attention of the local spec (TE's when it imports): ``"sdpa"`` (causal
+    ``scaled_dot_product_attention`` per sequence, no ``[s, s]`` tensor kept, context parallel) or
+    ``"local"`` (Megatron's ``DotProductAttention``; keeps ``[b, heads, s, s]`` scores; CP = 1 only)."""
     moe: MoEConfig | None = None
     """Mixture-of-experts layers (a mapping in YAML); ``None`` means a dense model."""
     lora: LoRAConfig | None = None
@@ -78,101 +79,57 @@ class ModelConfig:
     """Multi-latent attention (DeepSeek-V3; a mapping in YAML) instead of grouped-query attention;
     ``None``: GQA."""
     mtp_num_layers: int = 0
-    """Multi-token prediction modules (DeepSeek-V3's ``num_nextn_predict_layers``): module ``i``
-    predicts token ``t + 1 + i`` from the main trunk's hidden state and the embedding of token
-    ``t + i``. Loaded from and exported to the Hugging Face folder (as extra decoder layers
-    ``model.layers.{num_layers + i}``); 0: none."""
+    """Multi-token prediction modules (``num_nextn_predict_layers``; checks: ``config.mtp``): module
+    ``i`` predicts token ``t + 1 + i`` from the trunk's hidden state and the embedding of token
+    ``t + i``; in Hugging Face folders the decoder layers ``num_layers + i``. 0: none."""
     mtp_loss_scaling_factor: float = 0.0
-    """Weight of the MTP cross-entropy in the training loss, each module's loss summed over the
-    loss-mask tokens and divided by the same global token count as the main loss, then averaged over
-    modules. 0 (default): the MTP modules are kept (loaded, exported, checkpointed) but are not run
-    and do not train, so every output equals a model without them."""
+    """Weight of the MTP cross-entropy (per module: summed over the loss-mask tokens, divided by the
+    main loss's global token count; averaged over modules). 0: the modules are kept (loaded,
+    exported, checkpointed) but not run, so every output equals a model without them."""
     head: str = "lm"
-    """Output layer of the last stage: ``"lm"`` (vocab-parallel lm-head: log-probs, entropy, ...) or
-    ``"value"`` (a scalar head ``Linear(H, 1)`` with bias, replicated over tensor-parallel ranks:
-    per-token ``values`` and per-sequence ``scores``; a critic or reward model). The value trunk
-    never ties its embeddings (``tie_word_embeddings`` only describes the source checkpoint)."""
+    """Output layer of the last stage: ``"lm"`` (vocab-parallel lm-head) or ``"value"`` (a scalar
+    ``Linear(H, 1)`` with bias, replicated over TP: per-token ``values``, per-sequence ``scores``).
+    A value trunk never ties its embeddings."""
 
     def __post_init__(self) -> None:
-        _positive_int(self, "num_layers", "hidden_size", "num_attention_heads", "vocab_size",
-                      "max_sequence_length", "make_vocab_size_divisible_by")
-        _bools(self, "swiglu", "tie_word_embeddings", "add_qkv_bias", "qk_layernorm", "fused_lm_head")
-        for name in ("num_query_groups", "ffn_hidden_size", "kv_channels"):
-            if getattr(self, name) is not None:
-                _positive_int(self, name)
-        _require(self.kv_channels is not None or self.mla is not None
-                 or self.hidden_size % self.num_attention_heads == 0,
-                 f"ModelConfig.hidden_size ({self.hidden_size}) must be divisible by "
-                 f"ModelConfig.num_attention_heads ({self.num_attention_heads}) unless "
-                 "ModelConfig.kv_channels is set (or ModelConfig.mla: its head dims are its own)")
-        factor = self.rope_scaling_factor
-        _require(factor is None or (isinstance(factor, (int, float)) and not isinstance(factor, bool)
-                                    and math.isfinite(factor) and factor > 0),
-                 f"ModelConfig.rope_scaling_factor must be None or a finite number > 0, got {factor!r}")
-        groups = self.num_query_groups or self.num_attention_heads
-        _require(self.num_attention_heads % groups == 0,
-                 f"ModelConfig.num_attention_heads ({self.num_attention_heads}) must be divisible by "
-                 f"ModelConfig.num_query_groups ({groups})")
-        _require(self.normalization in ("RMSNorm", "LayerNorm"),
-                 f"ModelConfig.normalization must be 'RMSNorm' or 'LayerNorm', got {self.normalization!r}")
-        _require(self.rotary_base > 0, f"ModelConfig.rotary_base must be > 0, got {self.rotary_base!r}")
-        _require(self.norm_epsilon > 0, f"ModelConfig.norm_epsilon must be > 0, got {self.norm_epsilon!r}")
-        _require(self.init_method_std > 0,
-                 f"ModelConfig.init_method_std must be > 0, got {self.init_method_std!r}")
-        if isinstance(self.moe, dict):
-            _check_keys(MoEConfig, self.moe, "ModelConfig.moe")
-            self.moe = MoEConfig(**self.moe)
-        _require(self.moe is None or isinstance(self.moe, MoEConfig),
-                 f"ModelConfig.moe must be None, a MoEConfig or a mapping, got {type(self.moe).__name__}")
-        if isinstance(self.lora, dict):
-            _check_keys(LoRAConfig, self.lora, "ModelConfig.lora")
-            self.lora = LoRAConfig(**self.lora)
-        _require(self.lora is None or isinstance(self.lora, LoRAConfig),
-                 f"ModelConfig.lora must be None, a LoRAConfig or a mapping, got {type(self.lora).__name__}")
-        self._check_rope_and_mla()
-        if self.lora is not None:
-            targets = self.lora.targets(self.swiglu)
-            _require(self.moe is None or not {"linear_fc1", "linear_fc2"} & set(targets),
-                     "ModelConfig.lora.target_modules: the MLP linears of a MoE model are its experts' "
-                     "(not supported: target the attention linears q_proj / k_proj / v_proj / o_proj)")
-            _require(self.head == "lm", "ModelConfig.lora needs ModelConfig.head='lm' (no LoRA critic)")
-            _require(self.lora.adapter_path is None or self.hf_path is not None,
-                     "ModelConfig.lora.adapter_path needs ModelConfig.hf_path (the base the adapters were "
-                     "trained on)")
-        if self.moe is not None and isinstance(self.moe.layer_freq, list):
-            _require(len(self.moe.layer_freq) == self.num_layers,
-                     f"MoEConfig.layer_freq has {len(self.moe.layer_freq)} entries, "
-                     f"ModelConfig.num_layers is {self.num_layers}")
-        _require(isinstance(self.mtp_num_layers, int) and not isinstance(self.mtp_num_layers, bool)
-                 and self.mtp_num_layers >= 0,
-                 f"ModelConfig.mtp_num_layers must be an int >= 0, got {self.mtp_num_layers!r}")
-        f = self.mtp_loss_scaling_factor
-        _require(isinstance(f, (int, float)) and not isinstance(f, bool) and math.isfinite(f) and f >= 0,
-                 f"ModelConfig.mtp_loss_scaling_factor must be a finite number >= 0, got {f!r}")
-        _require(f == 0 or self.mtp_num_layers > 0,
-                 "ModelConfig.mtp_loss_scaling_factor > 0 needs ModelConfig.mtp_num_layers > 0")
-        _require(self.head in ("lm", "value"), f"ModelConfig.head must be 'lm' or 'value', got {self.head!r}")
-        _require(self.core_attention in ("sdpa", "local"),
-                 f"ModelConfig.core_attention must be 'sdpa' or 'local', got {self.core_attention!r}")
-        _require(not (self.head == "value" and self.fused_lm_head),
-                 "ModelConfig.fused_lm_head=True needs ModelConfig.head='lm' (a value head has no "
-                 "vocabulary)")
+        self._ints("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_sequence_length",
+                   "make_vocab_size_divisible_by")
+        self._ints("num_query_groups", "ffn_hidden_size", "kv_channels", optional=True)
+        self._bools("swiglu", "tie_word_embeddings", "add_qkv_bias", "qk_layernorm", "fused_lm_head")
+        self._require(self.kv_channels is not None or self.mla is not None
+                      or self.hidden_size % self.num_attention_heads == 0,
+                      f"ModelConfig.hidden_size ({self.hidden_size}) must be divisible by "
+                      f"ModelConfig.num_attention_heads ({self.num_attention_heads}) unless "
+                      "ModelConfig.kv_channels is set (or ModelConfig.mla: its head dims are its own)",
+                      "hidden_size", "num_attention_heads", "kv_channels")
+        self._numbers("rope_scaling_factor", strict=True, optional=True)
+        self._require(self.num_attention_heads % self.query_groups == 0,
+                      f"ModelConfig.num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                      f"ModelConfig.num_query_groups ({self.query_groups})",
+                      "num_query_groups", "num_attention_heads")
+        self._choice("normalization", ("RMSNorm", "LayerNorm"))
+        self._numbers("rotary_base", "norm_epsilon", "init_method_std", strict=True)
+        pct, d = self.rotary_percent, self.kv_channels or self.hidden_size // self.num_attention_heads
+        self._require(is_number(pct) and 0 < pct <= 1,
+                      f"ModelConfig.rotary_percent must be a number in (0, 1], got {pct!r}", "rotary_percent")
+        self._require(pct == 1 or (int(d * pct) >= 2 and int(d * pct) % 2 == 0),
+                      f"ModelConfig.rotary_percent ({pct}) must rotate an even number >= 2 of the {d} "
+                      f"channels per head, got int({d} * {pct}) = {int(d * pct)}", "rotary_percent")
+        self._ints("mtp_num_layers", low=0)
+        self._numbers("mtp_loss_scaling_factor")
+        self._choice("head", ("lm", "value"))
+        self._choice("core_attention", ("sdpa", "local"))
+        self._require(not (self.head == "value" and self.fused_lm_head), "ModelConfig.fused_lm_head=True "
+                      "needs ModelConfig.head='lm' (a value head has no vocabulary)", "fused_lm_head", "head")
+        self._block("moe", MoEConfig)
+        self._block("lora", LoRAConfig)
+        self._block("mla", MLAConfig)
+        for block in self.blocks():
+            block.check(self, None)
 
-    def _check_rope_and_mla(self) -> None:
-        """``rotary_percent`` and ``mla`` (a mapping becomes an ``MLAConfig``)."""
-        pct = self.rotary_percent
-        _require(isinstance(pct, (int, float)) and not isinstance(pct, bool) and 0 < pct <= 1,
-                 f"ModelConfig.rotary_percent must be a number in (0, 1], got {pct!r}")
-        d = self.kv_channels or self.hidden_size // self.num_attention_heads
-        _require(pct == 1 or (int(d * pct) >= 2 and int(d * pct) % 2 == 0),
-                 f"ModelConfig.rotary_percent ({pct}) must rotate an even number >= 2 of the {d} channels "
-                 f"per head, got int({d} * {pct}) = {int(d * pct)}")
-        if isinstance(self.mla, dict):
-            _check_keys(MLAConfig, self.mla, "ModelConfig.mla")
-            self.mla = MLAConfig(**self.mla)
-        _require(self.mla is None or isinstance(self.mla, MLAConfig),
-                 f"ModelConfig.mla must be None, an MLAConfig or a mapping, got {type(self.mla).__name__}")
-        _validate_mla_model(self)
+    def blocks(self) -> list[Any]:
+        """The feature blocks this model uses, each with ``check(model, parallel)``."""
+        return [b for b in (self.mla, self.lora, self.moe) if b is not None] + [MTP]
 
     @property
     def query_groups(self) -> int:

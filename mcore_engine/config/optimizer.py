@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mcore_engine.config.checks import _bools, _require
+from mcore_engine.config.checks import Block, is_number
 
 __all__ = ["OptimizerConfig"]
 
 
 @dataclass(kw_only=True)
-class OptimizerConfig:
+class OptimizerConfig(Block):
     """Adam(W) through Megatron's ``get_megatron_optimizer``, with warm-up and a decay schedule."""
+
+    PATH = "optimizer"
 
     lr: float = 1e-5
     """Peak learning rate."""
@@ -37,24 +39,23 @@ class OptimizerConfig:
     """Shard optimizer state over data-parallel ranks (Megatron DistributedOptimizer)."""
 
     def __post_init__(self) -> None:
-        _bools(self, "use_distributed_optimizer")
-        _require(self.lr > 0, f"OptimizerConfig.lr must be > 0, got {self.lr!r}")
-        _require(0 <= self.min_lr <= self.lr,
-                 f"OptimizerConfig.min_lr must be in [0, OptimizerConfig.lr={self.lr}], got {self.min_lr!r}")
+        self._bools("use_distributed_optimizer")
+        self._numbers("lr", "adam_eps", strict=True)
+        self._numbers("weight_decay", "clip_grad")
+        self._require(is_number(self.min_lr) and 0 <= self.min_lr <= self.lr,
+                      f"OptimizerConfig.min_lr must be in [0, OptimizerConfig.lr={self.lr}], "
+                      f"got {self.min_lr!r}",
+                      "min_lr", "lr")
         for name in ("adam_beta1", "adam_beta2"):
-            _require(0 <= getattr(self, name) < 1,
-                     f"OptimizerConfig.{name} must be in [0, 1), got {getattr(self, name)!r}")
-        _require(self.adam_eps > 0, f"OptimizerConfig.adam_eps must be > 0, got {self.adam_eps!r}")
-        _require(self.weight_decay >= 0,
-                 f"OptimizerConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
-        _require(self.clip_grad >= 0, f"OptimizerConfig.clip_grad must be >= 0, got {self.clip_grad!r}")
-        _require(isinstance(self.lr_warmup_steps, int) and self.lr_warmup_steps >= 0,
-                 f"OptimizerConfig.lr_warmup_steps must be an int >= 0, got {self.lr_warmup_steps!r}")
-        _require(self.lr_decay_style in ("constant", "cosine", "linear"),
-                 "OptimizerConfig.lr_decay_style must be 'constant', 'cosine' or 'linear', "
-                 f"got {self.lr_decay_style!r}")
+            v = getattr(self, name)
+            self._require(is_number(v) and 0 <= v < 1, f"OptimizerConfig.{name} must be in [0, 1), got {v!r}",
+                          name)
+        self._ints("lr_warmup_steps", low=0)
+        self._choice("lr_decay_style", ("constant", "cosine", "linear"))
         if self.lr_decay_style != "constant":
-            _require(isinstance(self.lr_decay_steps, int) and self.lr_decay_steps > self.lr_warmup_steps,
-                     f"OptimizerConfig.lr_decay_steps must be an int > OptimizerConfig.lr_warmup_steps "
-                     f"({self.lr_warmup_steps}) with lr_decay_style={self.lr_decay_style!r}, "
-                     f"got {self.lr_decay_steps!r}")
+            steps = self.lr_decay_steps
+            warmup = self.lr_warmup_steps
+            self._require(isinstance(steps, int) and not isinstance(steps, bool) and steps > warmup,
+                          f"OptimizerConfig.lr_decay_steps must be an int > OptimizerConfig.lr_warmup_steps "
+                          f"({warmup}) with lr_decay_style={self.lr_decay_style!r}, got {steps!r}",
+                          "lr_decay_steps", "lr_warmup_steps")
