@@ -34,6 +34,7 @@ The ``config.json`` <-> ``ModelConfig`` mapping is in ``hf_config``.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from mcore_engine.config import ModelConfig
+from mcore_engine.hf.families import FAMILIES, family_of
 from mcore_engine.hf.mtp_names import (
     is_mtp_unit,
     mtp_aliases,
@@ -98,7 +100,7 @@ _MLA_UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
     "self_attention.linear_kv_up_proj.weight": ("column", ("self_attn.kv_b_proj.weight",)),
 }
 # MoE layer units ("{e}": global expert index) -> (kind, Hugging Face suffixes); "{block}", "{gate}",
-# "{up}", "{down}" from _MOE_NAMES of the family.
+# "{up}", "{down}", "{shared}" from the family's ``moe_names``.
 _MOE_UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mlp.router.weight": ("replicated", ("{block}.gate.weight",)),
     "mlp.router.expert_bias": ("replicated", ("{block}.gate.e_score_correction_bias",)),
@@ -110,12 +112,6 @@ _MOE_UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mlp.shared_experts.linear_fc2.weight": ("row", ("mlp.{shared}.down_proj.weight",)),
     "mlp.shared_experts.gate_weight": ("replicated", ("mlp.shared_expert_gate.weight",)),
 }
-_QWEN_MOE_NAMES = dict(block="mlp", gate="gate_proj", up="up_proj", down="down_proj", shared="shared_expert")
-_DEEPSEEK_MOE_NAMES = dict(_QWEN_MOE_NAMES, shared="shared_experts")
-_MOE_NAMES = {"qwen2_moe": _QWEN_MOE_NAMES, "qwen3_moe": _QWEN_MOE_NAMES,
-              "mixtral": dict(block="block_sparse_moe", gate="w1", up="w3", down="w2",
-                              shared="shared_expert"),
-              "deepseek_v3": _DEEPSEEK_MOE_NAMES, "glm4_moe": _DEEPSEEK_MOE_NAMES}
 _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
 # Transformer Engine spec: norms fused into the following linear layer.
 _TE_ALIASES = {
@@ -139,21 +135,6 @@ _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 def head_dim(cfg: ModelConfig) -> int:
     """Per-head channels ``d`` (``cfg.kv_channels`` when set, else hidden / heads)."""
     return cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
-
-
-def model_family(cfg: ModelConfig) -> str:
-    """The Hugging Face family ``cfg`` maps to: MLA -> deepseek_v3; MoE with sigmoid scores ->
-    glm4_moe; else QK-norm -> qwen3 / qwen3_moe, QKV bias -> qwen2 / qwen2_moe, neither -> llama /
-    mixtral (``*_moe`` and mixtral when ``cfg.moe`` is set)."""
-    if cfg.mla is not None:
-        return "deepseek_v3"
-    if cfg.moe is not None and cfg.moe.router_score_function == "sigmoid":
-        return "glm4_moe"
-    if cfg.add_qkv_bias and cfg.qk_layernorm:
-        raise ValueError("cfg: add_qkv_bias together with qk_layernorm has no Hugging Face family here")
-    if cfg.moe is None:
-        return "qwen3" if cfg.qk_layernorm else "qwen2" if cfg.add_qkv_bias else "llama"
-    return "qwen3_moe" if cfg.qk_layernorm else "qwen2_moe" if cfg.add_qkv_bias else "mixtral"
 
 
 def canonical_unit(name: str, global_layer: int | None, global_expert: int | None = None) -> str:
@@ -191,7 +172,7 @@ def unit_rule(unit: str, cfg: ModelConfig) -> TensorRule:
     match = _EXPERT_RE.match(suffix)
     key = f"mlp.experts.local_experts.{{e}}.{match[2]}" if match else suffix
     kind, names = _MOE_UNITS[key]
-    fmt = dict(_MOE_NAMES[model_family(cfg)], e=match[1] if match else "")
+    fmt = dict(dataclasses.asdict(family_of(cfg).moe_names), e=match[1] if match else "")
     return TensorRule(kind, tuple(f"model.layers.{layer}.{n.format(**fmt)}" for n in names),
                       expert=match is not None, fp32=suffix == "mlp.router.expert_bias")
 
@@ -260,16 +241,15 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if cfg.moe is not None:
         fe = cfg.moe.ffn_hidden_size or ffn
         fs = cfg.moe.shared_expert_ffn_hidden_size
-        for names in _MOE_NAMES.values():
-            by_suffix[f"{names['block']}.gate.weight"] = (cfg.moe.num_experts, h)
-            by_suffix[f"{names['block']}.gate.e_score_correction_bias"] = (cfg.moe.num_experts,)
-            for part in ("gate", "up"):
-                by_suffix[f"{names['block']}.experts.*.{names[part]}.weight"] = (fe, h)
-            by_suffix[f"{names['block']}.experts.*.{names['down']}.weight"] = (h, fe)
-        for shared in ("shared_expert", "shared_experts"):
-            by_suffix.update({f"mlp.{shared}.gate_proj.weight": (fs, h),
-                              f"mlp.{shared}.up_proj.weight": (fs, h),
-                              f"mlp.{shared}.down_proj.weight": (h, fs)})
+        for names in {f.moe_names for f in FAMILIES if f.moe_names is not None}:
+            by_suffix[f"{names.block}.gate.weight"] = (cfg.moe.num_experts, h)
+            by_suffix[f"{names.block}.gate.e_score_correction_bias"] = (cfg.moe.num_experts,)
+            for proj in (names.gate, names.up):
+                by_suffix[f"{names.block}.experts.*.{proj}.weight"] = (fe, h)
+            by_suffix[f"{names.block}.experts.*.{names.down}.weight"] = (h, fe)
+            by_suffix.update({f"mlp.{names.shared}.gate_proj.weight": (fs, h),
+                              f"mlp.{names.shared}.up_proj.weight": (fs, h),
+                              f"mlp.{names.shared}.down_proj.weight": (h, fs)})
         by_suffix["mlp.shared_expert_gate.weight"] = (1, h)
     by_suffix.update(mtp_hf_shapes(cfg))
     shapes = {}
