@@ -1,5 +1,7 @@
-"""The engine's configuration: one dataclass per block, YAML only fills them."""
+"""The engine's configuration: one dataclass per block, YAML only fills them; refusals are
+``ConfigError`` (a ``ValueError``) naming their fields."""
 
+from mcore_engine.config.checks import ConfigError
 from mcore_engine.config.engine import EngineConfig
 from mcore_engine.config.lora import LoRAConfig
 from mcore_engine.config.mla import MLAConfig
@@ -8,5 +10,5 @@ from mcore_engine.config.moe import MoEConfig
 from mcore_engine.config.optimizer import OptimizerConfig
 from mcore_engine.config.parallel import ParallelConfig
 
-__all__ = ["EngineConfig", "LoRAConfig", "MLAConfig", "ModelConfig", "MoEConfig", "OptimizerConfig",
-           "ParallelConfig"]
+__all__ = ["ConfigError", "EngineConfig", "LoRAConfig", "MLAConfig", "ModelConfig", "MoEConfig",
+           "OptimizerConfig", "ParallelConfig"]

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import Any, ClassVar, NoReturn
 
-__all__ = ["Block", "ConfigError", "build", "fail", "is_number", "require"]
+__all__ = ["Block", "ConfigError", "build", "fail", "is_int", "is_number", "require"]
 
 
 class ConfigError(ValueError):
@@ -34,6 +34,11 @@ def fail(message: str, *fields: str) -> NoReturn:
 def require(ok: Any, message: str, *fields: str) -> None:
     if not ok:
         raise ConfigError(message, *fields)
+
+
+def is_int(value: Any, low: int | None = None) -> bool:
+    """An int, not a bool, ``>= low`` when given."""
+    return isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
 
 
 def is_number(value: Any) -> bool:
@@ -85,7 +90,7 @@ class Block:
             v = getattr(self, name)
             if optional and v is None:
                 continue
-            self._require(isinstance(v, int) and not isinstance(v, bool) and v >= low,
+            self._require(is_int(v, low),
                           f"{self._label(name)} must be an int >= {low}, got {v!r}", name)
 
     def _bools(self, *names: str) -> None:
@@ -120,5 +125,5 @@ def _require(ok: Any, message: str) -> None:
 def _positive_int(obj: Any, *names: str) -> None:
     for name in names:
         v = getattr(obj, name)
-        require(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+        require(is_int(v, 1),
                 f"{type(obj).__name__}.{name} must be an int >= 1, got {v!r}", name)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mcore_engine.config.checks import Block, require
+from mcore_engine.config.checks import Block, is_int, require
 
 __all__ = ["MoEConfig"]
 
@@ -90,9 +90,8 @@ class MoEConfig(Block):
         self._require(self.router_topk <= self.num_experts, f"MoEConfig.router_topk ({self.router_topk}) "
                       f"must be <= MoEConfig.num_experts ({self.num_experts})", "router_topk", "num_experts")
         freq = self.layer_freq
-        self._require((isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1)
-                      or (isinstance(freq, list) and freq
-                          and all(v in (0, 1) and not isinstance(v, bool) for v in freq)),
+        self._require(is_int(freq, 1) or (isinstance(freq, list) and freq
+                                          and all(is_int(v) and v in (0, 1) for v in freq)),
                       f"MoEConfig.layer_freq must be an int >= 1 or a list of 0/1 per layer, got {freq!r}",
                       "layer_freq")
         self._choice("router_score_function", ("softmax", "sigmoid"))

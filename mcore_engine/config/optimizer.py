@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mcore_engine.config.checks import Block, is_number
+from mcore_engine.config.checks import Block, is_int, is_number
 
 __all__ = ["OptimizerConfig"]
 
@@ -55,7 +55,7 @@ class OptimizerConfig(Block):
         if self.lr_decay_style != "constant":
             steps = self.lr_decay_steps
             warmup = self.lr_warmup_steps
-            self._require(isinstance(steps, int) and not isinstance(steps, bool) and steps > warmup,
+            self._require(is_int(steps) and steps > warmup,
                           f"OptimizerConfig.lr_decay_steps must be an int > OptimizerConfig.lr_warmup_steps "
                           f"({warmup}) with lr_decay_style={self.lr_decay_style!r}, got {steps!r}",
                           "lr_decay_steps", "lr_warmup_steps")

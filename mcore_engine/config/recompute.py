@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mcore_engine.config.checks import one_of, require
+from mcore_engine.config.checks import is_int, one_of, require
 
 __all__ = ["RECOMPUTE_MODULES", "check_recompute"]
 
@@ -44,7 +44,7 @@ def check_recompute(cfg: Any) -> None:
     require(method in ("uniform", "block"), "EngineConfig.recompute_method must be "
             f"{one_of((None, 'uniform', 'block'))}, got {method!r}", "recompute_method")
     cfg.recompute_num_layers = n = 1 if n is None else n
-    require(isinstance(n, int) and not isinstance(n, bool) and n >= 1,
+    require(is_int(n, 1),
             f"EngineConfig.recompute_num_layers must be an int >= 1, got {n!r}", "recompute_num_layers")
     chunk = m.num_layers // (p.pipeline_model_parallel_size * (p.virtual_pipeline_model_parallel_size or 1))
     require(chunk % n == 0 if method == "uniform" else n <= chunk,

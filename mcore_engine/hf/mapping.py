@@ -1,6 +1,5 @@
-"""Name and layout rules between Hugging Face Llama / Qwen2 / Qwen3 (dense), Qwen2-MoE / Qwen3-MoE /
-Mixtral / GLM-4.5 (mixture of experts), DeepSeek-V3 (multi-latent attention + MoE) and Megatron-Core's
-GPTModel.
+"""Name and layout rules between Hugging Face checkpoints (the families of ``families``) and
+Megatron-Core's GPTModel.
 
 Every Megatron parameter is one unit with a ``TensorRule``: its Hugging Face tensors and its
 tensor-parallel layout (``kind``):
@@ -10,26 +9,14 @@ tensor-parallel layout (``kind``):
   padding (zero on import, dropped on export).
 - ``"qkv"``: ``[ng * (q_per_group + 2) * d, h]``, per group ``[q, k, v]`` rows, split on dim 0.
 - ``"gate_up"``: SwiGLU ``linear_fc1``; rank ``r`` holds ``cat([gate[r], up[r]])``.
-- ``"column"``: one Hugging Face tensor split on dim 0 (MLA's projections; the local spec's
-  ``ColumnParallelLinear`` down projections too, which Transformer Engine's spec replicates:
-  ``iter_units`` gives a replicated rule for a parameter not marked ``tensor_model_parallel``).
+- ``"column"``: one Hugging Face tensor split on dim 0 (MLA's projections; a parameter not marked
+  ``tensor_model_parallel``, as Transformer Engine's replicated down projections, is replicated).
 
-Local-spec and Transformer Engine norm names map to the same units; layer names use the global
-layer index (``TransformerLayer.layer_number - 1``), expert names the global expert index
-(``MoELayer.local_expert_indices``). An MoE layer's units: the router ``[E, h]`` (replicated), per
-expert ``linear_fc1`` (gate_up) and ``linear_fc2`` (row) split over the expert-tensor-parallel group
-(``TensorRule.expert``), Qwen2-MoE's shared expert (gate_up, row, sigmoid gate ``[1, h]``),
-DeepSeek-V3 / GLM-4.5's ungated shared experts and the router's expert bias ``[E]``
-(``e_score_correction_bias``: a buffer, replicated, fp32).
-MLA (DeepSeek-V3): ``q_proj`` or ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``,
-``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` / ``kv_b_proj`` map one to one to Megatron's
-``linear_q_proj`` or ``linear_q_down_proj`` / ``q_layernorm`` / ``linear_q_up_proj``,
-``linear_kv_down_proj`` / ``kv_layernorm`` / ``linear_kv_up_proj``: the row layouts agree (per head
-``[nope, rope]`` queries, ``[k_nope, v]`` up projections, ``[c_kv, k_pe]`` down projection) and
-Megatron's MLA RoPE de-interleaves the position dims as ``transformers``' ``rope_interleave=True`` does.
-On disk the experts are one tensor each (``mlp.experts.{e}.gate_proj.weight``; Mixtral
-``block_sparse_moe.experts.{e}.w1/w3/w2.weight``), as ``save_pretrained`` writes them.
-The ``config.json`` <-> ``ModelConfig`` mapping is in ``hf_config``.
+Local-spec and Transformer Engine norm names map to the same units. Layer names use the global layer
+index, expert names the global expert index; an expert's
+``linear_fc1`` / ``linear_fc2`` split over the expert-tensor-parallel group (``TensorRule.expert``).
+MLA's projections map one to one (same row layouts; ``rope_interleave=True``). On disk each expert
+is one tensor per projection, as ``save_pretrained`` writes them. ``config.json``: ``hf_config``.
 """
 
 from __future__ import annotations

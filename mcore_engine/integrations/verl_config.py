@@ -235,20 +235,12 @@ def _moe_from_verl(otc: dict[str, Any], model: Any, roots: dict[str, Any]) -> An
 
 def _mtp_from_verl(m: Any, otc: dict[str, Any], model: Any, sources: dict[str, str], *, value: bool,
                    forward_only: bool) -> Any:
-    """verl's MTP settings -> ``ModelConfig.mtp_num_layers`` / ``mtp_loss_scaling_factor``, with verl's
-    semantics (``check_mtp_config``, its Megatron engine):
-
-    - ``model_config.mtp.enable=False`` (default): no MTP modules (``mtp_num_layers=0``), whatever
-      the checkpoint has; ``override_transformer_config.mtp_num_layers`` may then only be 0 / null,
-      its ``mtp_loss_scaling_factor`` unset.
-    - ``enable=True``: the checkpoint's MTP modules are loaded, exported and checkpointed (a
-      checkpoint without them is refused); ``override_transformer_config.mtp_num_layers`` may only
-      repeat their count. ``enable_train=True`` trains them with ``mtp_loss_scaling_factor``
-      (``override_transformer_config``'s when set, else ``model_config.mtp``'s), otherwise they are
-      kept and not run (factor 0: outputs equal a model without MTP), as on a forward-only engine.
-
-    ``detach_encoder`` is refused (the MTP loss reaches the shared embedding and trunk); the
-    speculative-decoding fields configure the rollout. ``sources`` gets the verl field of the factor."""
+    """verl's MTP settings -> ``ModelConfig.mtp_num_layers`` / ``mtp_loss_scaling_factor`` with verl's
+    rules (``check_mtp_config``): ``model_config.mtp.enable=False`` builds no MTP modules whatever the
+    checkpoint has; ``enable=True`` builds the checkpoint's (``override_transformer_config.
+    mtp_num_layers`` may only repeat their count) and ``enable_train=True`` trains them with
+    ``mtp_loss_scaling_factor`` (``override_transformer_config``'s, else ``model_config.mtp``'s), else
+    they are kept and not run. ``detach_encoder`` is refused. ``sources`` gets the factor's verl field."""
     block = _plain(getattr(m, "mtp", None))
     get = block.get if isinstance(block, dict) else (lambda k, d=None: getattr(block, k, d))
     enable, enable_train = bool(get("enable", False)), bool(get("enable_train", False))
