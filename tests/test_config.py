@@ -225,3 +225,46 @@ def test_mla_heads_need_not_divide_hidden():
                        mla=mla).mla.v_head_dim == 10
     with pytest.raises(ValueError, match="hidden_size.*num_attention_heads"):
         ModelConfig(**(MODEL | dict(hidden_size=96, num_attention_heads=5, num_query_groups=None)))
+
+
+@pytest.mark.parametrize("kwargs,fields", [
+    (dict(parallel=dict(tensor_model_parallel_size=8)),
+     ("parallel.tensor_model_parallel_size", "model.num_attention_heads")),
+    (dict(parallel=dict(context_parallel_size=2), model=dict(core_attention="local")),
+     ("parallel.context_parallel_size", "model.core_attention")),
+    (dict(parallel=dict(expert_model_parallel_size=2)), ("parallel.expert_model_parallel_size", "model.moe")),
+    (dict(model=dict(moe=dict(num_experts=3)), parallel=dict(expert_model_parallel_size=2)),
+     ("parallel.expert_model_parallel_size", "model.moe.num_experts")),
+    (dict(model=dict(moe=dict(num_experts=2, router_topk=3))),
+     ("model.moe.router_topk", "model.moe.num_experts")),
+    (dict(model=dict(lora=dict(rank=4, alpha=0))), ("model.lora.alpha",)),
+    (dict(model=dict(mla=dict(kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=3, v_head_dim=8))),
+     ("model.mla.qk_pos_emb_head_dim",)),
+    (dict(model=dict(mtp_loss_scaling_factor=0.1)),
+     ("model.mtp_loss_scaling_factor", "model.mtp_num_layers")),
+    (dict(optimizer=dict(lr=True)), ("optimizer.lr",)),
+    (dict(recompute_granularity="full", recompute_num_layers=3),
+     ("recompute_num_layers", "model.num_layers", "parallel.pipeline_model_parallel_size",
+      "parallel.virtual_pipeline_model_parallel_size")),
+    (dict(model=dict(moe=dict(num_experts=2, aux_loss_type="x"))), ("model.moe.aux_loss_type",)),
+])
+def test_refusals_carry_their_fields(kwargs, fields):
+    """Every refusal is a ``ConfigError`` (a ``ValueError``) whose ``fields`` are dotted paths from
+    ``EngineConfig``, the refused one first (``field``)."""
+    from mcore_engine.config.checks import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _engine(**kwargs)
+    assert err.value.fields == fields and err.value.field == fields[0], str(err.value)
+
+
+def test_unknown_keys_carry_their_paths():
+    from mcore_engine.config.checks import ConfigError
+
+    d = _engine().to_dict()
+    with pytest.raises(ConfigError, match="unknown field") as err:
+        EngineConfig.from_dict(d | {"model": d["model"] | {"moe": {"num_experts": 2, "topk": 1}}})
+    assert err.value.fields == ("model.moe.topk",)
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.from_dict(d | {"parallel": {"tp": 2}})
+    assert err.value.fields == ("parallel.tp",)

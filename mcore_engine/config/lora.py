@@ -4,15 +4,15 @@ PEFT's LoRA on a frozen base: ``y = W x + (alpha / rank) * B A dropout(x)`` per 
 ``target_modules`` takes Megatron's linear names, Hugging Face projection names or
 ``"all-linear"``; :meth:`LoRAConfig.targets` resolves them to the projections adapted in each of
 Megatron's four linears (the fused ``linear_qkv`` / ``linear_fc1`` carry PEFT's separate q / k / v
-and gate / up adapters). This module does not import ``config`` (``config`` imports it).
+and gate / up adapters).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+from typing import Any
 
-from mcore_engine.config.checks import _positive_int, _require
+from mcore_engine.config.checks import Block, fail, is_number, require
 
 __all__ = ["HF_PROJECTIONS", "LINEAR_PROJECTIONS", "LoRAConfig"]
 
@@ -29,9 +29,11 @@ PROJECTION_HF_NAMES = {proj: name for name, (_, proj) in HF_PROJECTIONS.items()}
 
 
 @dataclass(kw_only=True)
-class LoRAConfig:
+class LoRAConfig(Block):
     """Low-rank adapters (PEFT's LoRA) on the attention and MLP linears; the base weights are frozen
     (no gradient, no grad buffer, no optimizer state)."""
+
+    PATH = "model.lora"
 
     rank: int
     """r: the adapters' inner dimension (``A [r, in]``, ``B [out, r]``)."""
@@ -47,17 +49,16 @@ class LoRAConfig:
     top of ``ModelConfig.hf_path``; None: fresh adapters (A random, B zero)."""
 
     def __post_init__(self) -> None:
-        _positive_int(self, "rank")
-        _require(isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool)
-                 and math.isfinite(self.alpha) and self.alpha > 0,
-                 f"LoRAConfig.alpha must be a finite number > 0, got {self.alpha!r}")
-        _require(isinstance(self.dropout, (int, float)) and not isinstance(self.dropout, bool)
-                 and 0.0 <= self.dropout < 1.0, f"LoRAConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        self._ints("rank")
+        self._numbers("alpha", strict=True)
+        self._require(is_number(self.dropout) and 0 <= self.dropout < 1,
+                      f"LoRAConfig.dropout must be in [0, 1), got {self.dropout!r}", "dropout")
         if isinstance(self.target_modules, tuple):
             self.target_modules = list(self.target_modules)
         self.targets()  # validates the names
-        _require(self.adapter_path is None or isinstance(self.adapter_path, str),
-                 f"LoRAConfig.adapter_path must be None or a path, got {self.adapter_path!r}")
+        self._require(self.adapter_path is None or isinstance(self.adapter_path, str),
+                      f"LoRAConfig.adapter_path must be None or a path, got {self.adapter_path!r}",
+                      "adapter_path")
 
     @property
     def scaling(self) -> float:
@@ -69,9 +70,9 @@ class LoRAConfig:
         names = self.target_modules
         if names == "all-linear":
             names = list(LINEAR_PROJECTIONS)
-        _require(isinstance(names, list) and names and all(isinstance(n, str) for n in names),
-                 "LoRAConfig.target_modules must be 'all-linear' or a non-empty list of module names, "
-                 f"got {self.target_modules!r}")
+        self._require(isinstance(names, list) and names and all(isinstance(n, str) for n in names),
+                      "LoRAConfig.target_modules must be 'all-linear' or a non-empty list of module names, "
+                      f"got {self.target_modules!r}", "target_modules")
         out: dict[str, set[str]] = {}
         for name in names:
             if name in LINEAR_PROJECTIONS:
@@ -80,15 +81,30 @@ class LoRAConfig:
                 linear, projection = HF_PROJECTIONS[name]
                 projections = {projection}
             else:
-                raise ValueError(f"LoRAConfig.target_modules: unknown module {name!r}; expected one of "
-                                 f"{[*LINEAR_PROJECTIONS, *HF_PROJECTIONS]} or 'all-linear'")
+                fail(f"LoRAConfig.target_modules: unknown module {name!r}; expected one of "
+                     f"{[*LINEAR_PROJECTIONS, *HF_PROJECTIONS]} or 'all-linear'", self.path("target_modules"))
             out.setdefault(linear, set()).update(projections)
         if not swiglu and "linear_fc1" in out:
-            _require(out["linear_fc1"] != {"gate"},
-                     "LoRAConfig.target_modules: gate_proj needs ModelConfig.swiglu (no gate without SwiGLU)")
+            require(out["linear_fc1"] != {"gate"}, "LoRAConfig.target_modules: gate_proj needs "
+                    "ModelConfig.swiglu (no gate without SwiGLU)", self.path("target_modules"),
+                    "model.swiglu")
             out["linear_fc1"] = {"up"}
         return out
 
     def hf_target_modules(self, swiglu: bool = True) -> list[str]:
         """The Hugging Face module names adapted (PEFT's ``target_modules``), sorted."""
         return sorted(PROJECTION_HF_NAMES[p] for ps in self.targets(swiglu).values() for p in ps)
+
+    def check(self, model: Any, parallel: Any) -> None:
+        """Attention-only on MoE models (the MLP linears are experts), an lm head, a base for a
+        loaded adapter."""
+        targets = self.targets(model.swiglu)
+        require(model.moe is None or not {"linear_fc1", "linear_fc2"} & set(targets),
+                "ModelConfig.lora.target_modules: the MLP linears of a MoE model are its experts' (not "
+                "supported: target the attention linears q_proj / k_proj / v_proj / o_proj)",
+                "model.lora.target_modules", "model.moe")
+        require(model.head == "lm", "ModelConfig.lora needs ModelConfig.head='lm' (no LoRA critic)",
+                "model.lora", "model.head")
+        require(self.adapter_path is None or model.hf_path is not None, "ModelConfig.lora.adapter_path "
+                "needs ModelConfig.hf_path (the base the adapters were trained on)",
+                "model.lora.adapter_path", "model.hf_path")

@@ -1,8 +1,7 @@
-"""``MLAConfig`` (``ModelConfig.mla``): DeepSeek's multi-latent attention, and its checks against the
-model and the parallel layout.
+"""``MLAConfig`` (``ModelConfig.mla``): DeepSeek's multi-latent attention, its checks against the model
+and the layout.
 
-Megatron-Core's ``MLASelfAttention`` per token ``x [h]``, ``n`` heads (field names as Megatron's
-``MLATransformerConfig``)::
+Megatron-Core's ``MLASelfAttention`` per token ``x [h]``, ``n`` heads::
 
     c_q = rmsnorm(W_qd x)                     # [q_lora_rank]   (q_lora_rank=None: q = W_q x)
     q = W_qu c_q                              # [n, qk_head_dim + qk_pos_emb_head_dim]
@@ -11,26 +10,19 @@ Megatron-Core's ``MLASelfAttention`` per token ``x [h]``, ``n`` heads (field nam
     q = [q_nope, rope(q_pe)]; k = [k_nope, rope(k_pe)]
     out = W_o softmax(m^2 q k^T / sqrt(qk_head_dim + qk_pos_emb_head_dim)) v
 
-``rope`` rotates the (interleaved) pairs of the ``qk_pos_emb_head_dim`` position dims, ``rope_type``
-``"rope"`` or YaRN (``"yarn"``: frequencies blended between ``1 / rotary_scaling_factor`` and 1 by
+``rope``: plain or YaRN (frequencies blended between ``1 / rotary_scaling_factor`` and 1 by
 ``beta_fast`` / ``beta_slow``, cos / sin scaled by ``mscale(f, mscale) / mscale(f, mscale_all_dim)``);
-``m = mscale(f, mscale_all_dim)`` with ``mscale(f, a) = 0.1 a ln f + 1`` (1 for ``f <= 1``). The two
-latent norms use epsilon ``mcore_engine.layers.mla.LATENT_NORM_EPS`` (1e-6: DeepSeek's and
-``transformers``', whatever the layers' ``rms_norm_eps``) on the local spec; Transformer Engine's
-spec fuses them into the up projections with ``ModelConfig.norm_epsilon``. KV-cache-free training
-memory per layer: the latents ``[s, q_lora_rank + kv_lora_rank + qk_pos_emb_head_dim]`` plus the
-expanded ``q, k, v``.
-
-This module does not import ``config`` (``config`` imports it).
+``m = mscale(f, mscale_all_dim)``, ``mscale(f, a) = 0.1 a ln f + 1`` (1 for ``f <= 1``). The latent
+norms use epsilon ``layers.mla.LATENT_NORM_EPS`` on the local spec. Training memory per layer: the
+latents ``[s, q_lora_rank + kv_lora_rank + qk_pos_emb_head_dim]`` plus the expanded ``q, k, v``.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-from mcore_engine.config.checks import _positive_int, _require
+from mcore_engine.config.checks import Block, require
 
 __all__ = ["MLAConfig"]
 
@@ -40,8 +32,10 @@ _YARN_DEFAULTS = dict(rotary_scaling_factor=1.0, original_max_position_embedding
 
 
 @dataclass(kw_only=True)
-class MLAConfig:
+class MLAConfig(Block):
     """Multi-latent attention (Megatron-Core ``MLASelfAttention``; see the module docstring)."""
+
+    PATH = "model.mla"
 
     q_lora_rank: int | None = None
     """Rank of the query latent ``c_q`` (``linear_q_down_proj`` / ``q_layernorm`` /
@@ -73,66 +67,56 @@ class MLAConfig:
     (0: no softmax rescaling)."""
 
     def __post_init__(self) -> None:
-        _positive_int(self, "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
-                      "original_max_position_embeddings")
-        if self.q_lora_rank is not None:
-            _positive_int(self, "q_lora_rank")
-        _require(self.qk_pos_emb_head_dim % 2 == 0,
-                 "MLAConfig.qk_pos_emb_head_dim must be even (RoPE rotates pairs), got "
-                 f"{self.qk_pos_emb_head_dim}")
-        _require(self.rope_type in _ROPE_TYPES,
-                 f"MLAConfig.rope_type must be one of {_ROPE_TYPES}, got {self.rope_type!r}")
-        for name in ("rotary_scaling_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
-            v = getattr(self, name)
-            _require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
-                     f"MLAConfig.{name} must be a finite number >= 0, got {v!r}")
-        _require(self.rotary_scaling_factor > 0,
-                 f"MLAConfig.rotary_scaling_factor must be > 0, got {self.rotary_scaling_factor!r}")
+        self._ints("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+                   "original_max_position_embeddings")
+        self._ints("q_lora_rank", optional=True)
+        self._require(self.qk_pos_emb_head_dim % 2 == 0, "MLAConfig.qk_pos_emb_head_dim must be even (RoPE "
+                      f"rotates pairs), got {self.qk_pos_emb_head_dim}", "qk_pos_emb_head_dim")
+        self._choice("rope_type", _ROPE_TYPES)
+        self._numbers("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+        self._numbers("rotary_scaling_factor", strict=True)
         if self.rope_type == "rope":
             changed = sorted(k for k, v in _YARN_DEFAULTS.items() if getattr(self, k) != v)
-            _require(not changed, f"MLAConfig.{', '.join(changed)}: YaRN fields apply to rope_type='yarn' "
-                                  f"only; with rope_type='rope' they stay at {_YARN_DEFAULTS}")
+            self._require(not changed, f"MLAConfig.{', '.join(changed)}: YaRN fields apply to "
+                          f"rope_type='yarn' only; with rope_type='rope' they stay at {_YARN_DEFAULTS}",
+                          *changed)
 
     @property
     def q_head_dim(self) -> int:
         """Query / key channels per head, ``qk_head_dim + qk_pos_emb_head_dim``."""
         return self.qk_head_dim + self.qk_pos_emb_head_dim
 
-
-def _validate_mla_model(m: Any) -> None:
-    """MLA x ``ModelConfig`` rules (``ValueError`` naming the fields); ``m`` is a ``ModelConfig``."""
-    if m.mla is None:
-        return
-    wrong = {
-        "num_query_groups": m.num_query_groups is not None,  # every head has its own k / v
-        "kv_channels": m.kv_channels is not None,  # head dims come from MLAConfig
-        "add_qkv_bias": m.add_qkv_bias,
-        "qk_layernorm": m.qk_layernorm,  # the latent norms are always on
-        "rope_scaling_factor": m.rope_scaling_factor is not None,  # MLA's RoPE scaling is YaRN
-        "rotary_percent": m.rotary_percent != 1.0,
-    }
-    bad = [name for name, hit in wrong.items() if hit]
-    _require(not bad, f"ModelConfig.{', '.join(bad)}: not used with ModelConfig.mla (multi-latent "
-                      "attention has per-head k / v from its latents, MLAConfig head dims, latent norms and "
-                      "MLAConfig RoPE); leave them at their defaults (None / False / 1.0)")
-    _require(m.lora is None, "ModelConfig.lora with ModelConfig.mla: adapters on the MLA projections "
-                             "(linear_q_*_proj / linear_kv_*_proj) are not supported yet")
-    _require(m.core_attention == "sdpa",
-             "ModelConfig.core_attention must be 'sdpa' with ModelConfig.mla (Megatron's local "
-             f"DotProductAttention does not take MLA's key / value head dims), got {m.core_attention!r}")
-
-
-def _validate_mla_layout(m: Any, p: Any) -> None:
-    """MLA x parallel-layout rules: the local spec's ``ColumnParallelLinear`` down projections split
-    ``q_lora_rank`` and ``kv_lora_rank + qk_pos_emb_head_dim`` rows over TP (the heads are checked with
-    every model). ``m`` is a ``ModelConfig``, ``p`` a ``ParallelConfig``."""
-    if m.mla is None:
-        return
-    tp, mla = p.tensor_model_parallel_size, m.mla
-    _require(mla.q_lora_rank is None or mla.q_lora_rank % tp == 0,
-             f"MLAConfig.q_lora_rank ({mla.q_lora_rank}) must be divisible by "
-             f"ParallelConfig.tensor_model_parallel_size ({tp})")
-    kv_down = mla.kv_lora_rank + mla.qk_pos_emb_head_dim
-    _require(kv_down % tp == 0,
-             f"MLAConfig.kv_lora_rank + qk_pos_emb_head_dim ({kv_down}) must be divisible by "
-             f"ParallelConfig.tensor_model_parallel_size ({tp})")
+    def check(self, model: Any, parallel: Any) -> None:
+        """GQA fields left at their defaults, no LoRA, SDPA core attention; the down projections'
+        rows (``q_lora_rank``, ``kv_lora_rank + qk_pos_emb_head_dim``: the local spec's
+        ``ColumnParallelLinear``) divisible by TP."""
+        m = model
+        wrong = {
+            "num_query_groups": m.num_query_groups is not None,  # every head has its own k / v
+            "kv_channels": m.kv_channels is not None,  # head dims come from MLAConfig
+            "add_qkv_bias": m.add_qkv_bias,
+            "qk_layernorm": m.qk_layernorm,  # the latent norms are always on
+            "rope_scaling_factor": m.rope_scaling_factor is not None,  # MLA's RoPE scaling is YaRN
+            "rotary_percent": m.rotary_percent != 1.0,
+        }
+        bad = [name for name, hit in wrong.items() if hit]
+        require(not bad, f"ModelConfig.{', '.join(bad)}: not used with ModelConfig.mla (multi-latent "
+                "attention has per-head k / v from its latents, MLAConfig head dims, latent norms and "
+                "MLAConfig RoPE); leave them at their defaults (None / False / 1.0)",
+                *(f"model.{b}" for b in bad), "model.mla")
+        require(m.lora is None, "ModelConfig.lora with ModelConfig.mla: adapters on the MLA projections "
+                "(linear_q_*_proj / linear_kv_*_proj) are not supported yet", "model.lora", "model.mla")
+        require(m.core_attention == "sdpa", "ModelConfig.core_attention must be 'sdpa' with ModelConfig.mla "
+                "(Megatron's local DotProductAttention does not take MLA's key / value head dims), got "
+                f"{m.core_attention!r}", "model.core_attention", "model.mla")
+        if parallel is None:
+            return
+        tp = parallel.tensor_model_parallel_size
+        require(self.q_lora_rank is None or self.q_lora_rank % tp == 0,
+                f"MLAConfig.q_lora_rank ({self.q_lora_rank}) must be divisible by "
+                f"ParallelConfig.tensor_model_parallel_size ({tp})",
+                "parallel.tensor_model_parallel_size", "model.mla.q_lora_rank")
+        kv_down = self.kv_lora_rank + self.qk_pos_emb_head_dim
+        require(kv_down % tp == 0, f"MLAConfig.kv_lora_rank + qk_pos_emb_head_dim ({kv_down}) must be "
+                f"divisible by ParallelConfig.tensor_model_parallel_size ({tp})",
+                "parallel.tensor_model_parallel_size", "model.mla.kv_lora_rank")

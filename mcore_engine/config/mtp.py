@@ -1,40 +1,42 @@
-"""What multi-token prediction (``ModelConfig.mtp_num_layers``) combines with: the layouts and
-features Megatron-Core 0.16's MTP supports (TP, SP, PP with the modules on the last stage, VPP, CP,
-EP, MoE, the fused lm-head, thd and bshd); ``ValueError`` naming the fields for the rest.
-
-This module does not import ``config`` (``config`` imports it), not even for types."""
+"""The multi-token prediction block (``ModelConfig.mtp_num_layers`` / ``mtp_loss_scaling_factor``):
+what Megatron-Core 0.16's MTP combines with (TP, SP, PP with the modules on the last stage, VPP, CP,
+EP, MoE, the fused lm-head, thd and bshd). Full recompute of the MTP modules: ``recompute``."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from mcore_engine.config.checks import _require
+from mcore_engine.config.checks import require
 
-__all__ = ["validate_mtp"]
+__all__ = ["MTP"]
 
 
-def validate_mtp(cfg: Any) -> None:
-    """``ValueError`` for an MTP model this engine cannot build or train; ``cfg`` is an ``EngineConfig``
-    whose recompute fields are resolved."""
-    m, p = cfg.model, cfg.parallel
-    if m.mtp_num_layers == 0:
-        return
-    _require(m.head == "lm", f"ModelConfig.mtp_num_layers ({m.mtp_num_layers}) needs ModelConfig.head='lm' "
-             f"(the MTP modules share the vocabulary head), got head={m.head!r}: set mtp_num_layers: 0 for a "
-             "value model (the checkpoint's MTP tensors are then ignored)")
-    _require(not m.tie_word_embeddings or p.pipeline_model_parallel_size == 1,
-             "ModelConfig.mtp_num_layers > 0 with ModelConfig.tie_word_embeddings needs "
-             "ParallelConfig.pipeline_model_parallel_size == 1, got "
-             f"{p.pipeline_model_parallel_size}: Megatron-Core 0.16 keeps an unused output layer on the MTP "
-             "stage, whose checkpoint tying fails")
-    if m.mtp_loss_scaling_factor == 0:  # the modules never run
-        return
-    _require(m.lora is None, "ModelConfig.mtp_loss_scaling_factor > 0 with ModelConfig.lora: the MTP modules "
-             "are part of the frozen base; set mtp_loss_scaling_factor: 0")
-    if cfg.recompute_granularity == "full" and cfg.recompute_method == "uniform":
-        _require(cfg.recompute_num_layers == 1 and cfg.data_format == "bshd",
-                 "ModelConfig.mtp_loss_scaling_factor > 0 with EngineConfig.recompute_granularity='full', "
-                 "recompute_method='uniform' needs recompute_num_layers=1 and "
-                 f"EngineConfig.data_format='bshd' (got {cfg.recompute_num_layers} and {cfg.data_format!r}): "
-                 "Megatron-Core 0.16 recomputes an MTP module only so (packed-sequence parameters break its "
-                 "checkpoint); recompute_method='block' leaves the MTP modules un-recomputed")
+class MTPBlock:
+    """The MTP fields live on ``ModelConfig`` (their YAML keys); this is their ``check``."""
+
+    def check(self, model: Any, parallel: Any) -> None:
+        """A loss factor needs modules; an engine (``parallel`` given) needs an lm head, untied
+        embeddings at PP > 1 and, when the modules train, no LoRA. A value model's folder may carry MTP
+        tensors: the engine's config then sets ``mtp_num_layers: 0``."""
+        n, factor = model.mtp_num_layers, model.mtp_loss_scaling_factor
+        require(factor == 0 or n > 0, "ModelConfig.mtp_loss_scaling_factor > 0 needs "
+                "ModelConfig.mtp_num_layers > 0", "model.mtp_loss_scaling_factor", "model.mtp_num_layers")
+        if parallel is None or n == 0:
+            return
+        require(model.head == "lm", f"ModelConfig.mtp_num_layers ({n}) needs ModelConfig.head='lm' (the MTP "
+                f"modules share the vocabulary head), got head={model.head!r}: set mtp_num_layers: 0 for a "
+                "value model (the checkpoint's MTP tensors are then ignored)", "model.mtp_num_layers",
+                "model.head")
+        pp = parallel.pipeline_model_parallel_size
+        require(not model.tie_word_embeddings or pp == 1, "ModelConfig.mtp_num_layers > 0 with "
+                "ModelConfig.tie_word_embeddings needs ParallelConfig.pipeline_model_parallel_size == 1, got "
+                f"{pp}: Megatron-Core 0.16 keeps an unused output layer on the MTP stage, whose checkpoint "
+                "tying fails", "parallel.pipeline_model_parallel_size", "model.mtp_num_layers",
+                "model.tie_word_embeddings")
+        require(factor == 0 or model.lora is None, "ModelConfig.mtp_loss_scaling_factor > 0 with "
+                "ModelConfig.lora: the MTP modules are part of the frozen base; set "
+                "mtp_loss_scaling_factor: 0",
+                "model.mtp_loss_scaling_factor", "model.lora")
+
+
+MTP = MTPBlock()

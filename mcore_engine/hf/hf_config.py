@@ -1,36 +1,42 @@
-"""Hugging Face ``config.json`` <-> ``ModelConfig``: the families of ``ARCHITECTURES``, RoPE (default
-and Llama-3 scaling) and the MoE fields of Qwen2-MoE / Qwen3-MoE / Mixtral; DeepSeek-V3 (MLA, YaRN)
-and GLM-4.5 (partial RoPE) with their sigmoid-routed MoE in ``deepseek_config``; ``ValueError`` naming
-the field for what the other side cannot express. The tensor-name rules are in ``mapping``.
+"""Hugging Face ``config.json`` <-> ``ModelConfig`` for the families of ``families.FAMILIES``, by their
+traits: RoPE (default, Llama-3 scaling, partial), QKV bias / QK-norm, MLA (``deepseek_config``), MTP
+and the MoE dialects of ``MOE_DIALECTS``. ``ValueError`` naming the field for what the other side
+cannot express. The tensor names are in ``mapping``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mcore_engine.config import ModelConfig
-from mcore_engine.hf.deepseek_config import SIGMOID_MOE_FAMILIES, deepseek_from_hf, deepseek_to_hf
-from mcore_engine.hf.mapping import _MOE_NAMES, head_dim, model_family
+from mcore_engine.config.checks import require
+from mcore_engine.config.moe import MoEConfig
+from mcore_engine.hf.deepseek_config import (
+    deepseek_moe_from_hf,
+    deepseek_moe_to_hf,
+    mla_from_hf,
+    mla_rope_parameters,
+    mla_to_hf,
+)
+from mcore_engine.hf.families import (
+    ARCHITECTURES,
+    Family,
+    family_of,
+    hf_family,
+    hf_family_of,
+    partial_rotary_factor,
+    rope_params,
+)
+from mcore_engine.hf.mapping import head_dim
 
-ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MixtralForCausalLM": "mixtral",
-    "DeepseekV3ForCausalLM": "deepseek_v3",  # also Kimi-K2 and Moonlight folders
-    "Glm4MoeForCausalLM": "glm4_moe",
-    "LlamaForTokenClassification": "llama",
-    "Qwen2ForTokenClassification": "qwen2",
-    "Qwen3ForTokenClassification": "qwen3",
-}
+__all__ = ["ARCHITECTURES", "MOE_DIALECTS", "from_hf_config", "hf_family", "is_token_classification",
+           "read_hf_config", "to_hf_config"]
 
 
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -42,20 +48,6 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
         return json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"hf_path: {file} is not valid JSON ({e})") from e
-
-
-def hf_family(hf_config: Mapping[str, Any]) -> str:
-    """'llama' | 'qwen2' | 'qwen3' | 'qwen2_moe' | 'qwen3_moe' | 'mixtral' | 'deepseek_v3' | 'glm4_moe'
-    from ``architectures`` (or ``model_type``); ValueError otherwise."""
-    archs = hf_config.get("architectures") or []
-    for arch in archs:
-        if arch in ARCHITECTURES:
-            return ARCHITECTURES[arch]
-    model_type = hf_config.get("model_type")
-    if not archs and model_type in ARCHITECTURES.values():
-        return model_type
-    raise ValueError(f"architectures: unknown architecture {archs or model_type!r}; supported: "
-                     f"{sorted(ARCHITECTURES)}")
 
 
 def is_token_classification(hf_config: Mapping[str, Any]) -> bool:
@@ -73,18 +65,16 @@ def is_token_classification(hf_config: Mapping[str, Any]) -> bool:
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def _rope(hf_config: Mapping[str, Any], family: str) -> tuple[float, float | None]:
-    """(rope theta, Llama-3 scaling factor or None) from ``rope_parameters`` or the legacy keys;
-    ``ValueError`` for what Megatron cannot do. DeepSeek-V3's scaling (YaRN) is ``MLAConfig``'s.
-    """
-    params = {**(hf_config.get("rope_scaling") or {}), **(hf_config.get("rope_parameters") or {})}
+def _rope(hf_config: Mapping[str, Any], family: Family) -> tuple[float, float | None]:
+    """(rope theta, Llama-3 scaling factor or None); MLA's scaling (YaRN) is ``MLAConfig``'s."""
+    params = rope_params(hf_config)
     rope_type = params.get("rope_type") or params.get("type") or "default"
     theta = float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
-    if rope_type == "default" or family == "deepseek_v3":
+    if rope_type == "default" or family.rope == "mla":
         return theta, None
-    if family == "glm4_moe":
-        raise ValueError(f"rope_scaling: rope type {rope_type!r} is not supported for GLM-4.5 (only "
-                         "'default', partial)")
+    if family.rope != "llama3":
+        raise ValueError(f"rope_scaling: rope type {rope_type!r} is not supported for {family.model_type} "
+                         f"(only 'default', {family.rope})")
     if rope_type != "llama3":
         raise ValueError(f"rope_scaling: rope type {rope_type!r} is not supported (only 'default' and "
                          "'llama3' RoPE)")
@@ -95,72 +85,89 @@ def _rope(hf_config: Mapping[str, Any], family: str) -> tuple[float, float | Non
     return theta, float(params["factor"])
 
 
-def _moe_from_hf(hf_config: Mapping[str, Any], family: str) -> dict[str, Any]:
-    """``ModelConfig`` fields of an MoE family: ``moe`` (a ``MoEConfig``) and the dense FFN size.
+def _rope_parameters(cfg: ModelConfig, family: Family) -> dict[str, Any]:
+    if family.rope == "mla":
+        return mla_rope_parameters(cfg)
+    if family.rope == "partial":
+        require(cfg.rope_scaling_factor is None, f"ModelConfig.rope_scaling_factor: {family.model_type} here "
+                "has unscaled (partial) RoPE", "model.rope_scaling_factor")
+        return {"rope_type": "default", "rope_theta": cfg.rotary_base,
+                "partial_rotary_factor": cfg.rotary_percent}
+    if cfg.rope_scaling_factor is None:
+        return {"rope_type": "default", "rope_theta": cfg.rotary_base}
+    return {"rope_type": "llama3", "rope_theta": cfg.rotary_base, "factor": cfg.rope_scaling_factor,
+            **_LLAMA3_FIXED}
 
-    MoE layers: Mixtral all; Qwen ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0``.
-    Routing ``softmax -> top-k (-> renormalise if norm_topk_prob)`` is ``router_pre_softmax =
-    not norm_topk_prob`` (Mixtral always renormalises).
-    """
-    from mcore_engine.config.moe import MoEConfig
 
-    num_layers = int(hf_config["num_hidden_layers"])
+# ------------------------------------------------------------------------ softmax-routed MoE dialects
+def _softmax_moe(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     experts = hf_config.get("num_experts", hf_config.get("num_local_experts"))
     if experts is None:
         raise ValueError("num_experts: an MoE config needs num_experts (or num_local_experts)")
-    moe: dict[str, Any] = dict(num_experts=int(experts), router_topk=int(hf_config["num_experts_per_tok"]),
-                               aux_loss_coeff=float(hf_config.get("router_aux_loss_coef", 0.0)))
-    if family == "mixtral":
-        if hf_config.get("sliding_window") is not None:
-            raise ValueError("sliding_window: sliding-window attention is not supported")
-        if hf_config.get("router_jitter_noise"):
-            raise ValueError("router_jitter_noise: router input jitter is not supported (expected 0)")
-        moe.update(ffn_hidden_size=int(hf_config["intermediate_size"]), router_pre_softmax=False)
-        return {"moe": MoEConfig(**moe)}
-    step = int(hf_config.get("decoder_sparse_step", 1))
-    dense = set(hf_config.get("mlp_only_layers") or [])
+    return dict(num_experts=int(experts), router_topk=int(hf_config["num_experts_per_tok"]),
+                aux_loss_coeff=float(hf_config.get("router_aux_loss_coef", 0.0)))
+
+
+def _mixtral_from_hf(hf_config: Mapping[str, Any], family: Family) -> dict[str, Any]:
+    """Every layer MoE of ``intermediate_size`` experts; top-k weights always renormalised."""
+    if hf_config.get("sliding_window") is not None:
+        raise ValueError("sliding_window: sliding-window attention is not supported")
+    if hf_config.get("router_jitter_noise"):
+        raise ValueError("router_jitter_noise: router input jitter is not supported (expected 0)")
+    return {"moe": MoEConfig(**_softmax_moe(hf_config), ffn_hidden_size=int(hf_config["intermediate_size"]),
+                             router_pre_softmax=False)}
+
+
+def _qwen_from_hf(hf_config: Mapping[str, Any], family: Family) -> dict[str, Any]:
+    """MoE layers ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0``;
+    ``router_pre_softmax = not norm_topk_prob``; a gated shared expert when the family has one."""
+    num_layers = int(hf_config["num_hidden_layers"])
+    step, dense = int(hf_config.get("decoder_sparse_step", 1)), set(hf_config.get("mlp_only_layers") or [])
     pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(num_layers)]
-    moe.update(ffn_hidden_size=int(hf_config["moe_intermediate_size"]),
+    moe = dict(_softmax_moe(hf_config), ffn_hidden_size=int(hf_config["moe_intermediate_size"]),
                router_pre_softmax=not hf_config.get("norm_topk_prob", False),
                layer_freq=1 if all(pattern) else pattern)
-    if family == "qwen2_moe":
-        if not hf_config.get("qkv_bias", True):
-            raise ValueError("qkv_bias: Qwen2-MoE without QKV biases is not supported")
+    if family.shared_expert == "gated":
         shared = int(hf_config.get("shared_expert_intermediate_size") or 0)
         if shared <= 0:
-            raise ValueError("shared_expert_intermediate_size: Qwen2-MoE needs a shared expert (> 0)")
+            raise ValueError(f"shared_expert_intermediate_size: {family.model_type} needs a shared expert "
+                             "(> 0)")
         moe.update(shared_expert_ffn_hidden_size=shared, shared_expert_gate=True)
     return {"moe": MoEConfig(**moe)}
 
 
-def _moe_to_hf(cfg: ModelConfig, family: str, base: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The MoE fields of ``config.json`` (``ValueError`` naming the ``MoEConfig`` field the family
-    cannot express)."""
-    moe = cfg.moe
-    pattern = moe.layer_pattern(cfg.num_layers)
+def _softmax_moe_to_hf(cfg: ModelConfig, family: Family) -> dict[str, Any]:
+    """The fields both softmax dialects write; ``ValueError`` for what they cannot express."""
+    moe, name = cfg.moe, family.model_type
     if moe.router_num_groups is not None or moe.router_expert_bias:
         raise ValueError("MoEConfig.router_num_groups / router_expert_bias: grouped routing and the expert "
-                         f"bias are DeepSeek-V3 / GLM-4.5's (sigmoid scores); this model maps to {family}")
+                         f"bias are DeepSeek-V3 / GLM-4.5's (sigmoid scores); this model maps to {name}")
     if moe.router_score_function != "softmax" or moe.router_topk_scaling_factor not in (None, 1.0):
         raise ValueError("MoEConfig.router_score_function / router_topk_scaling_factor: Hugging Face "
-                         f"{family} routes by softmax without scaling")
-    if (moe.shared_expert_ffn_hidden_size is not None) != (family == "qwen2_moe") or (
-            family == "qwen2_moe" and not moe.shared_expert_gate):
+                         f"{name} routes by softmax without scaling")
+    gated = family.shared_expert == "gated"
+    if (moe.shared_expert_ffn_hidden_size is not None) != gated or (gated and not moe.shared_expert_gate):
         raise ValueError("MoEConfig.shared_expert_ffn_hidden_size / shared_expert_gate: a gated shared "
-                         f"expert is Qwen2-MoE's (QKV bias) and only its; this model maps to {family}")
-    out: dict[str, Any] = dict(num_experts_per_tok=moe.router_topk, router_aux_loss_coef=moe.aux_loss_coeff,
-                               output_router_logits=False)
-    expert_ffn = moe.ffn_hidden_size or cfg.ffn_size
-    if family == "mixtral":
-        if not all(pattern) or moe.router_pre_softmax:
-            raise ValueError("MoEConfig.layer_freq / router_pre_softmax: Mixtral has MoE in every layer "
-                             "and renormalised top-k weights")
-        return {**out, "num_local_experts": moe.num_experts, "intermediate_size": expert_ffn,
-                "sliding_window": None, "router_jitter_noise": 0.0}
-    # transformers writes a Qwen3-MoE count as num_local_experts, the Hub's folders as num_experts
-    local_key = family == "qwen3_moe" and "num_local_experts" in (base or {})
-    key = "num_local_experts" if local_key else "num_experts"
-    out.update({key: moe.num_experts}, moe_intermediate_size=expert_ffn,
+                         f"expert is Qwen2-MoE's (QKV bias) and only its; this model maps to {name}")
+    return dict(num_experts_per_tok=moe.router_topk, router_aux_loss_coef=moe.aux_loss_coeff,
+                output_router_logits=False)
+
+
+def _mixtral_to_hf(cfg: ModelConfig, family: Family, base: Mapping[str, Any] | None) -> dict[str, Any]:
+    out, moe = _softmax_moe_to_hf(cfg, family), cfg.moe
+    if not all(moe.layer_pattern(cfg.num_layers)) or moe.router_pre_softmax:
+        raise ValueError("MoEConfig.layer_freq / router_pre_softmax: Mixtral has MoE in every layer "
+                         "and renormalised top-k weights")
+    return {**out, "num_local_experts": moe.num_experts, "sliding_window": None, "router_jitter_noise": 0.0,
+            "intermediate_size": moe.ffn_hidden_size or cfg.ffn_size}
+
+
+def _qwen_to_hf(cfg: ModelConfig, family: Family, base: Mapping[str, Any] | None) -> dict[str, Any]:
+    out, moe = _softmax_moe_to_hf(cfg, family), cfg.moe
+    pattern = moe.layer_pattern(cfg.num_layers)
+    # transformers writes the count as num_local_experts, the Hub's folders as num_experts
+    key = "num_local_experts" if "num_local_experts" in (base or {}) else "num_experts"
+    out.update({key: moe.num_experts}, moe_intermediate_size=moe.ffn_hidden_size or cfg.ffn_size,
                norm_topk_prob=not moe.router_pre_softmax)
     step, dense = 1, [i for i, p in enumerate(pattern) if not p]
     if base is not None:  # keep the source's description of the same pattern
@@ -168,53 +175,64 @@ def _moe_to_hf(cfg: ModelConfig, family: str, base: Mapping[str, Any] | None) ->
         if [int(i not in b_dense and (i + 1) % b_step == 0) for i in range(cfg.num_layers)] == pattern:
             step, dense = b_step, b_dense
     out.update(decoder_sparse_step=step, mlp_only_layers=dense)
-    if family == "qwen2_moe":
-        out.update(shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size, qkv_bias=True)
+    if family.shared_expert == "gated":
+        out["shared_expert_intermediate_size"] = moe.shared_expert_ffn_hidden_size
     return out
+
+
+# Family.moe -> (config.json -> ModelConfig fields, ModelConfig -> config.json fields)
+MOE_DIALECTS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[..., dict[str, Any]]]] = {
+    "qwen": (_qwen_from_hf, _qwen_to_hf),
+    "mixtral": (_mixtral_from_hf, _mixtral_to_hf),
+    "deepseek": (deepseek_moe_from_hf, deepseek_moe_to_hf),
+}
+
+
+# ---------------------------------------------------------------------------------------- the mapping
+def _flag(trait: bool | str, hf_config: Mapping[str, Any]) -> bool:
+    return bool(hf_config.get(trait, False)) if isinstance(trait, str) else trait
 
 
 def from_hf_config(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     """``ModelConfig`` from a ``config.json`` dict (``overrides`` set other fields); ``ValueError`` naming
-    the field for what this model cannot express (other activations, sliding windows, MLP biases, ...).
-    """
-    family = hf_family(hf_config)
+    the field for what this model cannot express (other activations, sliding windows, MLP biases, ...)."""
+    family = hf_family_of(hf_config)
     hidden, heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
     if hf_config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act: {hf_config['hidden_act']!r} is not supported (expected 'silu')")
     if hf_config.get("mlp_bias"):
         raise ValueError("mlp_bias: MLP biases are not supported")
-    if family not in ("qwen2", "qwen2_moe", "glm4_moe") and hf_config.get("attention_bias"):
+    if family.qkv_bias is False and hf_config.get("attention_bias"):
         raise ValueError("attention_bias: the output-projection bias it implies is not supported")
+    if family.qkv_bias is True and not hf_config.get("qkv_bias", True):
+        raise ValueError(f"qkv_bias: {family.model_type} without QKV biases is not supported")
     if hf_config.get("use_sliding_window"):
         raise ValueError("use_sliding_window: sliding-window attention is not supported")
-    if family != "glm4_moe" and float(hf_config.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError(f"partial_rotary_factor: partial RoPE is supported for GLM-4.5 only, not {family}")
+    if family.rope != "partial" and float(hf_config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"partial_rotary_factor: partial RoPE is not supported for {family.model_type}")
     theta, rope_factor = _rope(hf_config, family)
     fields: dict[str, Any] = dict(
-        num_layers=int(hf_config["num_hidden_layers"]),
-        hidden_size=hidden,
-        num_attention_heads=heads,
+        num_layers=int(hf_config["num_hidden_layers"]), hidden_size=hidden, num_attention_heads=heads,
         num_query_groups=int(hf_config.get("num_key_value_heads") or heads),
-        ffn_hidden_size=int(hf_config["intermediate_size"]),
-        vocab_size=int(hf_config["vocab_size"]),
-        max_sequence_length=int(hf_config["max_position_embeddings"]),
-        rotary_base=theta,
-        rope_scaling_factor=rope_factor,
-        normalization="RMSNorm",
+        ffn_hidden_size=int(hf_config["intermediate_size"]), vocab_size=int(hf_config["vocab_size"]),
+        max_sequence_length=int(hf_config["max_position_embeddings"]), rotary_base=theta,
+        rope_scaling_factor=rope_factor, normalization="RMSNorm", swiglu=True,
         norm_epsilon=float(hf_config["rms_norm_eps"]),
-        swiglu=True,
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
-        add_qkv_bias=family in ("qwen2", "qwen2_moe"),
-        qk_layernorm=family in ("qwen3", "qwen3_moe"),
+        add_qkv_bias=_flag(family.qkv_bias, hf_config), qk_layernorm=_flag(family.qk_norm, hf_config),
         init_method_std=float(hf_config.get("initializer_range", 0.02)),
     )
     d = hf_config.get("head_dim") or hidden // heads
-    if family != "deepseek_v3" and (d != hidden // heads or hidden % heads):  # (MLA: the RoPE dims)
+    if family.mla:  # head dims are MLAConfig's (head_dim: the RoPE dims)
+        fields.update(mla=mla_from_hf(hf_config), num_query_groups=None)
+    elif d != hidden // heads or hidden % heads:
         fields["kv_channels"] = int(d)
-    if family in SIGMOID_MOE_FAMILIES:
-        fields.update(deepseek_from_hf(hf_config, family))
-    elif family in _MOE_NAMES:
-        fields.update(_moe_from_hf(hf_config, family))
+    if family.rope == "partial":
+        fields["rotary_percent"] = partial_rotary_factor(hf_config, 0.5)
+    if family.mtp:
+        fields["mtp_num_layers"] = int(hf_config.get("num_nextn_predict_layers") or 0)
+    if family.moe is not None:
+        fields.update(MOE_DIALECTS[family.moe][0](hf_config, family))
     if is_token_classification(hf_config):
         fields["head"] = "value"
     fields.update(overrides)
@@ -224,50 +242,47 @@ def from_hf_config(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfi
 def to_hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
                  base: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``config.json`` dict for ``cfg``; ``base`` (the source config) keeps the fields this mapping does
-    not own (token ids, generation settings).
-    """
+    not own (token ids, generation settings)."""
     if cfg.normalization != "RMSNorm" or not cfg.swiglu:
         raise ValueError("cfg: only RMSNorm + SwiGLU models map to Llama/Qwen2/Qwen3 and their MoE families")
-    family = model_family(cfg)
-    if cfg.rotary_percent != 1.0 and family != "glm4_moe":
+    family = family_of(cfg)
+    name = family.model_type
+    if cfg.rotary_percent != 1.0 and family.rope != "partial":
         raise ValueError(f"ModelConfig.rotary_percent: partial RoPE maps to GLM-4.5 only (MoE with sigmoid "
-                         f"scores); this model maps to {family}")
-    if base is not None and hf_family(base) != family:
+                         f"scores); this model maps to {name}")
+    if cfg.head == "value" and not family.value_head:
+        raise ValueError(f"model.head: a value head on a {name} model has no Hugging Face class here")
+    if base is not None and hf_family(base) != name:
         base = None  # the source describes another family: do not carry its fields over
-    arch = next(a for a, f in ARCHITECTURES.items() if f == family)
+    arch = family.architecture
     if cfg.head == "value":
         arch = arch.replace("ForCausalLM", "ForTokenClassification")
     out = dict(base or {})
     out.update(
-        architectures=[arch], model_type=family, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        architectures=[arch],
+        model_type=name, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         intermediate_size=cfg.ffn_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.query_groups,
         head_dim=head_dim(cfg), hidden_act="silu", max_position_embeddings=cfg.max_sequence_length,
         rms_norm_eps=cfg.norm_epsilon, rope_theta=cfg.rotary_base,
-        rope_parameters=_rope_parameters(cfg),
+        rope_parameters=_rope_parameters(cfg, family),
         tie_word_embeddings=cfg.tie_word_embeddings, initializer_range=cfg.init_method_std,
         dtype=str(dtype).removeprefix("torch."), torch_dtype=str(dtype).removeprefix("torch."),
+        **family.export,
     )
     out.pop("rope_scaling", None)
     if cfg.head == "value":  # score = Linear(H, 1) with bias; no lm_head to tie
         out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0},
                    tie_word_embeddings=False, token_classification_bias=True)
-    if family == "llama":
-        out.update(attention_bias=False, mlp_bias=False)
-    elif family not in ("mixtral", *SIGMOID_MOE_FAMILIES):
-        out.update(use_sliding_window=False,
-                   **({"attention_bias": False} if family in ("qwen3", "qwen3_moe") else {}))
-    if cfg.moe is not None and cfg.head == "value":
-        raise ValueError("model.head: a value head on an MoE model has no Hugging Face class here")
-    if family in SIGMOID_MOE_FAMILIES:  # (refuses a DeepSeek-V3 without MoE)
-        out.update(deepseek_to_hf(cfg, family))
-    elif cfg.moe is not None:
-        out.update(_moe_to_hf(cfg, family, base))
+    for trait, value in ((family.qkv_bias, cfg.add_qkv_bias), (family.qk_norm, cfg.qk_layernorm)):
+        if isinstance(trait, str):
+            out[trait] = value
+    if family.rope == "partial":
+        out["partial_rotary_factor"] = cfg.rotary_percent
+    if family.mtp:
+        out["num_nextn_predict_layers"] = cfg.mtp_num_layers
+    if family.mla:
+        out.update(mla_to_hf(cfg))
+    if family.moe is not None:
+        out.update(MOE_DIALECTS[family.moe][1](cfg, family, base))
     return out
-
-
-def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
-    if cfg.rope_scaling_factor is None:
-        return {"rope_type": "default", "rope_theta": cfg.rotary_base}
-    return {"rope_type": "llama3", "rope_theta": cfg.rotary_base, "factor": cfg.rope_scaling_factor,
-            **_LLAMA3_FIXED}

@@ -1,6 +1,5 @@
-"""Name and layout rules between Hugging Face Llama / Qwen2 / Qwen3 (dense), Qwen2-MoE / Qwen3-MoE /
-Mixtral / GLM-4.5 (mixture of experts), DeepSeek-V3 (multi-latent attention + MoE) and Megatron-Core's
-GPTModel.
+"""Name and layout rules between Hugging Face checkpoints (the families of ``families``) and
+Megatron-Core's GPTModel.
 
 Every Megatron parameter is one unit with a ``TensorRule``: its Hugging Face tensors and its
 tensor-parallel layout (``kind``):
@@ -10,30 +9,19 @@ tensor-parallel layout (``kind``):
   padding (zero on import, dropped on export).
 - ``"qkv"``: ``[ng * (q_per_group + 2) * d, h]``, per group ``[q, k, v]`` rows, split on dim 0.
 - ``"gate_up"``: SwiGLU ``linear_fc1``; rank ``r`` holds ``cat([gate[r], up[r]])``.
-- ``"column"``: one Hugging Face tensor split on dim 0 (MLA's projections; the local spec's
-  ``ColumnParallelLinear`` down projections too, which Transformer Engine's spec replicates:
-  ``iter_units`` gives a replicated rule for a parameter not marked ``tensor_model_parallel``).
+- ``"column"``: one Hugging Face tensor split on dim 0 (MLA's projections; a parameter not marked
+  ``tensor_model_parallel``, as Transformer Engine's replicated down projections, is replicated).
 
-Local-spec and Transformer Engine norm names map to the same units; layer names use the global
-layer index (``TransformerLayer.layer_number - 1``), expert names the global expert index
-(``MoELayer.local_expert_indices``). An MoE layer's units: the router ``[E, h]`` (replicated), per
-expert ``linear_fc1`` (gate_up) and ``linear_fc2`` (row) split over the expert-tensor-parallel group
-(``TensorRule.expert``), Qwen2-MoE's shared expert (gate_up, row, sigmoid gate ``[1, h]``),
-DeepSeek-V3 / GLM-4.5's ungated shared experts and the router's expert bias ``[E]``
-(``e_score_correction_bias``: a buffer, replicated, fp32).
-MLA (DeepSeek-V3): ``q_proj`` or ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``,
-``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` / ``kv_b_proj`` map one to one to Megatron's
-``linear_q_proj`` or ``linear_q_down_proj`` / ``q_layernorm`` / ``linear_q_up_proj``,
-``linear_kv_down_proj`` / ``kv_layernorm`` / ``linear_kv_up_proj``: the row layouts agree (per head
-``[nope, rope]`` queries, ``[k_nope, v]`` up projections, ``[c_kv, k_pe]`` down projection) and
-Megatron's MLA RoPE de-interleaves the position dims as ``transformers``' ``rope_interleave=True`` does.
-On disk the experts are one tensor each (``mlp.experts.{e}.gate_proj.weight``; Mixtral
-``block_sparse_moe.experts.{e}.w1/w3/w2.weight``), as ``save_pretrained`` writes them.
-The ``config.json`` <-> ``ModelConfig`` mapping is in ``hf_config``.
+Local-spec and Transformer Engine norm names map to the same units. Layer names use the global layer
+index, expert names the global expert index; an expert's
+``linear_fc1`` / ``linear_fc2`` split over the expert-tensor-parallel group (``TensorRule.expert``).
+MLA's projections map one to one (same row layouts; ``rope_interleave=True``). On disk each expert
+is one tensor per projection, as ``save_pretrained`` writes them. ``config.json``: ``hf_config``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from mcore_engine.config import ModelConfig
+from mcore_engine.hf.families import FAMILIES, family_of
 from mcore_engine.hf.mtp_names import (
     is_mtp_unit,
     mtp_aliases,
@@ -98,7 +87,7 @@ _MLA_UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
     "self_attention.linear_kv_up_proj.weight": ("column", ("self_attn.kv_b_proj.weight",)),
 }
 # MoE layer units ("{e}": global expert index) -> (kind, Hugging Face suffixes); "{block}", "{gate}",
-# "{up}", "{down}" from _MOE_NAMES of the family.
+# "{up}", "{down}", "{shared}" from the family's ``moe_names``.
 _MOE_UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mlp.router.weight": ("replicated", ("{block}.gate.weight",)),
     "mlp.router.expert_bias": ("replicated", ("{block}.gate.e_score_correction_bias",)),
@@ -110,12 +99,6 @@ _MOE_UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mlp.shared_experts.linear_fc2.weight": ("row", ("mlp.{shared}.down_proj.weight",)),
     "mlp.shared_experts.gate_weight": ("replicated", ("mlp.shared_expert_gate.weight",)),
 }
-_QWEN_MOE_NAMES = dict(block="mlp", gate="gate_proj", up="up_proj", down="down_proj", shared="shared_expert")
-_DEEPSEEK_MOE_NAMES = dict(_QWEN_MOE_NAMES, shared="shared_experts")
-_MOE_NAMES = {"qwen2_moe": _QWEN_MOE_NAMES, "qwen3_moe": _QWEN_MOE_NAMES,
-              "mixtral": dict(block="block_sparse_moe", gate="w1", up="w3", down="w2",
-                              shared="shared_expert"),
-              "deepseek_v3": _DEEPSEEK_MOE_NAMES, "glm4_moe": _DEEPSEEK_MOE_NAMES}
 _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
 # Transformer Engine spec: norms fused into the following linear layer.
 _TE_ALIASES = {
@@ -139,21 +122,6 @@ _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 def head_dim(cfg: ModelConfig) -> int:
     """Per-head channels ``d`` (``cfg.kv_channels`` when set, else hidden / heads)."""
     return cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
-
-
-def model_family(cfg: ModelConfig) -> str:
-    """The Hugging Face family ``cfg`` maps to: MLA -> deepseek_v3; MoE with sigmoid scores ->
-    glm4_moe; else QK-norm -> qwen3 / qwen3_moe, QKV bias -> qwen2 / qwen2_moe, neither -> llama /
-    mixtral (``*_moe`` and mixtral when ``cfg.moe`` is set)."""
-    if cfg.mla is not None:
-        return "deepseek_v3"
-    if cfg.moe is not None and cfg.moe.router_score_function == "sigmoid":
-        return "glm4_moe"
-    if cfg.add_qkv_bias and cfg.qk_layernorm:
-        raise ValueError("cfg: add_qkv_bias together with qk_layernorm has no Hugging Face family here")
-    if cfg.moe is None:
-        return "qwen3" if cfg.qk_layernorm else "qwen2" if cfg.add_qkv_bias else "llama"
-    return "qwen3_moe" if cfg.qk_layernorm else "qwen2_moe" if cfg.add_qkv_bias else "mixtral"
 
 
 def canonical_unit(name: str, global_layer: int | None, global_expert: int | None = None) -> str:
@@ -191,7 +159,7 @@ def unit_rule(unit: str, cfg: ModelConfig) -> TensorRule:
     match = _EXPERT_RE.match(suffix)
     key = f"mlp.experts.local_experts.{{e}}.{match[2]}" if match else suffix
     kind, names = _MOE_UNITS[key]
-    fmt = dict(_MOE_NAMES[model_family(cfg)], e=match[1] if match else "")
+    fmt = dict(dataclasses.asdict(family_of(cfg).moe_names), e=match[1] if match else "")
     return TensorRule(kind, tuple(f"model.layers.{layer}.{n.format(**fmt)}" for n in names),
                       expert=match is not None, fp32=suffix == "mlp.router.expert_bias")
 
@@ -260,16 +228,15 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if cfg.moe is not None:
         fe = cfg.moe.ffn_hidden_size or ffn
         fs = cfg.moe.shared_expert_ffn_hidden_size
-        for names in _MOE_NAMES.values():
-            by_suffix[f"{names['block']}.gate.weight"] = (cfg.moe.num_experts, h)
-            by_suffix[f"{names['block']}.gate.e_score_correction_bias"] = (cfg.moe.num_experts,)
-            for part in ("gate", "up"):
-                by_suffix[f"{names['block']}.experts.*.{names[part]}.weight"] = (fe, h)
-            by_suffix[f"{names['block']}.experts.*.{names['down']}.weight"] = (h, fe)
-        for shared in ("shared_expert", "shared_experts"):
-            by_suffix.update({f"mlp.{shared}.gate_proj.weight": (fs, h),
-                              f"mlp.{shared}.up_proj.weight": (fs, h),
-                              f"mlp.{shared}.down_proj.weight": (h, fs)})
+        for names in {f.moe_names for f in FAMILIES if f.moe_names is not None}:
+            by_suffix[f"{names.block}.gate.weight"] = (cfg.moe.num_experts, h)
+            by_suffix[f"{names.block}.gate.e_score_correction_bias"] = (cfg.moe.num_experts,)
+            for proj in (names.gate, names.up):
+                by_suffix[f"{names.block}.experts.*.{proj}.weight"] = (fe, h)
+            by_suffix[f"{names.block}.experts.*.{names.down}.weight"] = (h, fe)
+            by_suffix.update({f"mlp.{names.shared}.gate_proj.weight": (fs, h),
+                              f"mlp.{names.shared}.up_proj.weight": (fs, h),
+                              f"mlp.{names.shared}.down_proj.weight": (h, fs)})
         by_suffix["mlp.shared_expert_gate.weight"] = (1, h)
     by_suffix.update(mtp_hf_shapes(cfg))
     shapes = {}

@@ -211,6 +211,55 @@ def test_verl_refused_field(hf_dir, group, kw, field):
         engine_config_from_verl(*build_configs(hf_dir, group, kw))
 
 
+@pytest.mark.parametrize("group, kw, match", [
+    ("engine", dict(micro_batch_size_per_gpu=0),
+     r"^engine_config\.micro_batch_size_per_gpu=0 .*EngineConfig\.micro_batch_size must be an int >= 1"),
+    ("engine", dict(pipeline_model_parallel_size=4),
+     r"^engine_config\.pipeline_model_parallel_size=4 .*ModelConfig\.num_layers \(2\)"),
+    ("engine", dict(tensor_model_parallel_size=8),
+     r"^engine_config\.tensor_model_parallel_size=8 .*ModelConfig\.num_attention_heads"),
+    ("engine", dict(context_parallel_size=0), r"^engine_config\.context_parallel_size=0 "),
+    ("engine", dict(seed=-1), r"^engine_config\.seed=-1 .*EngineConfig\.seed"),
+    ("optim", dict(clip_grad=-1.0), r"^optimizer_config\.clip_grad=-1\.0 .*OptimizerConfig\.clip_grad"),
+    ("optim", dict(lr_decay_style="cosine", total_training_steps=None),
+     r"^optimizer_config\.total_training_steps=None .*OptimizerConfig\.lr_decay_steps"),
+])
+def test_verl_core_refusals_name_verl_fields(hf_dir, group, kw, match):
+    """The core decides and names its field (``ConfigError.fields``); the adapter names verl's
+    through ``verl_fields.VERL_FIELDS``."""
+    from mcore_engine.integrations.verl_config import engine_config_from_verl
+
+    with pytest.raises(ValueError, match=match):
+        engine_config_from_verl(*build_configs(hf_dir, group, kw))
+
+
+def test_verl_fields_table_names_core_fields():
+    """Every key of ``VERL_FIELDS`` is a field of the core's config; ``in_verl_terms`` renames the
+    first field of a ``ConfigError`` that has a verl name and leaves other errors alone."""
+    import dataclasses
+
+    from mcore_engine.config import EngineConfig, ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig
+    from mcore_engine.config.checks import ConfigError
+    from mcore_engine.integrations.verl_fields import VERL_FIELDS, in_verl_terms
+
+    blocks = {"": EngineConfig, "model": ModelConfig, "model.moe": MoEConfig, "parallel": ParallelConfig,
+              "optimizer": OptimizerConfig}
+    for path in VERL_FIELDS:
+        block, _, name = path.rpartition(".")
+        assert name in {f.name for f in dataclasses.fields(blocks[block])}, path
+    otc = {"cp_comm_type": "x"}
+    roots = dict(engine_config=type("E", (), dict(seed=7, override_transformer_config=otc))())
+    with pytest.raises(ValueError, match=r"^engine_config\.override_transformer_config\.cp_comm_type='x' "):
+        with in_verl_terms(**roots):
+            raise ConfigError("core message", "model.num_layers", "parallel.cp_comm_type", "seed")
+    with pytest.raises(ValueError, match=r"^model_config\.lora\.rank=4 is not supported .*: core message$"):
+        with in_verl_terms({"model.lora": "model_config.lora.rank=4"}, **roots):
+            raise ConfigError("core message", "model.lora.alpha")
+    with pytest.raises(ConfigError, match="^core message$"):  # no verl name: the core's error as is
+        with in_verl_terms(**roots):
+            raise ConfigError("core message", "model.num_layers")
+
+
 def test_verl_lora_mapping(hf_dir, tmp_path):
     """verl's LoRA settings -> the core's ``LoRAConfig``: the Megatron-style ``lora`` block (a dict or
     OmegaConf's DictConfig; canonical_lora names, type lora on single-projection linears, Hugging Face

@@ -1,0 +1,141 @@
+"""The Hugging Face families, one row of traits each.
+
+``hf_config`` (``config.json`` <-> ``ModelConfig``) and ``mapping`` (tensor names) read these traits
+instead of testing family names. A new family is a row here plus, when its MoE layers speak a new
+dialect, a block in ``hf_config.MOE_DIALECTS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ARCHITECTURES", "FAMILIES", "Family", "MoENames", "family_of", "hf_family", "hf_family_of",
+           "model_family", "partial_rotary_factor", "rope_params"]
+
+
+@dataclass(frozen=True)
+class MoENames:
+    """Hugging Face names of an MoE layer: ``model.layers.{i}.{block}.experts.{e}.{gate|up|down}``,
+    ``{block}.gate`` (router), ``mlp.{shared}`` (shared expert)."""
+
+    block: str = "mlp"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+    shared: str = "shared_expert"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face family (``model_type``) and what distinguishes it."""
+
+    model_type: str
+    architecture: str
+    """The ``*ForCausalLM`` class; ``value_head``: its ``*ForTokenClassification`` twin exists."""
+    value_head: bool = False
+    qkv_bias: bool | str = False
+    """Biases on q / k / v (and none on o): always (True), never (False), or the ``config.json`` key
+    that says (GLM-4.5's ``attention_bias``). Families without them refuse ``attention_bias``."""
+    qk_norm: bool | str = False
+    """Per-head q / k RMSNorm: always, never, or the ``config.json`` key that says."""
+    rope: str = "llama3"
+    """``"llama3"``: default RoPE or Llama-3 scaling; ``"partial"``: default RoPE on the first
+    ``partial_rotary_factor`` of each head (default 0.5); ``"mla"``: MLA's (``MLAConfig``, YaRN)."""
+    mla: bool = False
+    """Multi-latent attention (``MLAConfig``) instead of GQA."""
+    moe: str | None = None
+    """The MoE dialect of ``config.json`` (``hf_config.MOE_DIALECTS``); None: dense."""
+    shared_expert: str | None = None
+    """``"gated"`` (Qwen2-MoE: ``sigmoid(x w_g)``), ``"ungated"`` (``n_shared_experts``) or None."""
+    moe_names: MoENames | None = None
+    mtp: bool = False
+    """Multi-token prediction layers (``num_nextn_predict_layers``)."""
+    export: Mapping[str, Any] = field(default_factory=dict)
+    """``config.json`` fields written as is on export (features the family has and we never use)."""
+
+
+_QWEN_DENSE = {"use_sliding_window": False}
+_QWEN3 = {"use_sliding_window": False, "attention_bias": False}
+_DEEPSEEK_NAMES = MoENames(shared="shared_experts")
+
+# Order matters for ``family_of``: the first row that describes a ModelConfig is its family.
+FAMILIES: tuple[Family, ...] = (
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", rope="mla", mla=True, moe="deepseek",  # Kimi-K2, Moonlight
+           shared_expert="ungated", moe_names=_DEEPSEEK_NAMES, mtp=True),
+    Family("glm4_moe", "Glm4MoeForCausalLM", qkv_bias="attention_bias", qk_norm="use_qk_norm", rope="partial",
+           moe="deepseek", shared_expert="ungated", moe_names=_DEEPSEEK_NAMES, mtp=True),
+    Family("qwen3", "Qwen3ForCausalLM", value_head=True, qk_norm=True, export=_QWEN3),
+    Family("qwen2", "Qwen2ForCausalLM", value_head=True, qkv_bias=True, export=_QWEN_DENSE),
+    Family("llama", "LlamaForCausalLM", value_head=True, export={"attention_bias": False, "mlp_bias": False}),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, moe="qwen", moe_names=MoENames(), export=_QWEN3),
+    Family("qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias=True, moe="qwen", shared_expert="gated",
+           moe_names=MoENames(), export={**_QWEN_DENSE, "qkv_bias": True}),
+    Family("mixtral", "MixtralForCausalLM", moe="mixtral",
+           moe_names=MoENames(block="block_sparse_moe", gate="w1", up="w3", down="w2")),
+)
+_BY_TYPE = {f.model_type: f for f in FAMILIES}
+ARCHITECTURES: dict[str, str] = {
+    **{f.architecture: f.model_type for f in FAMILIES},
+    **{f.architecture.replace("ForCausalLM", "ForTokenClassification"): f.model_type
+       for f in FAMILIES if f.value_head},
+}
+
+
+def hf_family_of(hf_config: Mapping[str, Any]) -> Family:
+    """The row of a ``config.json``: from ``architectures`` (or ``model_type``); ValueError otherwise."""
+    archs = hf_config.get("architectures") or []
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            return _BY_TYPE[ARCHITECTURES[arch]]
+    model_type = hf_config.get("model_type")
+    if not archs and model_type in _BY_TYPE:
+        return _BY_TYPE[model_type]
+    raise ValueError(f"architectures: unknown architecture {archs or model_type!r}; supported: "
+                     f"{sorted(ARCHITECTURES)}")
+
+
+def hf_family(hf_config: Mapping[str, Any]) -> str:
+    return hf_family_of(hf_config).model_type
+
+
+def _describes(f: Family, cfg: Any) -> bool:
+    """Whether row ``f`` can express ``cfg`` (a ``ModelConfig``) in its kind: MLA claims every MLA
+    model, sigmoid routing every sigmoid-routed MoE; the rest by MoE or not, QKV bias and QK-norm."""
+    if f.mla or cfg.mla is not None:
+        return f.mla and cfg.mla is not None
+    sigmoid = cfg.moe is not None and cfg.moe.router_score_function == "sigmoid"
+    if f.moe == "deepseek" or sigmoid:
+        return f.moe == "deepseek" and sigmoid
+    return ((f.moe is None) == (cfg.moe is None) and _expresses(f.qkv_bias, cfg.add_qkv_bias)
+            and _expresses(f.qk_norm, cfg.qk_layernorm))
+
+
+def _expresses(trait: bool | str, value: bool) -> bool:
+    """A fixed trait expresses its own value; a ``config.json`` key either."""
+    return trait == value if isinstance(trait, bool) else True
+
+
+def family_of(cfg: Any) -> Family:
+    """The row ``cfg`` (a ``ModelConfig``) maps to: the first that describes it."""
+    for f in FAMILIES:
+        if _describes(f, cfg):
+            return f
+    raise ValueError(f"cfg: add_qkv_bias={cfg.add_qkv_bias} with qk_layernorm={cfg.qk_layernorm} "
+                     f"({'MoE' if cfg.moe is not None else 'dense'}) has no Hugging Face family here")
+
+
+def model_family(cfg: Any) -> str:
+    return family_of(cfg).model_type
+
+
+def rope_params(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """``rope_scaling`` (legacy) updated by ``rope_parameters``."""
+    return {**(hf_config.get("rope_scaling") or {}), **(hf_config.get("rope_parameters") or {})}
+
+
+def partial_rotary_factor(hf_config: Mapping[str, Any], default: float) -> float:
+    """From ``rope_parameters`` or the top level."""
+    top = hf_config.get("partial_rotary_factor", default)
+    return float(rope_params(hf_config).get("partial_rotary_factor", top))
