@@ -25,11 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
-    finalize_model_grads,
-)
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from tensordict import TensorDict, TensorDictBase
 
@@ -45,13 +40,13 @@ from mcore_engine.model.build import build_model_chunks, is_last_stage_chunk, ou
 from mcore_engine.model.moe import MoERuntime
 from mcore_engine.ops import scale_logits_by_temperature
 from mcore_engine.parallel.platform import apply_cpu_device_layer, get_device, init_distributed
+from mcore_engine.parallel.wrap import wrap_model
 from mcore_engine.processor import process_lm_head_logits
 from mcore_engine.state.adapters import (
     attach_lora,
     gather_adapters,
     iter_adapter_tensors,
     merged_weight_overrides,
-    sum_partial_adapter_grads,
 )
 from mcore_engine.state.checkpoint import (
     checkpoint_layout,
@@ -94,40 +89,8 @@ __all__ = ["MegatronEngine"]
 LossFunction = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def _finalize_grads_without_token_rescale(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
-    """``finalize_model_grads`` with ``num_tokens=None`` (the loss is already globally normalised),
-    then the TP sum of LoRA's partial adapter gradients (nothing without them)."""
-    finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
-    sum_partial_adapter_grads(model)
-
-
 def _shapes(state: dict[str, Any]) -> dict[str, tuple]:
     return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
-
-
-class _ForwardOnlyChunk(torch.nn.Module):
-    """A model chunk of a ``forward_only`` engine: the ``GPTModel`` as ``.module``, as under DDP,
-    without grad buffers or gradient hooks."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-
-def _broadcast_params(chunks: list[torch.nn.Module]) -> None:
-    """DDP's ``broadcast_params`` without DDP: every parameter from the first rank of its
-    data-parallel group (the expert data-parallel group for expert parameters)."""
-    for chunk in chunks:
-        for param in chunk.parameters():
-            if getattr(param, "allreduce", True):
-                group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-            else:
-                group = parallel_state.get_expert_data_parallel_group()
-            if dist.get_world_size(group) > 1:
-                dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
 
 
 @dataclass(frozen=True)
@@ -179,33 +142,7 @@ class MegatronEngine:
         if cfg.model.lora is not None:  # frozen base (no grad buffer, no optimizer state) + adapters
             attach_lora(chunks, cfg)
         self._moe = MoERuntime(chunks, cfg) if cfg.model.moe is not None else None
-        pipelined = cfg.parallel.pipeline_model_parallel_size > 1
-        for chunk in chunks:
-            tcfg = chunk.config
-            tcfg.calculate_per_token_loss = True          # no 1/num_microbatches, no DP averaging
-            tcfg.finalize_model_grads_func = _finalize_grads_without_token_rescale
-            # 1F1B exchanges each micro-batch's shape; the interleaved schedule gets equally
-            # shaped micro-batches instead (mcore_engine.step.prepare).
-            tcfg.variable_seq_lengths = pipelined and not self._interleaved
-        if cfg.forward_only:  # parameters keep requires_grad: Megatron's frozen-weight matmul differs
-            _broadcast_params(chunks)
-            self.model = [_ForwardOnlyChunk(chunk) for chunk in chunks]
-        else:
-            ddp_config = DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
-            self.model = [DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk,
-                                                  disable_bucketing=i > 0)
-                          for i, chunk in enumerate(chunks)]
-            for chunk in self.model:
-                chunk.broadcast_params()
-            no_sync = [chunk.no_sync for chunk in self.model]
-            for chunk in chunks:
-                chunk.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-        if cfg.model.fused_lm_head:  # the last stage returns hidden states; see _lm_head_outputs
-            for chunk in chunks:
-                if getattr(chunk, "post_process", False):
-                    output_hidden_states(chunk)
+        self.model = wrap_model(chunks, cfg)
         if not cfg.forward_only:
             self.optimizer = build_optimizer(cfg, self.model)
             self.lr_scheduler = build_scheduler(cfg, self.optimizer)
