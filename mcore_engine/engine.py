@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from tensordict import TensorDict, TensorDictBase
 
@@ -57,6 +56,7 @@ from mcore_engine.state.checkpoint import (
     set_rng_state,
 )
 from mcore_engine.state.offload import HostOffloader
+from mcore_engine.step.layout import StepLayout, step_layout
 from mcore_engine.step.lm_head import check_head_flags, lm_head_outputs, merge_logits_func
 from mcore_engine.step.loss_guard import LossGuard
 from mcore_engine.step.mtp import loss_with_mtp
@@ -123,7 +123,7 @@ class MegatronEngine:
         self._last_distillation_use_topk = False
         self._offloader: HostOffloader | None = None
         self._moe: MoERuntime | None = None
-        self._interleaved = (config.parallel.virtual_pipeline_model_parallel_size or 1) > 1
+        self._layout: StepLayout | None = None
 
     # ------------------------------------------------------------------ set-up
     def initialize(self) -> None:
@@ -147,6 +147,7 @@ class MegatronEngine:
             self.optimizer = build_optimizer(cfg, self.model)
             self.lr_scheduler = build_scheduler(cfg, self.optimizer)
         self._offloader = HostOffloader(self.model, self.optimizer)
+        self._layout = step_layout(cfg)
 
     def _require_initialized(self) -> None:
         if self.optimizer is None and not self.model:  # a forward_only engine has no optimizer
@@ -222,23 +223,7 @@ class MegatronEngine:
             if self.config.model.fused_lm_head and func is not None:
                 raise ValueError(f"{name} needs the logits, which model.fused_lm_head=True never builds; "
                                  "use the built-in outputs or fused_lm_head: false")
-        par = self.config.parallel
-        cp = par.context_parallel_size
-        step = prepare_step(
-            batch, vocab_size=self.config.model.vocab_size,
-            max_sequence_length=self.config.model.max_sequence_length, data_format=self.config.data_format,
-            default_micro_batch_size=self.config.micro_batch_size,
-            has_logits_processor_func=logits_processor_func is not None,
-            pad_multiple=(par.tensor_model_parallel_size if par.sequence_parallel else 1)
-            * (2 * cp if cp > 1 else 1),
-            min_num_micro_batches=par.pipeline_model_parallel_size if self._interleaved else 1,
-            device=get_device().torch_device, dp_group=parallel_state.get_data_parallel_group(),
-            common_shape=self._interleaved,
-            # expert parallelism's token all-to-all spans DP ranks: one micro-batch count for them
-            micro_batch_count_group=parallel_state.get_expert_tensor_and_model_parallel_group()
-            if self.config.model.moe is not None else None,
-            context_parallel=(cp, parallel_state.get_context_parallel_rank(),
-                              parallel_state.get_context_parallel_group()) if cp > 1 else (1, 0, None))
+        step = prepare_step(batch, self._layout, has_logits_processor_func=logits_processor_func is not None)
         self._check_head_flags(step.flags, logits_processor_func, logits_func)
         return step
 
@@ -330,11 +315,7 @@ class MegatronEngine:
                 self.zero_grad()
             raise
 
-        per_mb, loss, metrics = gather_results(
-            step, store, is_last_stage=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
-            pp_group=parallel_state.get_pipeline_model_parallel_group(),
-            pp_last_rank=parallel_state.get_pipeline_model_parallel_last_rank(),
-            dp_group=parallel_state.get_data_parallel_group(), device=get_device().torch_device)
+        per_mb, loss, metrics = gather_results(step, store, self._layout)
         out = TensorDict({}, batch_size=[step.batch_size])
         for key, value in collect_outputs(step, per_mb).items():
             out.set(key, value)
@@ -345,10 +326,7 @@ class MegatronEngine:
         if self._moe is not None:  # routed_experts per token, router metrics
             self._moe.finish_into(out, step)
         if loss_convention == "micro_batch":
-            out.set_non_tensor("micro_batch_metrics", gather_micro_batch_metrics(
-                store, num_micro_batches=len(step.micro_batches),
-                pp_group=parallel_state.get_pipeline_model_parallel_group(),
-                pp_last_rank=parallel_state.get_pipeline_model_parallel_last_rank()))
+            out.set_non_tensor("micro_batch_metrics", gather_micro_batch_metrics(step, store, self._layout))
         return out
 
     # ------------------------------------------------------------------ public steps
