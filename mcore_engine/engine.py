@@ -18,26 +18,19 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from tensordict import TensorDict, TensorDictBase
 
 from mcore_engine.config import EngineConfig
-from mcore_engine.data.context_parallel import gather_tokens
 from mcore_engine.hf import export_hf, iter_hf_tensors, load_hf_weights
 from mcore_engine.hf.export import precision_dtype
 from mcore_engine.hf.peft import write_adapter
 from mcore_engine.layers.lora import adapters_disabled
-from mcore_engine.layers.mtp import arm_mtp, pop_mtp_hidden
-from mcore_engine.layers.value_head import sequence_scores
-from mcore_engine.model.build import build_model_chunks, is_last_stage_chunk, output_hidden_states
+from mcore_engine.model.build import build_model_chunks
 from mcore_engine.model.moe import MoERuntime
-from mcore_engine.ops import scale_logits_by_temperature
 from mcore_engine.parallel.platform import apply_cpu_device_layer, get_device, init_distributed
 from mcore_engine.parallel.wrap import wrap_model
 from mcore_engine.processor import process_lm_head_logits
@@ -57,9 +50,8 @@ from mcore_engine.state.checkpoint import (
 )
 from mcore_engine.state.offload import HostOffloader
 from mcore_engine.step.layout import StepLayout, step_layout
-from mcore_engine.step.lm_head import check_head_flags, lm_head_outputs, merge_logits_func
+from mcore_engine.step.lm_head import check_head_flags
 from mcore_engine.step.loss_guard import LossGuard
-from mcore_engine.step.mtp import loss_with_mtp
 from mcore_engine.step.optimizer import (
     build_optimizer,
     build_scheduler,
@@ -68,43 +60,14 @@ from mcore_engine.step.optimizer import (
     optimizer_state_dict,
     step_optimizer,
 )
-from mcore_engine.step.prepare import (
-    LOSS_CONVENTIONS,
-    MicroBatch,
-    PreparedStep,
-    attention_mask,
-    collect_outputs,
-    gather_micro_batch_metrics,
-    gather_results,
-    loss_data,
-    micro_batch_iterator,
-    micro_batch_loss_result,
-    micro_batch_outputs,
-    prepare_step,
-)
+from mcore_engine.step.prepare import LOSS_CONVENTIONS, PreparedStep, prepare_step
+from mcore_engine.step.schedule import LossFunction, Pass, eval_mode, run_schedule
 from mcore_engine.weight_sync import BucketMeta, bucket_named_tensors, iter_weight_buckets
 
 __all__ = ["MegatronEngine"]
 
-LossFunction = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
 def _shapes(state: dict[str, Any]) -> dict[str, tuple]:
     return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
-
-
-@dataclass(frozen=True)
-class _Pass:
-    """What one forward(-backward) pass over a prepared step needs in the schedule's callbacks."""
-
-    step: PreparedStep
-    loss_function: LossFunction | None
-    logits_processor_func: Callable | None
-    logits_func: Callable | None
-    builtin_outputs: bool
-    guard: LossGuard
-    needs_grad: bool
-    loss_convention: str = "flat"
 
 
 class MegatronEngine:
@@ -204,15 +167,6 @@ class MegatronEngine:
             vocab_size=self.config.model.vocab_size,
             chunk_size=self.config.logits_chunk_size)
 
-    def _lm_head_outputs(self, model: torch.nn.Module, output: torch.Tensor, label: torch.Tensor | None,
-                         temperature, *, select: torch.Tensor | None = None,
-                         **kwargs) -> dict[str, torch.Tensor]:
-        """Per-token outputs of the output head, on every row or the ``select`` ones only
-        (:func:`mcore_engine.step.lm_head.lm_head_outputs`; logits through
-        :meth:`_lm_head_logits_processor`)."""
-        return lm_head_outputs(self.config, model, output, label, temperature,
-                               logits_processor=self._lm_head_logits_processor, select=select, **kwargs)
-
     # ------------------------------------------------------------------ one pass of the schedule
     def _prepare(self, batch: TensorDictBase, logits_processor_func: Callable | None,
                  logits_func: Callable | None = None, loss_convention: str = "flat") -> PreparedStep:
@@ -224,71 +178,8 @@ class MegatronEngine:
                 raise ValueError(f"{name} needs the logits, which model.fused_lm_head=True never builds; "
                                  "use the built-in outputs or fused_lm_head: false")
         step = prepare_step(batch, self._layout, has_logits_processor_func=logits_processor_func is not None)
-        self._check_head_flags(step.flags, logits_processor_func, logits_func)
+        check_head_flags(self.config, step.flags, logits_processor_func, logits_func)
         return step
-
-    def _check_head_flags(self, flags, logits_processor_func: Callable | None,
-                          logits_func: Callable | None) -> None:
-        """``ValueError`` for step flags the output head cannot serve (same on every rank)."""
-        check_head_flags(self.config, flags, logits_processor_func, logits_func)
-
-    def _outputs_and_loss(self, run: _Pass, mb: MicroBatch, model: torch.nn.Module, output: torch.Tensor):
-        """``(loss_function's result, (detached outputs, micro_batch metrics or None))``."""
-        inp, flags, fmt = mb.model_inputs, run.step.flags, self.config.data_format
-        teacher = {"teacher_ids": inp.teacher_ids, "teacher_logprobs": inp.teacher_logprobs}
-        outputs = {}
-        if run.builtin_outputs:
-            outputs = self._lm_head_outputs(
-                model, output, inp.labels, inp.temperature, calculate_entropy=flags.calculate_entropy,
-                calculate_sum_pi_squared=flags.calculate_sum_pi_squared,
-                distillation_use_topk=flags.distillation_use_topk, distillation_only=flags.distillation_only,
-                logits_processor_func=run.logits_processor_func, batch=teacher, data_format=fmt,
-                select=inp.loss_mask if flags.outputs_on_loss_mask_only else None,
-                log_prob_min_clamp=flags.distillation_log_prob_min_clamp)
-        if run.logits_func is not None:
-            outputs = merge_logits_func(outputs, run.logits_func(
-                student_logits=scale_logits_by_temperature(output, inp.temperature), data=teacher,
-                data_format=fmt))
-        if mb.cp is not None:  # every CP rank's tokens, in the whole pack's layout (the loss sees CP = 1)
-            outputs = {k: gather_tokens(v, mb.cp) for k, v in outputs.items()}
-        kept = {k: v.detach() for k, v in outputs.items()}
-        by_micro_batch = run.loss_convention == "micro_batch"
-        if run.loss_function is None:
-            return (output.new_zeros((), dtype=torch.float32), {}), (kept, {} if by_micro_batch else None)
-        if by_micro_batch:
-            result, metrics = micro_batch_loss_result(run.loss_function(
-                model_output=micro_batch_outputs(outputs, mb), data=mb.data, ctx=run.step.ctx))
-            return result, (kept, metrics)
-        flat = {k: v.reshape(-1) for k, v in outputs.items()}
-        return run.loss_function(flat, loss_data(mb), run.step.ctx), (kept, None)
-
-    def _loss_func(self, run: _Pass, mb: MicroBatch, model: torch.nn.Module, output: torch.Tensor, *,
-                   mtp_hidden: list[torch.Tensor] | None = None):
-        """Megatron's loss callback: ``(loss, num_tokens, record for gather_results)``."""
-        compute = partial(self._outputs_and_loss, run, mb, model, output)
-        if mtp_hidden is not None:  # the multi-token prediction term joins the loss, inside the guard
-            compute = partial(loss_with_mtp, compute, self.config, model, mtp_hidden, mb, run.step.ctx,
-                              self._lm_head_logits_processor)
-        loss, metrics, extra = run.guard.run(compute, output, needs_grad=run.needs_grad)
-        kept, raw = extra if extra is not None else (None, None)
-        record = {"index": mb.index, "loss": loss.detach(), "metrics": metrics, "outputs": kept,
-                  "raw_metrics": raw}
-        return loss, mb.inputs.loss_mask.sum().to(torch.int), record
-
-    def _forward_step(self, run: _Pass, data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
-        """Megatron's forward step: the model's output and the loss callback for it."""
-        mb = next(data_iterator)
-        inp = mb.model_inputs
-        model_cfg = self.config.model
-        if not model_cfg.fused_lm_head and model_cfg.head == "lm" and is_last_stage_chunk(model):
-            output_hidden_states(model, enable=run.step.flags.outputs_on_loss_mask_only)  # rows to select
-        # the SDPA core attention masks causally by itself (no [b, 1, S, S] mask)
-        mask = attention_mask(mb) if model_cfg.core_attention == "local" else None
-        # MTP modules (last stage) run in training passes only (layers/mtp.py, step/mtp.py)
-        arm_mtp(model, run.needs_grad and model_cfg.mtp_loss_scaling_factor > 0)
-        output = model(input_ids=inp.input_ids, position_ids=inp.position_ids,
-                       attention_mask=mask, packed_seq_params=inp.packed_seq_params)
-        return output, partial(self._loss_func, run, mb, model, mtp_hidden=pop_mtp_hidden(model))
 
     def _run(self, step: PreparedStep, loss_function: LossFunction | None, forward_only: bool,
              logits_processor_func: Callable | None, logits_func: Callable | None = None,
@@ -296,38 +187,14 @@ class MegatronEngine:
         """Run the schedule over ``step``'s micro-batches; the outputs, loss and metrics on every rank."""
         if not forward_only:  # optimizer_step's empty_cache hook follows the last pass with gradients
             self._last_distillation_use_topk = step.flags.distillation_use_topk
-        run = _Pass(step=step, loss_function=loss_function, logits_processor_func=logits_processor_func,
-                    logits_func=logits_func, builtin_outputs=builtin_outputs, guard=LossGuard(),
-                    needs_grad=not forward_only and torch.is_grad_enabled(), loss_convention=loss_convention)
-        iterators = [micro_batch_iterator(step) for _ in self.model]
-        if self._moe is not None:  # aux-loss scale, router replay / recording (mcore_engine.model.moe)
-            self._moe.begin(step, training=not forward_only)
-        store = get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, run),
-            data_iterator=iterators if len(iterators) > 1 else iterators[0],
-            model=self.model if len(self.model) > 1 else self.model[0],
-            num_microbatches=len(step.micro_batches), seq_length=step.max_seq_len,
-            micro_batch_size=step.max_rows, forward_only=forward_only)
-        try:
-            run.guard.raise_if_failed()
-        except Exception:
-            if not forward_only:  # drop the partial accumulation: the documented failure state
-                self.zero_grad()
-            raise
-
-        per_mb, loss, metrics = gather_results(step, store, self._layout)
-        out = TensorDict({}, batch_size=[step.batch_size])
-        for key, value in collect_outputs(step, per_mb).items():
-            out.set(key, value)
-        if self.config.model.head == "value" and per_mb and not step.flags.outputs_on_loss_mask_only:
-            out.set("scores", sequence_scores(per_mb, step.micro_batches, step.order))
-        out.set_non_tensor("loss", loss)
-        out.set_non_tensor("metrics", metrics)
-        if self._moe is not None:  # routed_experts per token, router metrics
-            self._moe.finish_into(out, step)
-        if loss_convention == "micro_batch":
-            out.set_non_tensor("micro_batch_metrics", gather_micro_batch_metrics(step, store, self._layout))
-        return out
+        run = Pass(config=self.config, step=step, loss_function=loss_function,
+                   logits_processor=self._lm_head_logits_processor,
+                   logits_processor_func=logits_processor_func, logits_func=logits_func,
+                   builtin_outputs=builtin_outputs, guard=LossGuard(),
+                   needs_grad=not forward_only and torch.is_grad_enabled(), loss_convention=loss_convention)
+        # a failed loss drops the partial accumulation: the documented failure state
+        return run_schedule(self.model, run, self._layout, forward_only=forward_only, moe=self._moe,
+                            on_failure=None if forward_only else self.zero_grad)
 
     # ------------------------------------------------------------------ public steps
     def forward_backward_batch(self, batch: TensorDictBase, loss_function: LossFunction | None,
@@ -356,22 +223,9 @@ class MegatronEngine:
         self._require_onloaded("forward_backward_batch", "params", *(() if forward_only else ("grads",)))
         step = self._prepare(batch, logits_processor_func, loss_convention=loss_convention)
         with (torch.no_grad() if self.config.forward_only else contextlib.nullcontext(),
-              self._eval_mode() if forward_only else contextlib.nullcontext()):
+              eval_mode(self.model) if forward_only else contextlib.nullcontext()):
             return self._run(step, loss_function, forward_only, logits_processor_func,
                              loss_convention=loss_convention)
-
-    @contextlib.contextmanager
-    def _eval_mode(self) -> Iterator[None]:
-        """Every module of the chunks in eval mode (no dropout; Megatron's MoELayer takes TP > 1
-        without SP), each module's own mode restored after."""
-        modes = [(module, module.training) for chunk in self.model for module in chunk.modules()]
-        for chunk in self.model:
-            chunk.eval()
-        try:
-            yield
-        finally:
-            for module, training in modes:
-                module.training = training
 
     def zero_grad(self) -> None:
         """Zero the DDP grad buffers and the optimizer's main grads."""
@@ -418,7 +272,7 @@ class MegatronEngine:
             raise ValueError("infer_batch: builtin_outputs=False needs a logits_func (nothing to compute)")
         self._require_onloaded("infer_batch", "params")
         step = self._prepare(batch, logits_processor_func, logits_func, loss_convention)
-        with self._eval_mode():
+        with eval_mode(self.model):
             return self._run(step, loss_function, True, logits_processor_func, logits_func, builtin_outputs,
                              loss_convention)
 

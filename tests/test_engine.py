@@ -363,6 +363,8 @@ def _check_custom_topk_processor_and_distillation_ppo_loss(s: _Setup) -> None:
 def _check_infer_logits_func(s: _Setup) -> None:
     """logits_func runs whatever the flags, on the temperature-scaled logits, merged with the
     built-in outputs or (builtin_outputs=False) alone; infer_batch restores the train / eval mode."""
+    import mcore_engine.step.schedule as schedule
+
     engine = s.restored()
 
     def row_stats(student_logits, data, data_format):
@@ -381,7 +383,7 @@ def _check_infer_logits_func(s: _Setup) -> None:
             hot.set_non_tensor("temperature", temperature)
         else:
             hot.set("temperature", temperature)
-        with mock.patch.object(engine, "_lm_head_outputs", wraps=engine._lm_head_outputs) as builtin:
+        with mock.patch.object(schedule, "lm_head_outputs", wraps=schedule.lm_head_outputs) as builtin:
             only = engine.infer_batch(hot, logits_func=row_stats, builtin_outputs=False)
         builtin.assert_not_called()
         assert set(only.keys()) - {"loss", "metrics"} == {"max_logit", "top2"}, sorted(only.keys())
