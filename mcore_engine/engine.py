@@ -40,12 +40,12 @@ from mcore_engine.state.adapters import (
     iter_adapter_tensors,
     merged_weight_overrides,
 )
-from mcore_engine.state.checkpoint import (
-    checkpoint_layout,
-    config_record,
-    load_engine_checkpoint,
+from mcore_engine.state.checkpoint import load_engine_checkpoint, save_engine_checkpoint
+from mcore_engine.state.engine_state import (
+    capture_state,
+    check_state,
+    restore_state,
     rng_state,
-    save_engine_checkpoint,
     set_rng_state,
 )
 from mcore_engine.state.offload import HostOffloader
@@ -55,9 +55,6 @@ from mcore_engine.step.loss_guard import LossGuard
 from mcore_engine.step.optimizer import (
     build_optimizer,
     build_scheduler,
-    load_optimizer_state_dict,
-    optimizer_param_shapes,
-    optimizer_state_dict,
     step_optimizer,
 )
 from mcore_engine.step.prepare import LOSS_CONVENTIONS, PreparedStep, prepare_step
@@ -65,10 +62,6 @@ from mcore_engine.step.schedule import LossFunction, Pass, eval_mode, run_schedu
 from mcore_engine.weight_sync import BucketMeta, bucket_named_tensors, iter_weight_buckets
 
 __all__ = ["MegatronEngine"]
-
-def _shapes(state: dict[str, Any]) -> dict[str, tuple]:
-    return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
-
 
 class MegatronEngine:
     """Megatron-Core GPT policy engine. After ``initialize()``: ``model`` (DDP-wrapped ``GPTModel``
@@ -373,59 +366,34 @@ class MegatronEngine:
             dist.barrier()
 
     # ------------------------------------------------------------------ state and checkpoints
+    def _counters(self) -> dict[str, int]:
+        return {"global_step": self.global_step, "num_skipped_steps": self.num_skipped_steps}
+
+    def _set_counters(self, saved: dict[str, Any]) -> None:
+        self.global_step, self.num_skipped_steps = saved["global_step"], saved["num_skipped_steps"]
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's state in memory for this parallel layout (resharding: :meth:`save_checkpoint`):
         model chunks, optimizer, scheduler (not under ``forward_only``), step counters, RNG states.
         Memory: one copy of the optimizer's main parameters; the rest references live tensors."""
         self._require_initialized()
         self._require_onloaded("state_dict", "params", "optimizer")
-        state = {"model": [chunk.module.state_dict() for chunk in self.model]}
-        if self.optimizer is not None:
-            state["optimizer"] = optimizer_state_dict(self.optimizer)
-            state["scheduler"] = self.lr_scheduler.state_dict()
-        state.update(global_step=self.global_step, num_skipped_steps=self.num_skipped_steps, rng=rng_state())
-        return state
+        return {**capture_state(self.model, self.optimizer, self.lr_scheduler), **self._counters(),
+                "rng": rng_state()}
 
     def check_state_dict(self, state: dict[str, Any]) -> None:
         """``ValueError`` unless ``state`` (from :meth:`state_dict`) fits this engine exactly: the
         model chunks' parameter names and shapes, the optimizer's stepped parameter shapes (a
         ``forward_only`` engine checks the model only)."""
-        if len(state["model"]) != len(self.model):
-            raise ValueError(f"load_state_dict: checkpoint holds {len(state['model'])} model chunks, "
-                             f"engine has {len(self.model)}")
-        for i, (chunk, chunk_state) in enumerate(zip(self.model, state["model"], strict=True)):
-            ours, theirs = _shapes(chunk.module.state_dict()), _shapes(chunk_state)
-            if ours != theirs:
-                diff = sorted(set(ours.items()) ^ set(theirs.items()))[:4]
-                raise ValueError(f"load_state_dict: model chunk {i} differs from the checkpoint's "
-                                 f"(parameter names / shapes, first differences: {diff})")
-        if self.optimizer is None:
-            return
-        if "optimizer" not in state:
-            raise ValueError("load_state_dict: the state holds no optimizer (a forward_only engine's)")
-        shapes = optimizer_param_shapes(self.optimizer)
-        if len(shapes) != len(state["optimizer"]):
-            raise ValueError(f"load_state_dict: checkpoint holds {len(state['optimizer'])} optimizers, "
-                             f"engine has {len(shapes)}")
-        for ours, saved in zip(shapes, state["optimizer"], strict=True):
-            if ours != [tuple(p.shape) for p in saved["main_params"]]:
-                raise ValueError("load_state_dict: optimizer parameter shapes differ from the checkpoint's")
+        check_state(state, self.model, self.optimizer)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (checked by :meth:`check_state_dict` first),
-        including the process-global RNG states; a ``forward_only`` engine ignores the optimizer
-        and scheduler entries."""
+        """Restore what :meth:`state_dict` returned (checked first), including the process-global
+        RNG states; a ``forward_only`` engine ignores the optimizer and scheduler entries."""
         self._require_initialized()
         self._require_onloaded("load_state_dict", "params", "optimizer")
-        self.check_state_dict(state)
-        for chunk, chunk_state in zip(self.model, state["model"], strict=True):
-            chunk.module.load_state_dict(chunk_state, strict=True)
-        if self.optimizer is not None:
-            load_optimizer_state_dict(self.optimizer, state["optimizer"])
-            self.lr_scheduler.num_steps = 0  # load_state_dict adds the saved step count
-            self.lr_scheduler.load_state_dict(state["scheduler"])
-        self.global_step = state["global_step"]
-        self.num_skipped_steps = state["num_skipped_steps"]
+        restore_state(state, self.model, self.optimizer, self.lr_scheduler)
+        self._set_counters(state)
         set_rng_state(state["rng"])
 
     def _checkpoint_path(self, path: str | None) -> str:
@@ -434,21 +402,14 @@ class MegatronEngine:
             raise ValueError("checkpoint path is None and EngineConfig.checkpoint_dir is not set")
         return str(path)
 
-    def _checkpoint_layout(self):
-        return checkpoint_layout(self.config, dist.get_world_size() if dist.is_initialized() else 1)
-
     def save_checkpoint(self, path: str | None = None) -> None:
         """Collective: write model, optimizer, scheduler, step counters and RNG atomically to ``path``
         (default ``config.checkpoint_dir``, shared by all ranks) in the reshardable ``torch_dist`` format.
         A ``forward_only`` engine writes no optimizer or scheduler."""
         self._require_initialized()
         self._require_onloaded("save_checkpoint", "params", "optimizer")
-        common = {"global_step": self.global_step, "num_skipped_steps": self.num_skipped_steps}
-        if self.lr_scheduler is not None:
-            common["scheduler"] = self.lr_scheduler.state_dict()
-        save_engine_checkpoint(self._checkpoint_path(path), self.model, self.optimizer, common,
-                               layout=self._checkpoint_layout(), precision=self.config.precision,
-                               config=config_record(self.config), step=self.global_step)
+        save_engine_checkpoint(self._checkpoint_path(path), self.config, self.model, self.optimizer,
+                               self.lr_scheduler, self._counters())
 
     def load_checkpoint(self, path: str | None = None) -> None:
         """Collective: restore what ``save_checkpoint`` wrote, at this engine's layout (TP / PP / DP
@@ -458,11 +419,5 @@ class MegatronEngine:
         ``forward_only`` engine's starts its optimizer afresh and keeps its schedule."""
         self._require_initialized()
         self._require_onloaded("load_checkpoint", "params", "optimizer")
-        common = load_engine_checkpoint(self._checkpoint_path(path), self.model, self.optimizer,
-                                        layout=self._checkpoint_layout(), precision=self.config.precision,
-                                        config=config_record(self.config))
-        if self.lr_scheduler is not None and "scheduler" in common:
-            self.lr_scheduler.num_steps = 0  # load_state_dict adds the saved step count
-            self.lr_scheduler.load_state_dict(common["scheduler"])
-        self.global_step = common["global_step"]
-        self.num_skipped_steps = common["num_skipped_steps"]
+        self._set_counters(load_engine_checkpoint(self._checkpoint_path(path), self.config, self.model,
+                                                  self.optimizer, self.lr_scheduler))

@@ -31,19 +31,18 @@ import copy
 import json
 import os
 import queue
-import random
 import re
 import shutil
 import warnings
 from dataclasses import asdict
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from mcore_engine.config import EngineConfig
 from mcore_engine.parallel.platform import get_device
+from mcore_engine.state.engine_state import restore_scheduler, rng_state, set_rng_state
 
 __all__ = ["FORMAT", "IGNORED_CONFIG", "checkpoint_layout", "config_mismatch", "config_record",
            "load_engine_checkpoint", "rng_state", "save_engine_checkpoint", "set_rng_state"]
@@ -78,30 +77,7 @@ def _replaceable(folder: str) -> bool:
         _OUR_FILE.fullmatch(name) for name in os.listdir(folder))
 
 
-# ------------------------------------------------------------------ RNG, config, layout
-def rng_state() -> dict[str, Any]:
-    """This rank's RNG states: torch CPU, CUDA (when present), Python, NumPy, Megatron's tracker."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-             "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` returned (the process-global generators)."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
+# ------------------------------------------------------------------ config, layout
 def config_record(config: EngineConfig) -> dict[str, Any]:
     """``{"model": ModelConfig as dict, "parallel": ParallelConfig as dict}`` for the marker; with
     LoRA also ``"lora": {"base_model": the real path of model.hf_path}`` (an adapter checkpoint holds
@@ -138,10 +114,11 @@ def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> dict[str,
     return diff
 
 
-def checkpoint_layout(config: EngineConfig, world_size: int) -> dict[str, Any]:
-    """The parallel layout of ``config`` on ``world_size`` ranks (RNG states are per layout)."""
+def checkpoint_layout(config: EngineConfig) -> dict[str, Any]:
+    """The parallel layout of ``config`` on this world (RNG states are per layout)."""
     par = config.parallel
-    return {"world_size": world_size, "tp": par.tensor_model_parallel_size,
+    return {"world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "tp": par.tensor_model_parallel_size,
             "pp": par.pipeline_model_parallel_size, "vpp": par.virtual_pipeline_model_parallel_size,
             "ep": par.expert_model_parallel_size, "etp": par.expert_tensor_size,
             "cp": par.context_parallel_size,
@@ -200,11 +177,15 @@ def _in_process_write_results() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
-def save_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, common: dict[str, Any], *,
-                           layout: dict[str, Any], precision: str, config: dict[str, Any], step: int) -> None:
-    """Collective: write the model chunks, optimizer (``None``: none), ``common`` (plain, identical
-    on every rank) and this rank's RNG states into ``path`` atomically (module docstring)."""
+def save_engine_checkpoint(path: str, engine_config: EngineConfig, chunks: list[torch.nn.Module], optimizer,
+                           scheduler, counters: dict[str, int]) -> None:
+    """Collective: write the model chunks, optimizer and scheduler (``None``: none), ``counters``
+    (``global_step``, ``num_skipped_steps``) and this rank's RNG states into ``path`` atomically
+    (module docstring)."""
     from megatron.core import dist_checkpointing
+
+    layout, config = checkpoint_layout(engine_config), config_record(engine_config)
+    common = dict(counters) if scheduler is None else {**counters, "scheduler": scheduler.state_dict()}
 
     path = os.path.abspath(path)
     tmp, old = path + ".tmp", path + ".old"
@@ -234,7 +215,8 @@ def save_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, 
     error = None
     if rank == 0:
         try:
-            marker = {"format": FORMAT, "step": step, "layout": layout, "precision": precision,
+            marker = {"format": FORMAT, "step": counters["global_step"], "layout": layout,
+                      "precision": engine_config.precision,
                       "optimizer_state": stepped, "config": config}
             with open(os.path.join(tmp, MARKER), "w") as f:
                 json.dump(marker, f, indent=1)
@@ -474,18 +456,19 @@ def _load_fitted(state: dict[str, Any], path: str, optimizer) -> dict[str, Any]:
         setattr(serialization, name, original)
 
 
-def load_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, *, layout: dict[str, Any],
-                           precision: str, config: dict[str, Any]) -> dict[str, Any]:
+def load_engine_checkpoint(path: str, engine_config: EngineConfig, chunks: list[torch.nn.Module], optimizer,
+                           scheduler) -> dict[str, int]:
     """Collective: check ``path`` (module docstring; ``ValueError`` on every rank, nothing changed),
-    then load the model chunks and optimizer in place, restore the RNG states when ``layout`` is the
-    checkpoint's, and return the ``common`` dict the save was given. ``optimizer`` None: the model
-    part of any checkpoint."""
+    then load the model chunks, optimizer and scheduler in place, restore the RNG states when the
+    layout is the checkpoint's, and return the saved counters. ``optimizer`` None: the model part of
+    any checkpoint."""
     from mcore_engine.step.optimizer import init_optimizer_state, reset_optimizer_state
 
+    layout, config = checkpoint_layout(engine_config), config_record(engine_config)
     path = _resolve(os.path.abspath(path))
     marker, error = None, None
     try:
-        marker = _read_marker(path, config, precision)
+        marker = _read_marker(path, config, engine_config.precision)
         saved_dist, dist_opt = marker["layout"].get("distributed_optimizer"), layout["distributed_optimizer"]
         if optimizer is not None and marker["optimizer_state"] and saved_dist != dist_opt:
             raise ValueError(f"load_checkpoint: {path!r} holds the optimizer state of "
@@ -520,4 +503,7 @@ def load_engine_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, 
         reset_optimizer_state(optimizer)
     if same_layout:
         set_rng_state(loaded["rng"])
-    return loaded["engine"]
+    common = loaded["engine"]
+    if scheduler is not None and "scheduler" in common:
+        restore_scheduler(scheduler, common["scheduler"])
+    return {"global_step": common["global_step"], "num_skipped_steps": common["num_skipped_steps"]}
