@@ -297,7 +297,7 @@ def test_resharded_resume_and_bad_checkpoints(tmp_path):
 def test_only_vocab_rows_may_differ():
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from mcore_engine.state.checkpoint import _check_tensors
+    from mcore_engine.state.checkpoint_checks import check_tensors
 
     def tensors(rows: int, cols: int = 8, other: int = 8) -> dict:
         out = {}
@@ -309,8 +309,8 @@ def test_only_vocab_rows_may_differ():
         return out
 
     saved = tensors(300)
-    _check_tensors("ckpt", {k: tensors(400)[k] for k in ("emb", "w")}, saved, True)
+    check_tensors("ckpt", {k: tensors(400)[k] for k in ("emb", "w")}, saved, True)
     with pytest.raises(ValueError, match=r"3 tensors; first: \['emb shape \(300, 8\) vs \(400, 4\)"):
-        _check_tensors("ckpt", {k: tensors(400, cols=4)[k] for k in ("emb",)}, saved, True)
+        check_tensors("ckpt", {k: tensors(400, cols=4)[k] for k in ("emb",)}, saved, True)
     with pytest.raises(ValueError, match=r"w shape \(8, 8\) vs \(9, 8\)"):
-        _check_tensors("ckpt", {k: tensors(300, other=9)[k] for k in ("w",)}, saved, False)
+        check_tensors("ckpt", {k: tensors(300, other=9)[k] for k in ("w",)}, saved, False)
