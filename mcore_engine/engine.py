@@ -1,16 +1,14 @@
-"""MegatronEngine: Megatron-Core GPT training and inference on TensorDict batches (TP / PP / DP).
+"""MegatronEngine: Megatron-Core GPT training and inference on TensorDict batches (TP / PP / CP / DP).
 
-One ``train_batch``::
+A facade: each public method checks the engine's state and delegates. One ``train_batch``::
 
-    step = prepare_step(batch)            # flags, validation, micro-batches, packing, global counts
+    step = prepare_pass(batch)            # flags, validation, micro-batches, packing, global counts
     zero_grad()                           # after every DP rank accepted the batch
-    get_forward_backward_func()(forward_step, ...)   # loss_i = loss_function(outputs, data, ctx)
-    finalize: DP all-reduce (SUM), embedding / layer-norm grad all-reduces
-    gather_results()                      # outputs, loss, metrics: last stage -> every rank
+    run_schedule(step)                    # Megatron's schedule; outputs, loss, metrics on every rank
     optimizer_step()                      # clip; step, or skip on non-finite gradients
 
-``loss_i`` is divided by ``ctx.global_num_tokens`` and never averaged over micro-batches or DP, so
-the gradient is that of ``sum_{dp, mb} loss_i``.
+Set-up: ``parallel/wrap.py``; the step: ``step/`` (layout, prepare, schedule, lm_head, optimizer);
+state: ``state/`` (in-memory state, checkpoints, offload, adapters).
 """
 
 from __future__ import annotations
@@ -50,18 +48,18 @@ from mcore_engine.state.engine_state import (
 )
 from mcore_engine.state.offload import HostOffloader
 from mcore_engine.step.layout import StepLayout, step_layout
-from mcore_engine.step.lm_head import check_head_flags
 from mcore_engine.step.loss_guard import LossGuard
 from mcore_engine.step.optimizer import (
     build_optimizer,
     build_scheduler,
     step_optimizer,
 )
-from mcore_engine.step.prepare import LOSS_CONVENTIONS, PreparedStep, prepare_step
-from mcore_engine.step.schedule import LossFunction, Pass, eval_mode, run_schedule
+from mcore_engine.step.prepare import PreparedStep
+from mcore_engine.step.schedule import LossFunction, Pass, eval_mode, prepare_pass, run_schedule
 from mcore_engine.weight_sync import BucketMeta, bucket_named_tensors, iter_weight_buckets
 
 __all__ = ["MegatronEngine"]
+
 
 class MegatronEngine:
     """Megatron-Core GPT policy engine. After ``initialize()``: ``model`` (DDP-wrapped ``GPTModel``
@@ -164,15 +162,8 @@ class MegatronEngine:
     def _prepare(self, batch: TensorDictBase, logits_processor_func: Callable | None,
                  logits_func: Callable | None = None, loss_convention: str = "flat") -> PreparedStep:
         self._require_initialized()
-        if loss_convention not in LOSS_CONVENTIONS:
-            raise ValueError(f"loss_convention must be one of {LOSS_CONVENTIONS}, got {loss_convention!r}")
-        for name, func in (("logits_processor_func", logits_processor_func), ("logits_func", logits_func)):
-            if self.config.model.fused_lm_head and func is not None:
-                raise ValueError(f"{name} needs the logits, which model.fused_lm_head=True never builds; "
-                                 "use the built-in outputs or fused_lm_head: false")
-        step = prepare_step(batch, self._layout, has_logits_processor_func=logits_processor_func is not None)
-        check_head_flags(self.config, step.flags, logits_processor_func, logits_func)
-        return step
+        return prepare_pass(batch, self.config, self._layout, logits_processor_func=logits_processor_func,
+                            logits_func=logits_func, loss_convention=loss_convention)
 
     def _run(self, step: PreparedStep, loss_function: LossFunction | None, forward_only: bool,
              logits_processor_func: Callable | None, logits_func: Callable | None = None,

@@ -1,5 +1,6 @@
 """One pass of Megatron's pipeline schedule over a prepared step, and its per-micro-batch callbacks::
 
+    step = prepare_pass(batch)          # argument checks, prepare_step, the head's flag check
     store = get_forward_backward_func()(forward_step, micro_batches, ...)
         forward_step(mb):  output = model(mb.model_inputs)                 -> (output, loss_func)
         loss_func(output): outputs = lm_head_outputs(output, flags)        # per token, CP gathered
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 
 from mcore_engine.config import EngineConfig
 from mcore_engine.data.context_parallel import gather_tokens
@@ -31,10 +32,11 @@ from mcore_engine.layers.value_head import sequence_scores
 from mcore_engine.model.build import is_last_stage_chunk, output_hidden_states
 from mcore_engine.ops import scale_logits_by_temperature
 from mcore_engine.step.layout import StepLayout
-from mcore_engine.step.lm_head import lm_head_outputs, merge_logits_func
+from mcore_engine.step.lm_head import check_head_flags, lm_head_outputs, merge_logits_func
 from mcore_engine.step.loss_guard import LossGuard
 from mcore_engine.step.mtp import loss_with_mtp
 from mcore_engine.step.prepare import (
+    LOSS_CONVENTIONS,
     MicroBatch,
     PreparedStep,
     attention_mask,
@@ -45,9 +47,10 @@ from mcore_engine.step.prepare import (
     micro_batch_iterator,
     micro_batch_loss_result,
     micro_batch_outputs,
+    prepare_step,
 )
 
-__all__ = ["LossFunction", "Pass", "eval_mode", "forward_step", "run_schedule"]
+__all__ = ["LossFunction", "Pass", "eval_mode", "forward_step", "prepare_pass", "run_schedule"]
 
 LossFunction = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -67,6 +70,22 @@ class Pass:
     guard: LossGuard
     needs_grad: bool
     loss_convention: str = "flat"
+
+
+def prepare_pass(batch: TensorDictBase, config: EngineConfig, layout: StepLayout, *,
+                 logits_processor_func: Callable | None, logits_func: Callable | None = None,
+                 loss_convention: str = "flat") -> PreparedStep:
+    """:func:`prepare_step` after the checks of the pass's arguments, then the head's check of the
+    step flags (``ValueError``, the same on every rank)."""
+    if loss_convention not in LOSS_CONVENTIONS:
+        raise ValueError(f"loss_convention must be one of {LOSS_CONVENTIONS}, got {loss_convention!r}")
+    for name, func in (("logits_processor_func", logits_processor_func), ("logits_func", logits_func)):
+        if config.model.fused_lm_head and func is not None:
+            raise ValueError(f"{name} needs the logits, which model.fused_lm_head=True never builds; "
+                             "use the built-in outputs or fused_lm_head: false")
+    step = prepare_step(batch, layout, has_logits_processor_func=logits_processor_func is not None)
+    check_head_flags(config, step.flags, logits_processor_func, logits_func)
+    return step
 
 
 def _outputs_and_loss(run: Pass, mb: MicroBatch, model: torch.nn.Module, output: torch.Tensor):
