@@ -23,21 +23,14 @@ import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 
 from mcore_engine.config import EngineConfig
-from mcore_engine.hf import export_hf, iter_hf_tensors, load_hf_weights
-from mcore_engine.hf.export import precision_dtype
-from mcore_engine.hf.peft import write_adapter
+from mcore_engine.hf import load_hf_weights
 from mcore_engine.layers.lora import adapters_disabled
 from mcore_engine.model.build import build_model_chunks
 from mcore_engine.model.moe import MoERuntime
 from mcore_engine.parallel.platform import apply_cpu_device_layer, get_device, init_distributed
 from mcore_engine.parallel.wrap import wrap_model
 from mcore_engine.processor import process_lm_head_logits
-from mcore_engine.state.adapters import (
-    attach_lora,
-    gather_adapters,
-    iter_adapter_tensors,
-    merged_weight_overrides,
-)
+from mcore_engine.state.adapters import attach_lora
 from mcore_engine.state.checkpoint import load_engine_checkpoint, save_engine_checkpoint
 from mcore_engine.state.engine_state import (
     capture_state,
@@ -47,18 +40,25 @@ from mcore_engine.state.engine_state import (
     set_rng_state,
 )
 from mcore_engine.state.offload import HostOffloader
+from mcore_engine.state.weights import (
+    require_lora,
+    weight_buckets,
+    weight_tensors,
+    write_adapter_folder,
+    write_hf_folder,
+)
 from mcore_engine.step.layout import StepLayout, step_layout
 from mcore_engine.step.loss_guard import LossGuard
-from mcore_engine.step.optimizer import (
-    build_optimizer,
-    build_scheduler,
-    step_optimizer,
-)
+from mcore_engine.step.optimizer import build_optimizer, build_scheduler, step_optimizer
 from mcore_engine.step.prepare import PreparedStep
 from mcore_engine.step.schedule import LossFunction, Pass, eval_mode, prepare_pass, run_schedule
-from mcore_engine.weight_sync import BucketMeta, bucket_named_tensors, iter_weight_buckets
+from mcore_engine.weight_sync import BucketMeta
 
 __all__ = ["MegatronEngine"]
+
+
+def _parts(params: bool, grads: bool, optimizer: bool) -> list[str]:
+    return [name for name, on in (("params", params), ("grads", grads), ("optimizer", optimizer)) if on]
 
 
 class MegatronEngine:
@@ -116,7 +116,9 @@ class MegatronEngine:
                                "with forward_only=False to train")
 
     def _require_onloaded(self, what: str, *parts: str) -> None:
-        offloader = getattr(self, "_offloader", None)  # None before initialize()
+        """``RuntimeError`` before ``initialize()`` or while one of ``parts`` is offloaded."""
+        self._require_initialized()
+        offloader = getattr(self, "_offloader", None)  # None on a bare engine (tests)
         if offloader is not None:
             offloader.require(what, parts)
 
@@ -133,14 +135,12 @@ class MegatronEngine:
         calls that need an offloaded part raise ``RuntimeError``. A ``forward_only`` engine has only
         the parameters; the other parts have nothing to move."""
         self._require_initialized()
-        self._offloader.offload(name for name, on in
-                                (("params", params), ("grads", grads), ("optimizer", optimizer)) if on)
+        self._offloader.offload(_parts(params, grads, optimizer))
 
     def onload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
         """Bring the chosen offloaded parts back to the device, bit-identical."""
         self._require_initialized()
-        self._offloader.onload(name for name, on in
-                               (("params", params), ("grads", grads), ("optimizer", optimizer)) if on)
+        self._offloader.onload(_parts(params, grads, optimizer))
 
     # ------------------------------------------------------------------ logits -> per-token outputs
     def _lm_head_logits_processor(self, logits: torch.Tensor, label: torch.Tensor | None, temperature, *,
@@ -168,7 +168,6 @@ class MegatronEngine:
     def _run(self, step: PreparedStep, loss_function: LossFunction | None, forward_only: bool,
              logits_processor_func: Callable | None, logits_func: Callable | None = None,
              builtin_outputs: bool = True, loss_convention: str = "flat") -> TensorDict:
-        """Run the schedule over ``step``'s micro-batches; the outputs, loss and metrics on every rank."""
         if not forward_only:  # optimizer_step's empty_cache hook follows the last pass with gradients
             self._last_distillation_use_topk = step.flags.distillation_use_topk
         run = Pass(config=self.config, step=step, loss_function=loss_function,
@@ -185,21 +184,16 @@ class MegatronEngine:
                                forward_only: bool = False, *,
                                logits_processor_func: Callable | None = None,
                                loss_convention: str = "flat") -> TensorDict:
-        """Forward (and backward unless ``forward_only``) over all micro-batches; gradients
-        accumulate into the DDP grad buffers. Returns on every rank a TensorDict ``[B]``: per-token
-        outputs in the layout of ``input_ids``, non-tensor ``loss`` (global, 0-d) and ``metrics``
-        (summed over micro-batches and DP ranks). A loss function that raises or returns anything
-        but ``(0-d float loss requiring grad, {name: number or one-element tensor})`` fails the step
-        on every rank after the schedule, with the grad buffers zeroed. A ``forward_only`` engine
-        takes ``forward_only=True`` only and runs it under ``no_grad``.
-
-        ``loss_convention="flat"``: ``loss_function(outputs, data, ctx)``, per-token fields flat
-        ``[T]`` in packed order. ``"micro_batch"`` (verl): ``loss_function(model_output=, data=,
-        ctx=)``, outputs in the micro-batch's ``input_ids`` layout (jagged ``[b, j]``), ``data`` its
-        slice of ``batch``; its metrics come back unsummed as the non-tensor ``micro_batch_metrics``
-        (one entry per micro-batch, this DP rank's) instead of ``metrics``. ``forward_only=True``
-        runs in eval mode, like ``infer_batch`` (modes restored).
-        """
+        """Forward (and backward unless ``forward_only``, then in eval mode) over all micro-batches;
+        gradients accumulate into the DDP grad buffers. Returns on every rank a TensorDict ``[B]``:
+        per-token outputs in the layout of ``input_ids``, non-tensor ``loss`` (global, 0-d) and
+        ``metrics`` (summed over micro-batches and DP ranks). A loss function that raises or returns
+        anything but ``(0-d float loss requiring grad, {name: number or one-element tensor})`` fails
+        the step on every rank, with the grad buffers zeroed. ``loss_convention="flat"``:
+        ``loss_function(outputs, data, ctx)``, fields flat ``[T]`` in packed order; ``"micro_batch"``
+        (verl): ``loss_function(model_output=, data=, ctx=)`` in the micro-batch's ``input_ids``
+        layout, its metrics unsummed in ``micro_batch_metrics`` (one per micro-batch, this DP rank's).
+        A ``forward_only`` engine takes ``forward_only=True`` only (under ``no_grad``)."""
         if not forward_only:
             self._require_training("forward_backward_batch(forward_only=False)")
         if loss_function is None and not forward_only:
@@ -294,12 +288,8 @@ class MegatronEngine:
         MoE expert biases stay fp32: they only pick experts, and rounding them changes routing). No
         tensor shares storage with a live parameter (the receiver may keep, change or ``.numpy()``
         it). Memory: one gathered parameter (``adapter_only``: the adapters)."""
-        self._require_initialized()
         self._require_onloaded("per_tensor_generator", "params")
-        if adapter_only:
-            self._require_lora("per_tensor_generator(adapter_only=True)")
-            return iter_adapter_tensors(self.model, dtype=dtype or precision_dtype(self.config))
-        return iter_hf_tensors(self.model, self.config, dtype=dtype, overrides=self._merged(), keep_fp32=True)
+        return weight_tensors(self.model, self.config, dtype, adapter_only)
 
     def bucketed_weight_generator(self, bucket_bytes: int, dtype: torch.dtype | None = None, *,
                                   adapter_only: bool = False) -> Iterator[tuple[torch.Tensor, BucketMeta]]:
@@ -307,37 +297,23 @@ class MegatronEngine:
         most ``bucket_bytes`` (a larger tensor alone); ``weight_sync.unflatten_bucket`` splits one.
         Collective likewise; a bucket is valid until the next is requested. Memory: one bucket plus
         one gathered parameter. ``ValueError`` unless ``bucket_bytes`` is a positive int."""
-        self._require_initialized()
         self._require_onloaded("bucketed_weight_generator", "params")
-        if adapter_only:
-            self._require_lora("bucketed_weight_generator(adapter_only=True)")
-            named = list(iter_adapter_tensors(self.model, dtype=dtype or precision_dtype(self.config)))
-            return bucket_named_tensors(named, bucket_bytes)
-        return iter_weight_buckets(self.model, self.config, bucket_bytes, dtype=dtype,
-                                   overrides=self._merged())
+        return weight_buckets(self.model, self.config, bucket_bytes, dtype, adapter_only)
 
     def export_hf(self, out_dir: str | os.PathLike, **kwargs: Any) -> None:
         """Collective: write the model as a Hugging Face folder (safetensors + ``config.json``, the
         tokenizer files of ``model.hf_path`` when set; with LoRA the merged weights, what an inference
         engine without LoRA loads); ``kwargs``: ``dtype``, ``max_shard_bytes``."""
-        self._require_initialized()
         self._require_onloaded("export_hf", "params")
-        export_hf(self.model, self.config, out_dir, overrides=self._merged(), **kwargs)
+        write_hf_folder(self.model, self.config, out_dir, **kwargs)
 
     # ------------------------------------------------------------------ LoRA
-    def _require_lora(self, what: str) -> None:
-        if self.config.model.lora is None:
-            raise ValueError(f"{what} needs LoRA adapters: set EngineConfig.model.lora")
-
-    def _merged(self) -> dict | None:
-        return merged_weight_overrides(self.model) if self.config.model.lora is not None else None
-
     @contextlib.contextmanager
     def adapters_disabled(self) -> Iterator[None]:
         """Inside, every LoRA linear runs its base forward: ``infer_batch`` gives the base model's
         outputs (verl's reference policy from the actor: no second engine, no weight copy)."""
         self._require_initialized()
-        self._require_lora("adapters_disabled()")
+        require_lora(self.config, "adapters_disabled()")
         with adapters_disabled([chunk.module for chunk in self.model]):
             yield
 
@@ -345,16 +321,8 @@ class MegatronEngine:
         """Collective: write the LoRA adapters as a PEFT folder (``adapter_config.json`` +
         ``adapter_model.safetensors``, PEFT key names; ``PeftModel.from_pretrained`` and vLLM's LoRA
         loader read it) from global rank 0. ``dtype`` None: the training precision."""
-        self._require_initialized()
         self._require_onloaded("export_adapter", "params")
-        self._require_lora("export_adapter")
-        adapters = gather_adapters(self.model)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            m = self.config.model
-            write_adapter(out_dir, adapters, m.lora, swiglu=m.swiglu, base_model=m.hf_path,
-                          dtype=dtype or precision_dtype(self.config))
-        if dist.is_initialized():
-            dist.barrier()
+        write_adapter_folder(self.model, self.config, out_dir, dtype)
 
     # ------------------------------------------------------------------ state and checkpoints
     def _counters(self) -> dict[str, int]:
@@ -367,7 +335,6 @@ class MegatronEngine:
         """This rank's state in memory for this parallel layout (resharding: :meth:`save_checkpoint`):
         model chunks, optimizer, scheduler (not under ``forward_only``), step counters, RNG states.
         Memory: one copy of the optimizer's main parameters; the rest references live tensors."""
-        self._require_initialized()
         self._require_onloaded("state_dict", "params", "optimizer")
         return {**capture_state(self.model, self.optimizer, self.lr_scheduler), **self._counters(),
                 "rng": rng_state()}
@@ -381,7 +348,6 @@ class MegatronEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (checked first), including the process-global
         RNG states; a ``forward_only`` engine ignores the optimizer and scheduler entries."""
-        self._require_initialized()
         self._require_onloaded("load_state_dict", "params", "optimizer")
         restore_state(state, self.model, self.optimizer, self.lr_scheduler)
         self._set_counters(state)
@@ -397,7 +363,6 @@ class MegatronEngine:
         """Collective: write model, optimizer, scheduler, step counters and RNG atomically to ``path``
         (default ``config.checkpoint_dir``, shared by all ranks) in the reshardable ``torch_dist`` format.
         A ``forward_only`` engine writes no optimizer or scheduler."""
-        self._require_initialized()
         self._require_onloaded("save_checkpoint", "params", "optimizer")
         save_engine_checkpoint(self._checkpoint_path(path), self.config, self.model, self.optimizer,
                                self.lr_scheduler, self._counters())
@@ -408,7 +373,6 @@ class MegatronEngine:
         another model raises ``ValueError`` on every rank and leaves the engine untouched. A
         ``forward_only`` engine loads the model of any checkpoint; a training engine given a
         ``forward_only`` engine's starts its optimizer afresh and keeps its schedule."""
-        self._require_initialized()
         self._require_onloaded("load_checkpoint", "params", "optimizer")
         self._set_counters(load_engine_checkpoint(self._checkpoint_path(path), self.config, self.model,
                                                   self.optimizer, self.lr_scheduler))
