@@ -130,10 +130,9 @@ class MegatronEngine:
         return offloader.offloaded if offloader is not None else frozenset()
 
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
-        """Move the chosen parts (parameters, DDP grad buffers, optimizer state) to host memory
-        (pinned on CUDA) and free their device storage. Local to this rank. Until :meth:`onload`,
-        calls that need an offloaded part raise ``RuntimeError``. A ``forward_only`` engine has only
-        the parameters; the other parts have nothing to move."""
+        """Move the chosen parts to host memory (pinned on CUDA), freeing their device storage; local
+        to this rank. Until :meth:`onload`, calls that need an offloaded part raise ``RuntimeError``.
+        A ``forward_only`` engine has the parameters only."""
         self._require_initialized()
         self._offloader.offload(_parts(params, grads, optimizer))
 
@@ -243,9 +242,8 @@ class MegatronEngine:
                     builtin_outputs: bool = True, loss_convention: str = "flat") -> TensorDict:
         """Forward only, under ``no_grad`` and eval mode (modes restored): per-token outputs in the
         layout of ``input_ids``; gradients and the ``empty_cache`` hook untouched. ``logits_func(
-        student_logits=logits / temperature [..., V/tp], data={"teacher_ids", "teacher_logprobs"},
-        data_format=fmt)`` runs on every micro-batch and its per-token tensors join the outputs (a key
-        clash is a ``ValueError``); ``builtin_outputs=False`` returns only those."""
+        student_logits=logits / temperature, data={"teacher_ids", "teacher_logprobs"}, data_format)``
+        adds its per-token outputs (a key clash: ``ValueError``); ``builtin_outputs=False``: only those."""
         if not builtin_outputs and logits_func is None:
             raise ValueError("infer_batch: builtin_outputs=False needs a logits_func (nothing to compute)")
         self._require_onloaded("infer_batch", "params")
@@ -281,22 +279,20 @@ class MegatronEngine:
     # ------------------------------------------------------------------ weight export (Hugging Face names)
     def per_tensor_generator(self, dtype: torch.dtype | None = None, *, adapter_only: bool = False
                              ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Stream ``(hf_name, full_tensor)`` for the whole model in Hugging Face names and layouts
-        (TP shards gathered, vocab padding dropped; with LoRA the merged ``W + scaling B A``), or
-        with ``adapter_only`` only the LoRA adapters in PEFT key names. Collective over TP and PP:
-        every model-parallel rank consumes it to the end. ``dtype`` None: the training precision (the
-        MoE expert biases stay fp32: they only pick experts, and rounding them changes routing). No
-        tensor shares storage with a live parameter (the receiver may keep, change or ``.numpy()``
-        it). Memory: one gathered parameter (``adapter_only``: the adapters)."""
+        """``(hf_name, full_tensor)`` for the whole model (TP shards gathered, vocab padding dropped,
+        LoRA merged), or with ``adapter_only`` the adapters in PEFT key names. Collective over TP and
+        PP: every model-parallel rank consumes it to the end. ``dtype`` None: the training precision
+        (MoE expert biases stay fp32). No tensor shares storage with a live parameter. Memory: one
+        gathered parameter (``adapter_only``: the adapters)."""
         self._require_onloaded("per_tensor_generator", "params")
         return weight_tensors(self.model, self.config, dtype, adapter_only)
 
     def bucketed_weight_generator(self, bucket_bytes: int, dtype: torch.dtype | None = None, *,
                                   adapter_only: bool = False) -> Iterator[tuple[torch.Tensor, BucketMeta]]:
-        """``per_tensor_generator`` packed into ``(bucket, meta)``: flat 1-D buckets of one dtype, at
-        most ``bucket_bytes`` (a larger tensor alone); ``weight_sync.unflatten_bucket`` splits one.
-        Collective likewise; a bucket is valid until the next is requested. Memory: one bucket plus
-        one gathered parameter. ``ValueError`` unless ``bucket_bytes`` is a positive int."""
+        """``per_tensor_generator`` packed into flat 1-D ``(bucket, meta)`` of one dtype, at most
+        ``bucket_bytes`` (a larger tensor alone; ``weight_sync.unflatten_bucket`` splits one), each
+        valid until the next is requested (``ValueError`` unless ``bucket_bytes`` is a positive int).
+        Memory: one bucket plus one gathered parameter."""
         self._require_onloaded("bucketed_weight_generator", "params")
         return weight_buckets(self.model, self.config, bucket_bytes, dtype, adapter_only)
 
@@ -319,8 +315,7 @@ class MegatronEngine:
 
     def export_adapter(self, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
         """Collective: write the LoRA adapters as a PEFT folder (``adapter_config.json`` +
-        ``adapter_model.safetensors``, PEFT key names; ``PeftModel.from_pretrained`` and vLLM's LoRA
-        loader read it) from global rank 0. ``dtype`` None: the training precision."""
+        ``adapter_model.safetensors``) from global rank 0. ``dtype`` None: the training precision."""
         self._require_onloaded("export_adapter", "params")
         write_adapter_folder(self.model, self.config, out_dir, dtype)
 
@@ -368,11 +363,10 @@ class MegatronEngine:
                                self.lr_scheduler, self._counters())
 
     def load_checkpoint(self, path: str | None = None) -> None:
-        """Collective: restore what ``save_checkpoint`` wrote, at this engine's layout (TP / PP / DP
-        may differ; RNG states are restored only for the same layout). A torn checkpoint or one of
-        another model raises ``ValueError`` on every rank and leaves the engine untouched. A
-        ``forward_only`` engine loads the model of any checkpoint; a training engine given a
-        ``forward_only`` engine's starts its optimizer afresh and keeps its schedule."""
+        """Collective: restore what ``save_checkpoint`` wrote, at this engine's layout (RNG states for
+        the same layout only). A torn checkpoint or one of another model: ``ValueError`` on every
+        rank, the engine untouched. A training engine given a ``forward_only`` engine's checkpoint
+        starts its optimizer afresh and keeps its schedule."""
         self._require_onloaded("load_checkpoint", "params", "optimizer")
         self._set_counters(load_engine_checkpoint(self._checkpoint_path(path), self.config, self.model,
                                                   self.optimizer, self.lr_scheduler))

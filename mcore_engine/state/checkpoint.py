@@ -3,23 +3,19 @@
 Folder ``path/``::
 
     __<rank>_<i>.distcp, .metadata    sharded tensors (torch.distributed.checkpoint), global keys
-    common.pt, metadata.json          rank 0's plain entries; dist_checkpointing's backend record
-                                      (Megatron-Core >= 0.19 keeps the plain entries in the .distcp
-                                      files, as the sharded object ``common_state``: no common.pt)
+    common.pt, metadata.json          rank 0's plain entries (Megatron-Core >= 0.19: in the .distcp
+                                      files as ``common_state``, no common.pt); the backend record
     mcore_engine.json                 written last: format, step, layout, precision, config record
 
 Holds each model chunk's ``sharded_state_dict()`` (global layer and expert ids: any TP / PP / VPP /
 EP cut loads it), the optimizer's fp32 main weights and Adam moments (none before the first step;
 loading that clears Adam state), scheduler, step counters and each rank's RNG states (restored for
-the same layout only). A LoRA engine's checkpoint holds only the adapters and their optimizer state;
-the base comes from ``model.hf_path``, which the marker records and a load requires to be the same.
+the same layout only). A LoRA engine's checkpoint holds the adapters and their optimizer state only;
+the base is ``model.hf_path``, which the marker records and a load requires to be the same.
 
 A save writes ``path.tmp/``; rank 0 then writes the marker and swaps it in through ``path.old``, so
 a crash leaves a loadable checkpoint; a folder holding other files is never deleted. A load checks
-on every rank the marker, the config (:data:`IGNORED_CONFIG` aside), the storage files and every
-tensor's global shape and dtype before changing anything (``ValueError``); the vocab rows of the
-embeddings and output layer may differ, since their padding changes with TP (rows past the saved
-ones load as zeros). Shared filesystem assumed.
+everything first on every rank (:mod:`.checkpoint_checks`). Shared filesystem assumed.
 Memory: the distributed optimizer's ``fully_reshardable`` form gathers a DP group's optimizer state
 (once the model's fp32 state) on each of its ranks.
 """

@@ -1,6 +1,8 @@
-"""What a checkpoint load checks before it changes anything (``ValueError`` naming the problem):
-the marker (format, config, precision), the storage files (every byte the metadata records) and
-every tensor's global shape and dtype against the engine's model."""
+"""What a checkpoint load checks on every rank before it changes anything (``ValueError`` naming the
+problem): the marker (format, config less :data:`IGNORED_CONFIG`, precision), the storage files
+(every byte the metadata records) and every tensor's global shape and dtype against the engine's.
+The vocab rows of the embeddings and output layer may differ: their padding changes with TP (rows
+past the saved ones load as zeros)."""
 
 from __future__ import annotations
 
