@@ -1,16 +1,14 @@
-"""MegatronEngine: Megatron-Core GPT training and inference on TensorDict batches (TP / PP / DP).
+"""MegatronEngine: Megatron-Core GPT training and inference on TensorDict batches (TP / PP / CP / DP).
 
-One ``train_batch``::
+A facade: each public method checks the engine's state and delegates. One ``train_batch``::
 
-    step = prepare_step(batch)            # flags, validation, micro-batches, packing, global counts
+    step = prepare_pass(batch)            # flags, validation, micro-batches, packing, global counts
     zero_grad()                           # after every DP rank accepted the batch
-    get_forward_backward_func()(forward_step, ...)   # loss_i = loss_function(outputs, data, ctx)
-    finalize: DP all-reduce (SUM), embedding / layer-norm grad all-reduces
-    gather_results()                      # outputs, loss, metrics: last stage -> every rank
+    run_schedule(step)                    # Megatron's schedule; outputs, loss, metrics on every rank
     optimizer_step()                      # clip; step, or skip on non-finite gradients
 
-``loss_i`` is divided by ``ctx.global_num_tokens`` and never averaged over micro-batches or DP, so
-the gradient is that of ``sum_{dp, mb} loss_i``.
+Set-up: ``parallel/wrap.py``; the step: ``step/`` (layout, prepare, schedule, lm_head, optimizer);
+state: ``state/`` (in-memory state, checkpoints, offload, adapters).
 """
 
 from __future__ import annotations
@@ -18,130 +16,49 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
-    finalize_model_grads,
-)
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from tensordict import TensorDict, TensorDictBase
 
 from mcore_engine.config import EngineConfig
-from mcore_engine.data.context_parallel import gather_tokens
-from mcore_engine.hf import export_hf, iter_hf_tensors, load_hf_weights
-from mcore_engine.hf.export import precision_dtype
-from mcore_engine.hf.peft import write_adapter
+from mcore_engine.hf import load_hf_weights
 from mcore_engine.layers.lora import adapters_disabled
-from mcore_engine.layers.mtp import arm_mtp, pop_mtp_hidden
-from mcore_engine.layers.value_head import sequence_scores
-from mcore_engine.model.build import build_model_chunks, is_last_stage_chunk, output_hidden_states
+from mcore_engine.model.build import build_model_chunks
 from mcore_engine.model.moe import MoERuntime
-from mcore_engine.ops import scale_logits_by_temperature
 from mcore_engine.parallel.platform import apply_cpu_device_layer, get_device, init_distributed
+from mcore_engine.parallel.wrap import wrap_model
 from mcore_engine.processor import process_lm_head_logits
-from mcore_engine.state.adapters import (
-    attach_lora,
-    gather_adapters,
-    iter_adapter_tensors,
-    merged_weight_overrides,
-    sum_partial_adapter_grads,
-)
-from mcore_engine.state.checkpoint import (
-    checkpoint_layout,
-    config_record,
-    load_engine_checkpoint,
+from mcore_engine.state.adapters import attach_lora
+from mcore_engine.state.checkpoint import load_engine_checkpoint, save_engine_checkpoint
+from mcore_engine.state.engine_state import (
+    capture_state,
+    check_state,
+    restore_state,
     rng_state,
-    save_engine_checkpoint,
     set_rng_state,
 )
 from mcore_engine.state.offload import HostOffloader
-from mcore_engine.step.lm_head import check_head_flags, lm_head_outputs, merge_logits_func
+from mcore_engine.state.weights import (
+    require_lora,
+    weight_buckets,
+    weight_tensors,
+    write_adapter_folder,
+    write_hf_folder,
+)
+from mcore_engine.step.layout import StepLayout, step_layout
 from mcore_engine.step.loss_guard import LossGuard
-from mcore_engine.step.mtp import loss_with_mtp
-from mcore_engine.step.optimizer import (
-    build_optimizer,
-    build_scheduler,
-    load_optimizer_state_dict,
-    optimizer_param_shapes,
-    optimizer_state_dict,
-    step_optimizer,
-)
-from mcore_engine.step.prepare import (
-    LOSS_CONVENTIONS,
-    MicroBatch,
-    PreparedStep,
-    attention_mask,
-    collect_outputs,
-    gather_micro_batch_metrics,
-    gather_results,
-    loss_data,
-    micro_batch_iterator,
-    micro_batch_loss_result,
-    micro_batch_outputs,
-    prepare_step,
-)
-from mcore_engine.weight_sync import BucketMeta, bucket_named_tensors, iter_weight_buckets
+from mcore_engine.step.optimizer import build_optimizer, build_scheduler, step_optimizer
+from mcore_engine.step.prepare import PreparedStep
+from mcore_engine.step.schedule import LossFunction, Pass, eval_mode, prepare_pass, run_schedule
+from mcore_engine.weight_sync import BucketMeta
 
 __all__ = ["MegatronEngine"]
 
-LossFunction = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
-
-def _finalize_grads_without_token_rescale(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
-    """``finalize_model_grads`` with ``num_tokens=None`` (the loss is already globally normalised),
-    then the TP sum of LoRA's partial adapter gradients (nothing without them)."""
-    finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
-    sum_partial_adapter_grads(model)
-
-
-def _shapes(state: dict[str, Any]) -> dict[str, tuple]:
-    return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
-
-
-class _ForwardOnlyChunk(torch.nn.Module):
-    """A model chunk of a ``forward_only`` engine: the ``GPTModel`` as ``.module``, as under DDP,
-    without grad buffers or gradient hooks."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-
-def _broadcast_params(chunks: list[torch.nn.Module]) -> None:
-    """DDP's ``broadcast_params`` without DDP: every parameter from the first rank of its
-    data-parallel group (the expert data-parallel group for expert parameters)."""
-    for chunk in chunks:
-        for param in chunk.parameters():
-            if getattr(param, "allreduce", True):
-                group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-            else:
-                group = parallel_state.get_expert_data_parallel_group()
-            if dist.get_world_size(group) > 1:
-                dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
-
-
-@dataclass(frozen=True)
-class _Pass:
-    """What one forward(-backward) pass over a prepared step needs in the schedule's callbacks."""
-
-    step: PreparedStep
-    loss_function: LossFunction | None
-    logits_processor_func: Callable | None
-    logits_func: Callable | None
-    builtin_outputs: bool
-    guard: LossGuard
-    needs_grad: bool
-    loss_convention: str = "flat"
+def _parts(params: bool, grads: bool, optimizer: bool) -> list[str]:
+    return [name for name, on in (("params", params), ("grads", grads), ("optimizer", optimizer)) if on]
 
 
 class MegatronEngine:
@@ -160,7 +77,7 @@ class MegatronEngine:
         self._last_distillation_use_topk = False
         self._offloader: HostOffloader | None = None
         self._moe: MoERuntime | None = None
-        self._interleaved = (config.parallel.virtual_pipeline_model_parallel_size or 1) > 1
+        self._layout: StepLayout | None = None
 
     # ------------------------------------------------------------------ set-up
     def initialize(self) -> None:
@@ -179,37 +96,12 @@ class MegatronEngine:
         if cfg.model.lora is not None:  # frozen base (no grad buffer, no optimizer state) + adapters
             attach_lora(chunks, cfg)
         self._moe = MoERuntime(chunks, cfg) if cfg.model.moe is not None else None
-        pipelined = cfg.parallel.pipeline_model_parallel_size > 1
-        for chunk in chunks:
-            tcfg = chunk.config
-            tcfg.calculate_per_token_loss = True          # no 1/num_microbatches, no DP averaging
-            tcfg.finalize_model_grads_func = _finalize_grads_without_token_rescale
-            # 1F1B exchanges each micro-batch's shape; the interleaved schedule gets equally
-            # shaped micro-batches instead (mcore_engine.step.prepare).
-            tcfg.variable_seq_lengths = pipelined and not self._interleaved
-        if cfg.forward_only:  # parameters keep requires_grad: Megatron's frozen-weight matmul differs
-            _broadcast_params(chunks)
-            self.model = [_ForwardOnlyChunk(chunk) for chunk in chunks]
-        else:
-            ddp_config = DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
-            self.model = [DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk,
-                                                  disable_bucketing=i > 0)
-                          for i, chunk in enumerate(chunks)]
-            for chunk in self.model:
-                chunk.broadcast_params()
-            no_sync = [chunk.no_sync for chunk in self.model]
-            for chunk in chunks:
-                chunk.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-        if cfg.model.fused_lm_head:  # the last stage returns hidden states; see _lm_head_outputs
-            for chunk in chunks:
-                if getattr(chunk, "post_process", False):
-                    output_hidden_states(chunk)
+        self.model = wrap_model(chunks, cfg)
         if not cfg.forward_only:
             self.optimizer = build_optimizer(cfg, self.model)
             self.lr_scheduler = build_scheduler(cfg, self.optimizer)
         self._offloader = HostOffloader(self.model, self.optimizer)
+        self._layout = step_layout(cfg)
 
     def _require_initialized(self) -> None:
         if self.optimizer is None and not self.model:  # a forward_only engine has no optimizer
@@ -224,7 +116,9 @@ class MegatronEngine:
                                "with forward_only=False to train")
 
     def _require_onloaded(self, what: str, *parts: str) -> None:
-        offloader = getattr(self, "_offloader", None)  # None before initialize()
+        """``RuntimeError`` before ``initialize()`` or while one of ``parts`` is offloaded."""
+        self._require_initialized()
+        offloader = getattr(self, "_offloader", None)  # None on a bare engine (tests)
         if offloader is not None:
             offloader.require(what, parts)
 
@@ -236,19 +130,16 @@ class MegatronEngine:
         return offloader.offloaded if offloader is not None else frozenset()
 
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
-        """Move the chosen parts (parameters, DDP grad buffers, optimizer state) to host memory
-        (pinned on CUDA) and free their device storage. Local to this rank. Until :meth:`onload`,
-        calls that need an offloaded part raise ``RuntimeError``. A ``forward_only`` engine has only
-        the parameters; the other parts have nothing to move."""
+        """Move the chosen parts to host memory (pinned on CUDA), freeing their device storage; local
+        to this rank. Until :meth:`onload`, calls that need an offloaded part raise ``RuntimeError``.
+        A ``forward_only`` engine has the parameters only."""
         self._require_initialized()
-        self._offloader.offload(name for name, on in
-                                (("params", params), ("grads", grads), ("optimizer", optimizer)) if on)
+        self._offloader.offload(_parts(params, grads, optimizer))
 
     def onload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
         """Bring the chosen offloaded parts back to the device, bit-identical."""
         self._require_initialized()
-        self._offloader.onload(name for name, on in
-                               (("params", params), ("grads", grads), ("optimizer", optimizer)) if on)
+        self._offloader.onload(_parts(params, grads, optimizer))
 
     # ------------------------------------------------------------------ logits -> per-token outputs
     def _lm_head_logits_processor(self, logits: torch.Tensor, label: torch.Tensor | None, temperature, *,
@@ -266,174 +157,42 @@ class MegatronEngine:
             vocab_size=self.config.model.vocab_size,
             chunk_size=self.config.logits_chunk_size)
 
-    def _lm_head_outputs(self, model: torch.nn.Module, output: torch.Tensor, label: torch.Tensor | None,
-                         temperature, *, select: torch.Tensor | None = None,
-                         **kwargs) -> dict[str, torch.Tensor]:
-        """Per-token outputs of the output head, on every row or the ``select`` ones only
-        (:func:`mcore_engine.step.lm_head.lm_head_outputs`; logits through
-        :meth:`_lm_head_logits_processor`)."""
-        return lm_head_outputs(self.config, model, output, label, temperature,
-                               logits_processor=self._lm_head_logits_processor, select=select, **kwargs)
-
     # ------------------------------------------------------------------ one pass of the schedule
     def _prepare(self, batch: TensorDictBase, logits_processor_func: Callable | None,
                  logits_func: Callable | None = None, loss_convention: str = "flat") -> PreparedStep:
         self._require_initialized()
-        if loss_convention not in LOSS_CONVENTIONS:
-            raise ValueError(f"loss_convention must be one of {LOSS_CONVENTIONS}, got {loss_convention!r}")
-        for name, func in (("logits_processor_func", logits_processor_func), ("logits_func", logits_func)):
-            if self.config.model.fused_lm_head and func is not None:
-                raise ValueError(f"{name} needs the logits, which model.fused_lm_head=True never builds; "
-                                 "use the built-in outputs or fused_lm_head: false")
-        par = self.config.parallel
-        cp = par.context_parallel_size
-        step = prepare_step(
-            batch, vocab_size=self.config.model.vocab_size,
-            max_sequence_length=self.config.model.max_sequence_length, data_format=self.config.data_format,
-            default_micro_batch_size=self.config.micro_batch_size,
-            has_logits_processor_func=logits_processor_func is not None,
-            pad_multiple=(par.tensor_model_parallel_size if par.sequence_parallel else 1)
-            * (2 * cp if cp > 1 else 1),
-            min_num_micro_batches=par.pipeline_model_parallel_size if self._interleaved else 1,
-            device=get_device().torch_device, dp_group=parallel_state.get_data_parallel_group(),
-            common_shape=self._interleaved,
-            # expert parallelism's token all-to-all spans DP ranks: one micro-batch count for them
-            micro_batch_count_group=parallel_state.get_expert_tensor_and_model_parallel_group()
-            if self.config.model.moe is not None else None,
-            context_parallel=(cp, parallel_state.get_context_parallel_rank(),
-                              parallel_state.get_context_parallel_group()) if cp > 1 else (1, 0, None))
-        self._check_head_flags(step.flags, logits_processor_func, logits_func)
-        return step
-
-    def _check_head_flags(self, flags, logits_processor_func: Callable | None,
-                          logits_func: Callable | None) -> None:
-        """``ValueError`` for step flags the output head cannot serve (same on every rank)."""
-        check_head_flags(self.config, flags, logits_processor_func, logits_func)
-
-    def _outputs_and_loss(self, run: _Pass, mb: MicroBatch, model: torch.nn.Module, output: torch.Tensor):
-        """``(loss_function's result, (detached outputs, micro_batch metrics or None))``."""
-        inp, flags, fmt = mb.model_inputs, run.step.flags, self.config.data_format
-        teacher = {"teacher_ids": inp.teacher_ids, "teacher_logprobs": inp.teacher_logprobs}
-        outputs = {}
-        if run.builtin_outputs:
-            outputs = self._lm_head_outputs(
-                model, output, inp.labels, inp.temperature, calculate_entropy=flags.calculate_entropy,
-                calculate_sum_pi_squared=flags.calculate_sum_pi_squared,
-                distillation_use_topk=flags.distillation_use_topk, distillation_only=flags.distillation_only,
-                logits_processor_func=run.logits_processor_func, batch=teacher, data_format=fmt,
-                select=inp.loss_mask if flags.outputs_on_loss_mask_only else None,
-                log_prob_min_clamp=flags.distillation_log_prob_min_clamp)
-        if run.logits_func is not None:
-            outputs = merge_logits_func(outputs, run.logits_func(
-                student_logits=scale_logits_by_temperature(output, inp.temperature), data=teacher,
-                data_format=fmt))
-        if mb.cp is not None:  # every CP rank's tokens, in the whole pack's layout (the loss sees CP = 1)
-            outputs = {k: gather_tokens(v, mb.cp) for k, v in outputs.items()}
-        kept = {k: v.detach() for k, v in outputs.items()}
-        by_micro_batch = run.loss_convention == "micro_batch"
-        if run.loss_function is None:
-            return (output.new_zeros((), dtype=torch.float32), {}), (kept, {} if by_micro_batch else None)
-        if by_micro_batch:
-            result, metrics = micro_batch_loss_result(run.loss_function(
-                model_output=micro_batch_outputs(outputs, mb), data=mb.data, ctx=run.step.ctx))
-            return result, (kept, metrics)
-        flat = {k: v.reshape(-1) for k, v in outputs.items()}
-        return run.loss_function(flat, loss_data(mb), run.step.ctx), (kept, None)
-
-    def _loss_func(self, run: _Pass, mb: MicroBatch, model: torch.nn.Module, output: torch.Tensor, *,
-                   mtp_hidden: list[torch.Tensor] | None = None):
-        """Megatron's loss callback: ``(loss, num_tokens, record for gather_results)``."""
-        compute = partial(self._outputs_and_loss, run, mb, model, output)
-        if mtp_hidden is not None:  # the multi-token prediction term joins the loss, inside the guard
-            compute = partial(loss_with_mtp, compute, self.config, model, mtp_hidden, mb, run.step.ctx,
-                              self._lm_head_logits_processor)
-        loss, metrics, extra = run.guard.run(compute, output, needs_grad=run.needs_grad)
-        kept, raw = extra if extra is not None else (None, None)
-        record = {"index": mb.index, "loss": loss.detach(), "metrics": metrics, "outputs": kept,
-                  "raw_metrics": raw}
-        return loss, mb.inputs.loss_mask.sum().to(torch.int), record
-
-    def _forward_step(self, run: _Pass, data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
-        """Megatron's forward step: the model's output and the loss callback for it."""
-        mb = next(data_iterator)
-        inp = mb.model_inputs
-        model_cfg = self.config.model
-        if not model_cfg.fused_lm_head and model_cfg.head == "lm" and is_last_stage_chunk(model):
-            output_hidden_states(model, enable=run.step.flags.outputs_on_loss_mask_only)  # rows to select
-        # the SDPA core attention masks causally by itself (no [b, 1, S, S] mask)
-        mask = attention_mask(mb) if model_cfg.core_attention == "local" else None
-        # MTP modules (last stage) run in training passes only (layers/mtp.py, step/mtp.py)
-        arm_mtp(model, run.needs_grad and model_cfg.mtp_loss_scaling_factor > 0)
-        output = model(input_ids=inp.input_ids, position_ids=inp.position_ids,
-                       attention_mask=mask, packed_seq_params=inp.packed_seq_params)
-        return output, partial(self._loss_func, run, mb, model, mtp_hidden=pop_mtp_hidden(model))
+        return prepare_pass(batch, self.config, self._layout, logits_processor_func=logits_processor_func,
+                            logits_func=logits_func, loss_convention=loss_convention)
 
     def _run(self, step: PreparedStep, loss_function: LossFunction | None, forward_only: bool,
              logits_processor_func: Callable | None, logits_func: Callable | None = None,
              builtin_outputs: bool = True, loss_convention: str = "flat") -> TensorDict:
-        """Run the schedule over ``step``'s micro-batches; the outputs, loss and metrics on every rank."""
         if not forward_only:  # optimizer_step's empty_cache hook follows the last pass with gradients
             self._last_distillation_use_topk = step.flags.distillation_use_topk
-        run = _Pass(step=step, loss_function=loss_function, logits_processor_func=logits_processor_func,
-                    logits_func=logits_func, builtin_outputs=builtin_outputs, guard=LossGuard(),
-                    needs_grad=not forward_only and torch.is_grad_enabled(), loss_convention=loss_convention)
-        iterators = [micro_batch_iterator(step) for _ in self.model]
-        if self._moe is not None:  # aux-loss scale, router replay / recording (mcore_engine.model.moe)
-            self._moe.begin(step, training=not forward_only)
-        store = get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, run),
-            data_iterator=iterators if len(iterators) > 1 else iterators[0],
-            model=self.model if len(self.model) > 1 else self.model[0],
-            num_microbatches=len(step.micro_batches), seq_length=step.max_seq_len,
-            micro_batch_size=step.max_rows, forward_only=forward_only)
-        try:
-            run.guard.raise_if_failed()
-        except Exception:
-            if not forward_only:  # drop the partial accumulation: the documented failure state
-                self.zero_grad()
-            raise
-
-        per_mb, loss, metrics = gather_results(
-            step, store, is_last_stage=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
-            pp_group=parallel_state.get_pipeline_model_parallel_group(),
-            pp_last_rank=parallel_state.get_pipeline_model_parallel_last_rank(),
-            dp_group=parallel_state.get_data_parallel_group(), device=get_device().torch_device)
-        out = TensorDict({}, batch_size=[step.batch_size])
-        for key, value in collect_outputs(step, per_mb).items():
-            out.set(key, value)
-        if self.config.model.head == "value" and per_mb and not step.flags.outputs_on_loss_mask_only:
-            out.set("scores", sequence_scores(per_mb, step.micro_batches, step.order))
-        out.set_non_tensor("loss", loss)
-        out.set_non_tensor("metrics", metrics)
-        if self._moe is not None:  # routed_experts per token, router metrics
-            self._moe.finish_into(out, step)
-        if loss_convention == "micro_batch":
-            out.set_non_tensor("micro_batch_metrics", gather_micro_batch_metrics(
-                store, num_micro_batches=len(step.micro_batches),
-                pp_group=parallel_state.get_pipeline_model_parallel_group(),
-                pp_last_rank=parallel_state.get_pipeline_model_parallel_last_rank()))
-        return out
+        run = Pass(config=self.config, step=step, loss_function=loss_function,
+                   logits_processor=self._lm_head_logits_processor,
+                   logits_processor_func=logits_processor_func, logits_func=logits_func,
+                   builtin_outputs=builtin_outputs, guard=LossGuard(),
+                   needs_grad=not forward_only and torch.is_grad_enabled(), loss_convention=loss_convention)
+        # a failed loss drops the partial accumulation: the documented failure state
+        return run_schedule(self.model, run, self._layout, forward_only=forward_only, moe=self._moe,
+                            on_failure=None if forward_only else self.zero_grad)
 
     # ------------------------------------------------------------------ public steps
     def forward_backward_batch(self, batch: TensorDictBase, loss_function: LossFunction | None,
                                forward_only: bool = False, *,
                                logits_processor_func: Callable | None = None,
                                loss_convention: str = "flat") -> TensorDict:
-        """Forward (and backward unless ``forward_only``) over all micro-batches; gradients
-        accumulate into the DDP grad buffers. Returns on every rank a TensorDict ``[B]``: per-token
-        outputs in the layout of ``input_ids``, non-tensor ``loss`` (global, 0-d) and ``metrics``
-        (summed over micro-batches and DP ranks). A loss function that raises or returns anything
-        but ``(0-d float loss requiring grad, {name: number or one-element tensor})`` fails the step
-        on every rank after the schedule, with the grad buffers zeroed. A ``forward_only`` engine
-        takes ``forward_only=True`` only and runs it under ``no_grad``.
-
-        ``loss_convention="flat"``: ``loss_function(outputs, data, ctx)``, per-token fields flat
-        ``[T]`` in packed order. ``"micro_batch"`` (verl): ``loss_function(model_output=, data=,
-        ctx=)``, outputs in the micro-batch's ``input_ids`` layout (jagged ``[b, j]``), ``data`` its
-        slice of ``batch``; its metrics come back unsummed as the non-tensor ``micro_batch_metrics``
-        (one entry per micro-batch, this DP rank's) instead of ``metrics``. ``forward_only=True``
-        runs in eval mode, like ``infer_batch`` (modes restored).
-        """
+        """Forward (and backward unless ``forward_only``, then in eval mode) over all micro-batches;
+        gradients accumulate into the DDP grad buffers. Returns on every rank a TensorDict ``[B]``:
+        per-token outputs in the layout of ``input_ids``, non-tensor ``loss`` (global, 0-d) and
+        ``metrics`` (summed over micro-batches and DP ranks). A loss function that raises or returns
+        anything but ``(0-d float loss requiring grad, {name: number or one-element tensor})`` fails
+        the step on every rank, with the grad buffers zeroed. ``loss_convention="flat"``:
+        ``loss_function(outputs, data, ctx)``, fields flat ``[T]`` in packed order; ``"micro_batch"``
+        (verl): ``loss_function(model_output=, data=, ctx=)`` in the micro-batch's ``input_ids``
+        layout, its metrics unsummed in ``micro_batch_metrics`` (one per micro-batch, this DP rank's).
+        A ``forward_only`` engine takes ``forward_only=True`` only (under ``no_grad``)."""
         if not forward_only:
             self._require_training("forward_backward_batch(forward_only=False)")
         if loss_function is None and not forward_only:
@@ -441,22 +200,9 @@ class MegatronEngine:
         self._require_onloaded("forward_backward_batch", "params", *(() if forward_only else ("grads",)))
         step = self._prepare(batch, logits_processor_func, loss_convention=loss_convention)
         with (torch.no_grad() if self.config.forward_only else contextlib.nullcontext(),
-              self._eval_mode() if forward_only else contextlib.nullcontext()):
+              eval_mode(self.model) if forward_only else contextlib.nullcontext()):
             return self._run(step, loss_function, forward_only, logits_processor_func,
                              loss_convention=loss_convention)
-
-    @contextlib.contextmanager
-    def _eval_mode(self) -> Iterator[None]:
-        """Every module of the chunks in eval mode (no dropout; Megatron's MoELayer takes TP > 1
-        without SP), each module's own mode restored after."""
-        modes = [(module, module.training) for chunk in self.model for module in chunk.modules()]
-        for chunk in self.model:
-            chunk.eval()
-        try:
-            yield
-        finally:
-            for module, training in modes:
-                module.training = training
 
     def zero_grad(self) -> None:
         """Zero the DDP grad buffers and the optimizer's main grads."""
@@ -496,14 +242,13 @@ class MegatronEngine:
                     builtin_outputs: bool = True, loss_convention: str = "flat") -> TensorDict:
         """Forward only, under ``no_grad`` and eval mode (modes restored): per-token outputs in the
         layout of ``input_ids``; gradients and the ``empty_cache`` hook untouched. ``logits_func(
-        student_logits=logits / temperature [..., V/tp], data={"teacher_ids", "teacher_logprobs"},
-        data_format=fmt)`` runs on every micro-batch and its per-token tensors join the outputs (a key
-        clash is a ``ValueError``); ``builtin_outputs=False`` returns only those."""
+        student_logits=logits / temperature, data={"teacher_ids", "teacher_logprobs"}, data_format)``
+        adds its per-token outputs (a key clash: ``ValueError``); ``builtin_outputs=False``: only those."""
         if not builtin_outputs and logits_func is None:
             raise ValueError("infer_batch: builtin_outputs=False needs a logits_func (nothing to compute)")
         self._require_onloaded("infer_batch", "params")
         step = self._prepare(batch, logits_processor_func, logits_func, loss_convention)
-        with self._eval_mode():
+        with eval_mode(self.model):
             return self._run(step, loss_function, True, logits_processor_func, logits_func, builtin_outputs,
                              loss_convention)
 
@@ -534,129 +279,73 @@ class MegatronEngine:
     # ------------------------------------------------------------------ weight export (Hugging Face names)
     def per_tensor_generator(self, dtype: torch.dtype | None = None, *, adapter_only: bool = False
                              ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Stream ``(hf_name, full_tensor)`` for the whole model in Hugging Face names and layouts
-        (TP shards gathered, vocab padding dropped; with LoRA the merged ``W + scaling B A``), or
-        with ``adapter_only`` only the LoRA adapters in PEFT key names. Collective over TP and PP:
-        every model-parallel rank consumes it to the end. ``dtype`` None: the training precision (the
-        MoE expert biases stay fp32: they only pick experts, and rounding them changes routing). No
-        tensor shares storage with a live parameter (the receiver may keep, change or ``.numpy()``
-        it). Memory: one gathered parameter (``adapter_only``: the adapters)."""
-        self._require_initialized()
+        """``(hf_name, full_tensor)`` for the whole model (TP shards gathered, vocab padding dropped,
+        LoRA merged), or with ``adapter_only`` the adapters in PEFT key names. Collective over TP and
+        PP: every model-parallel rank consumes it to the end. ``dtype`` None: the training precision
+        (MoE expert biases stay fp32). No tensor shares storage with a live parameter. Memory: one
+        gathered parameter (``adapter_only``: the adapters)."""
         self._require_onloaded("per_tensor_generator", "params")
-        if adapter_only:
-            self._require_lora("per_tensor_generator(adapter_only=True)")
-            return iter_adapter_tensors(self.model, dtype=dtype or precision_dtype(self.config))
-        return iter_hf_tensors(self.model, self.config, dtype=dtype, overrides=self._merged(), keep_fp32=True)
+        return weight_tensors(self.model, self.config, dtype, adapter_only)
 
     def bucketed_weight_generator(self, bucket_bytes: int, dtype: torch.dtype | None = None, *,
                                   adapter_only: bool = False) -> Iterator[tuple[torch.Tensor, BucketMeta]]:
-        """``per_tensor_generator`` packed into ``(bucket, meta)``: flat 1-D buckets of one dtype, at
-        most ``bucket_bytes`` (a larger tensor alone); ``weight_sync.unflatten_bucket`` splits one.
-        Collective likewise; a bucket is valid until the next is requested. Memory: one bucket plus
-        one gathered parameter. ``ValueError`` unless ``bucket_bytes`` is a positive int."""
-        self._require_initialized()
+        """``per_tensor_generator`` packed into flat 1-D ``(bucket, meta)`` of one dtype, at most
+        ``bucket_bytes`` (a larger tensor alone; ``weight_sync.unflatten_bucket`` splits one), each
+        valid until the next is requested (``ValueError`` unless ``bucket_bytes`` is a positive int).
+        Memory: one bucket plus one gathered parameter."""
         self._require_onloaded("bucketed_weight_generator", "params")
-        if adapter_only:
-            self._require_lora("bucketed_weight_generator(adapter_only=True)")
-            named = list(iter_adapter_tensors(self.model, dtype=dtype or precision_dtype(self.config)))
-            return bucket_named_tensors(named, bucket_bytes)
-        return iter_weight_buckets(self.model, self.config, bucket_bytes, dtype=dtype,
-                                   overrides=self._merged())
+        return weight_buckets(self.model, self.config, bucket_bytes, dtype, adapter_only)
 
     def export_hf(self, out_dir: str | os.PathLike, **kwargs: Any) -> None:
         """Collective: write the model as a Hugging Face folder (safetensors + ``config.json``, the
         tokenizer files of ``model.hf_path`` when set; with LoRA the merged weights, what an inference
         engine without LoRA loads); ``kwargs``: ``dtype``, ``max_shard_bytes``."""
-        self._require_initialized()
         self._require_onloaded("export_hf", "params")
-        export_hf(self.model, self.config, out_dir, overrides=self._merged(), **kwargs)
+        write_hf_folder(self.model, self.config, out_dir, **kwargs)
 
     # ------------------------------------------------------------------ LoRA
-    def _require_lora(self, what: str) -> None:
-        if self.config.model.lora is None:
-            raise ValueError(f"{what} needs LoRA adapters: set EngineConfig.model.lora")
-
-    def _merged(self) -> dict | None:
-        return merged_weight_overrides(self.model) if self.config.model.lora is not None else None
-
     @contextlib.contextmanager
     def adapters_disabled(self) -> Iterator[None]:
         """Inside, every LoRA linear runs its base forward: ``infer_batch`` gives the base model's
         outputs (verl's reference policy from the actor: no second engine, no weight copy)."""
         self._require_initialized()
-        self._require_lora("adapters_disabled()")
+        require_lora(self.config, "adapters_disabled()")
         with adapters_disabled([chunk.module for chunk in self.model]):
             yield
 
     def export_adapter(self, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
         """Collective: write the LoRA adapters as a PEFT folder (``adapter_config.json`` +
-        ``adapter_model.safetensors``, PEFT key names; ``PeftModel.from_pretrained`` and vLLM's LoRA
-        loader read it) from global rank 0. ``dtype`` None: the training precision."""
-        self._require_initialized()
+        ``adapter_model.safetensors``) from global rank 0. ``dtype`` None: the training precision."""
         self._require_onloaded("export_adapter", "params")
-        self._require_lora("export_adapter")
-        adapters = gather_adapters(self.model)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            m = self.config.model
-            write_adapter(out_dir, adapters, m.lora, swiglu=m.swiglu, base_model=m.hf_path,
-                          dtype=dtype or precision_dtype(self.config))
-        if dist.is_initialized():
-            dist.barrier()
+        write_adapter_folder(self.model, self.config, out_dir, dtype)
 
     # ------------------------------------------------------------------ state and checkpoints
+    def _counters(self) -> dict[str, int]:
+        return {"global_step": self.global_step, "num_skipped_steps": self.num_skipped_steps}
+
+    def _set_counters(self, saved: dict[str, Any]) -> None:
+        self.global_step, self.num_skipped_steps = saved["global_step"], saved["num_skipped_steps"]
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's state in memory for this parallel layout (resharding: :meth:`save_checkpoint`):
         model chunks, optimizer, scheduler (not under ``forward_only``), step counters, RNG states.
         Memory: one copy of the optimizer's main parameters; the rest references live tensors."""
-        self._require_initialized()
         self._require_onloaded("state_dict", "params", "optimizer")
-        state = {"model": [chunk.module.state_dict() for chunk in self.model]}
-        if self.optimizer is not None:
-            state["optimizer"] = optimizer_state_dict(self.optimizer)
-            state["scheduler"] = self.lr_scheduler.state_dict()
-        state.update(global_step=self.global_step, num_skipped_steps=self.num_skipped_steps, rng=rng_state())
-        return state
+        return {**capture_state(self.model, self.optimizer, self.lr_scheduler), **self._counters(),
+                "rng": rng_state()}
 
     def check_state_dict(self, state: dict[str, Any]) -> None:
         """``ValueError`` unless ``state`` (from :meth:`state_dict`) fits this engine exactly: the
         model chunks' parameter names and shapes, the optimizer's stepped parameter shapes (a
         ``forward_only`` engine checks the model only)."""
-        if len(state["model"]) != len(self.model):
-            raise ValueError(f"load_state_dict: checkpoint holds {len(state['model'])} model chunks, "
-                             f"engine has {len(self.model)}")
-        for i, (chunk, chunk_state) in enumerate(zip(self.model, state["model"], strict=True)):
-            ours, theirs = _shapes(chunk.module.state_dict()), _shapes(chunk_state)
-            if ours != theirs:
-                diff = sorted(set(ours.items()) ^ set(theirs.items()))[:4]
-                raise ValueError(f"load_state_dict: model chunk {i} differs from the checkpoint's "
-                                 f"(parameter names / shapes, first differences: {diff})")
-        if self.optimizer is None:
-            return
-        if "optimizer" not in state:
-            raise ValueError("load_state_dict: the state holds no optimizer (a forward_only engine's)")
-        shapes = optimizer_param_shapes(self.optimizer)
-        if len(shapes) != len(state["optimizer"]):
-            raise ValueError(f"load_state_dict: checkpoint holds {len(state['optimizer'])} optimizers, "
-                             f"engine has {len(shapes)}")
-        for ours, saved in zip(shapes, state["optimizer"], strict=True):
-            if ours != [tuple(p.shape) for p in saved["main_params"]]:
-                raise ValueError("load_state_dict: optimizer parameter shapes differ from the checkpoint's")
+        check_state(state, self.model, self.optimizer)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (checked by :meth:`check_state_dict` first),
-        including the process-global RNG states; a ``forward_only`` engine ignores the optimizer
-        and scheduler entries."""
-        self._require_initialized()
+        """Restore what :meth:`state_dict` returned (checked first), including the process-global
+        RNG states; a ``forward_only`` engine ignores the optimizer and scheduler entries."""
         self._require_onloaded("load_state_dict", "params", "optimizer")
-        self.check_state_dict(state)
-        for chunk, chunk_state in zip(self.model, state["model"], strict=True):
-            chunk.module.load_state_dict(chunk_state, strict=True)
-        if self.optimizer is not None:
-            load_optimizer_state_dict(self.optimizer, state["optimizer"])
-            self.lr_scheduler.num_steps = 0  # load_state_dict adds the saved step count
-            self.lr_scheduler.load_state_dict(state["scheduler"])
-        self.global_step = state["global_step"]
-        self.num_skipped_steps = state["num_skipped_steps"]
+        restore_state(state, self.model, self.optimizer, self.lr_scheduler)
+        self._set_counters(state)
         set_rng_state(state["rng"])
 
     def _checkpoint_path(self, path: str | None) -> str:
@@ -665,35 +354,19 @@ class MegatronEngine:
             raise ValueError("checkpoint path is None and EngineConfig.checkpoint_dir is not set")
         return str(path)
 
-    def _checkpoint_layout(self):
-        return checkpoint_layout(self.config, dist.get_world_size() if dist.is_initialized() else 1)
-
     def save_checkpoint(self, path: str | None = None) -> None:
         """Collective: write model, optimizer, scheduler, step counters and RNG atomically to ``path``
         (default ``config.checkpoint_dir``, shared by all ranks) in the reshardable ``torch_dist`` format.
         A ``forward_only`` engine writes no optimizer or scheduler."""
-        self._require_initialized()
         self._require_onloaded("save_checkpoint", "params", "optimizer")
-        common = {"global_step": self.global_step, "num_skipped_steps": self.num_skipped_steps}
-        if self.lr_scheduler is not None:
-            common["scheduler"] = self.lr_scheduler.state_dict()
-        save_engine_checkpoint(self._checkpoint_path(path), self.model, self.optimizer, common,
-                               layout=self._checkpoint_layout(), precision=self.config.precision,
-                               config=config_record(self.config), step=self.global_step)
+        save_engine_checkpoint(self._checkpoint_path(path), self.config, self.model, self.optimizer,
+                               self.lr_scheduler, self._counters())
 
     def load_checkpoint(self, path: str | None = None) -> None:
-        """Collective: restore what ``save_checkpoint`` wrote, at this engine's layout (TP / PP / DP
-        may differ; RNG states are restored only for the same layout). A torn checkpoint or one of
-        another model raises ``ValueError`` on every rank and leaves the engine untouched. A
-        ``forward_only`` engine loads the model of any checkpoint; a training engine given a
-        ``forward_only`` engine's starts its optimizer afresh and keeps its schedule."""
-        self._require_initialized()
+        """Collective: restore what ``save_checkpoint`` wrote, at this engine's layout (RNG states for
+        the same layout only). A torn checkpoint or one of another model: ``ValueError`` on every
+        rank, the engine untouched. A training engine given a ``forward_only`` engine's checkpoint
+        starts its optimizer afresh and keeps its schedule."""
         self._require_onloaded("load_checkpoint", "params", "optimizer")
-        common = load_engine_checkpoint(self._checkpoint_path(path), self.model, self.optimizer,
-                                        layout=self._checkpoint_layout(), precision=self.config.precision,
-                                        config=config_record(self.config))
-        if self.lr_scheduler is not None and "scheduler" in common:
-            self.lr_scheduler.num_steps = 0  # load_state_dict adds the saved step count
-            self.lr_scheduler.load_state_dict(common["scheduler"])
-        self.global_step = common["global_step"]
-        self.num_skipped_steps = common["num_skipped_steps"]
+        self._set_counters(load_engine_checkpoint(self._checkpoint_path(path), self.config, self.model,
+                                                  self.optimizer, self.lr_scheduler))

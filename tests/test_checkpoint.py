@@ -21,12 +21,14 @@ so every TP change also changes the padded vocab (W0's padding rows are zero bey
 - one rank: TP=2 -> TP=1, DP=2 -> DP=1 with the distributed optimizer; a checkpoint saved before the
   first step resets the Adam state; the folder protocol (overwrite leaves one folder, a folder that
   is not a checkpoint is never replaced, a crashed save's leftovers are ignored, a save that crashed
-  between its renames loads the previous checkpoint with a warning).
+  between its renames loads the previous checkpoint with a warning); the in-memory state dict
+  restores the next step bit for bit and refuses a state of other chunks or shapes.
 - no launch: only the vocab rows of vocab-padded tensors may differ from the checkpoint's.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 
@@ -262,6 +264,22 @@ def _one_rank(rank: int, world_size: int, tmp: str) -> None:
     engine.save_checkpoint(path)
     assert sorted(os.listdir(f"{tmp}/proto")) == ["ckpt"]
 
+    # in memory, this layout: state_dict -> a step -> load_state_dict restores all, the step repeats
+    saved, before = copy.deepcopy(engine.state_dict()), engine_snapshot(engine, counters=True)
+    again = _step(engine, 3)
+    engine.load_state_dict(saved)
+    assert_identical(engine_snapshot(engine, counters=True), before, "load_state_dict")
+    _same_step(_step(engine, 3), again, "the step after load_state_dict", exact=True)
+    with pytest.raises(ValueError, match="2 model chunks, engine has 1"):
+        engine.check_state_dict({**saved, "model": saved["model"] * 2})
+    emb = "embedding.word_embeddings.weight"
+    shrunk = [{k: v[:1] if k == emb else v for k, v in saved["model"][0].items()}]
+    with pytest.raises(ValueError, match="model chunk 0 differs"):
+        engine.load_state_dict({**saved, "model": shrunk})
+    saved["optimizer"][0]["main_params"] = saved["optimizer"][0]["main_params"][1:]
+    with pytest.raises(ValueError, match="optimizer parameter shapes differ"):
+        engine.check_state_dict(saved)
+
     user = f"{tmp}/proto/results"
     os.makedirs(user)
     with open(f"{user}/notes.txt", "w") as f:
@@ -279,7 +297,7 @@ def test_resharded_resume_and_bad_checkpoints(tmp_path):
 def test_only_vocab_rows_may_differ():
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from mcore_engine.state.checkpoint import _check_tensors
+    from mcore_engine.state.checkpoint_checks import check_tensors
 
     def tensors(rows: int, cols: int = 8, other: int = 8) -> dict:
         out = {}
@@ -291,8 +309,8 @@ def test_only_vocab_rows_may_differ():
         return out
 
     saved = tensors(300)
-    _check_tensors("ckpt", {k: tensors(400)[k] for k in ("emb", "w")}, saved, True)
+    check_tensors("ckpt", {k: tensors(400)[k] for k in ("emb", "w")}, saved, True)
     with pytest.raises(ValueError, match=r"3 tensors; first: \['emb shape \(300, 8\) vs \(400, 4\)"):
-        _check_tensors("ckpt", {k: tensors(400, cols=4)[k] for k in ("emb",)}, saved, True)
+        check_tensors("ckpt", {k: tensors(400, cols=4)[k] for k in ("emb",)}, saved, True)
     with pytest.raises(ValueError, match=r"w shape \(8, 8\) vs \(9, 8\)"):
-        _check_tensors("ckpt", {k: tensors(300, other=9)[k] for k in ("w",)}, saved, False)
+        check_tensors("ckpt", {k: tensors(300, other=9)[k] for k in ("w",)}, saved, False)

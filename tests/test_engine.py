@@ -136,6 +136,13 @@ def test_loss_result_is_checked():
         guard.raise_if_failed()
 
 
+def _one_rank_layout():
+    from mcore_engine.step.layout import StepLayout
+
+    return StepLayout(vocab_size=250, max_sequence_length=64, data_format="thd", default_micro_batch_size=1,
+                      device=torch.device("cpu"))
+
+
 def test_gather_results_reads_the_host_once():
     from mcore_engine.step.prepare import gather_results
 
@@ -149,8 +156,7 @@ def test_gather_results_reads_the_host_once():
     with mock.patch.object(torch.Tensor, "tolist", new=lambda t: reads.append(1) or real_tolist(t)), \
             mock.patch.object(torch.Tensor, "item", side_effect=AssertionError("item()")), \
             mock.patch.object(torch.Tensor, "__float__", side_effect=AssertionError("float()")):
-        _, loss, metrics = gather_results(None, store, is_last_stage=True, pp_group=None, pp_last_rank=0,
-                                          dp_group=None, device=torch.device("cpu"))
+        _, loss, metrics = gather_results(None, store, _one_rank_layout())
     assert reads == [1], f"{len(reads)} host reads"
     assert metrics == {"tokens": 12.0, "x": 2.0} and loss.dtype == torch.float32 and float(loss) == 1.75
 
@@ -169,10 +175,8 @@ def test_token_counts_are_exact_beyond_float32():
         return dataclasses.replace(inputs, loss_mask=torch.ones((), dtype=torch.int64).expand(next(counts)))
 
     with mock.patch.object(step_module, "pack_micro_batch", side_effect=pack):
-        step = step_module.prepare_step(
-            make_batch(3, 3, micro_batch_size_per_gpu=1), vocab_size=250, max_sequence_length=64,
-            data_format="thd", default_micro_batch_size=1, has_logits_processor_func=False, pad_multiple=1,
-            min_num_micro_batches=1, device=torch.device("cpu"), dp_group=None)
+        step = step_module.prepare_step(make_batch(3, 3, micro_batch_size_per_gpu=1), _one_rank_layout(),
+                                        has_logits_processor_func=False)
     # exact 2**24 + 3, rounded once to float32 (LossContext's dtype)
     assert step.ctx.global_num_tokens.item() == float(torch.tensor(2**24 + 3.0).float())
     assert step.ctx.global_num_tokens.item() != 2**24
@@ -359,6 +363,8 @@ def _check_custom_topk_processor_and_distillation_ppo_loss(s: _Setup) -> None:
 def _check_infer_logits_func(s: _Setup) -> None:
     """logits_func runs whatever the flags, on the temperature-scaled logits, merged with the
     built-in outputs or (builtin_outputs=False) alone; infer_batch restores the train / eval mode."""
+    import mcore_engine.step.schedule as schedule
+
     engine = s.restored()
 
     def row_stats(student_logits, data, data_format):
@@ -377,7 +383,7 @@ def _check_infer_logits_func(s: _Setup) -> None:
             hot.set_non_tensor("temperature", temperature)
         else:
             hot.set("temperature", temperature)
-        with mock.patch.object(engine, "_lm_head_outputs", wraps=engine._lm_head_outputs) as builtin:
+        with mock.patch.object(schedule, "lm_head_outputs", wraps=schedule.lm_head_outputs) as builtin:
             only = engine.infer_batch(hot, logits_func=row_stats, builtin_outputs=False)
         builtin.assert_not_called()
         assert set(only.keys()) - {"loss", "metrics"} == {"max_logit", "top2"}, sorted(only.keys())

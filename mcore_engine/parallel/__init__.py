@@ -1,1 +1,2 @@
-"""Device and process-group bring-up (NCCL / gloo), the CPU device layer and CPU collectives."""
+"""Device and process-group bring-up (NCCL / gloo), the CPU device layer and CPU collectives, model
+wrapping (DDP)."""

@@ -1,1 +1,2 @@
-"""Where the engine's state goes: distributed checkpoints, host offload, LoRA adapters."""
+"""Where the engine's state goes: in-memory state, distributed checkpoints, host offload, weight
+export, LoRA adapters."""

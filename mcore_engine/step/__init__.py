@@ -1,2 +1,3 @@
-"""The train / infer step's internals: batch preparation into micro-batches, the lm-head outputs,
-the loss guard, MTP losses and the optimizer."""
+"""The train / infer step's internals: the layout's fixed values, batch preparation into
+micro-batches, the schedule and its callbacks, the lm-head outputs, the loss guard, MTP losses and
+the optimizer."""

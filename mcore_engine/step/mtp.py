@@ -28,6 +28,7 @@ import torch
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from mcore_engine.data.context_parallel import ContextParallelSplit, gather_tokens
+from mcore_engine.data.flags import StepFlags
 from mcore_engine.step.lm_head import lm_head_outputs
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = ["MTP_METRIC", "loss_with_mtp", "mtp_loss", "shift_in_sequence"]
 
 MTP_METRIC = "mtp_loss"
+_LOG_PROBS_ONLY = StepFlags()
 
 
 def shift_in_sequence(t: torch.Tensor, slot_sequence: torch.Tensor, k: int) -> torch.Tensor:
@@ -71,10 +73,8 @@ def mtp_loss(config: EngineConfig, model: torch.nn.Module, hidden: list[torch.Te
                                                                          _cp_share(mask, mb.cp))
         if config.parallel.sequence_parallel:  # the lm-head runs on the gathered sequence, as the trunk's
             h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False)
-        out = lm_head_outputs(config, model, h.transpose(0, 1), local_labels, 1.0,
-                              logits_processor=logits_processor, select=local_mask, calculate_entropy=False,
-                              calculate_sum_pi_squared=False, distillation_use_topk=False,
-                              distillation_only=False)
+        out = lm_head_outputs(config, model, h.transpose(0, 1), local_labels, 1.0, _LOG_PROBS_ONLY,
+                              logits_processor=logits_processor, select=local_mask)
         log_probs = out["log_probs"]
         if mb.cp is not None:
             log_probs = gather_tokens(log_probs, mb.cp)

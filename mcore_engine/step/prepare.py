@@ -8,7 +8,7 @@
 
 A bad batch on one DP rank raises on every rank (the others a ``ValueError`` naming it). Counts
 travel as float64; the context holds float32 0-d tensors. The interleaved schedule needs fixed
-shapes, so every micro-batch is padded to one model shape (``common_shape=True``, ``loss_mask`` 0).
+shapes, so every micro-batch is padded to one model shape (``layout.common_shape``, ``loss_mask`` 0).
 Memory: the packed inputs of all micro-batches, O(tokens); one bshd mask ``[b, 1, S, S]`` at a time.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from mcore_engine.data.micro_batching import merge_micro_batches, split_micro_ba
 from mcore_engine.data.packing import ModelInputs, flatten_per_token, pack_micro_batch, unpack_per_token
 from mcore_engine.data.validation import validate_batch
 from mcore_engine.losses.context import LossContext
+from mcore_engine.step.layout import StepLayout
 
 __all__ = ["LOSS_CONVENTIONS", "MicroBatch", "PreparedStep", "attention_mask", "collect_outputs",
            "gather_micro_batch_metrics", "gather_results", "micro_batch_iterator", "micro_batch_loss_result",
@@ -75,48 +77,41 @@ class PreparedStep:
     """Largest model-layout row count over the micro-batches (1 for thd, b for bshd)."""
 
 
-def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length: int, data_format: str,
-                 default_micro_batch_size: int, has_logits_processor_func: bool, pad_multiple: int,
-                 min_num_micro_batches: int, device: torch.device,
-                 dp_group: Any, common_shape: bool = False, micro_batch_count_group: Any = None,
-                 context_parallel: tuple[int, int, Any] = (1, 0, None)) -> PreparedStep:
+def prepare_step(batch: TensorDictBase, layout: StepLayout, *,
+                 has_logits_processor_func: bool) -> PreparedStep:
     """Validate and pack ``batch`` for one step; one host sync beyond ``validate_batch``'s. The
-    micro-batch count is a multiple of ``min_num_micro_batches``. Teacher tensors are required under
-    ``distillation_use_topk`` unless a custom logits processor brings its own. ``context_parallel``
-    ``(size, rank, group)``: each micro-batch also gets this rank's share (``pad_multiple`` must be
-    a multiple of ``2 * size``; :mod:`mcore_engine.data.context_parallel`). ``micro_batch_count_group``
-    (MoE expert parallelism: each micro-batch's token all-to-all spans data-parallel ranks, those of
-    Megatron's expert-tensor-and-model-parallel group): its ranks split into the largest count of any
-    (one all-reduce of one number), as verl does for its Megatron engine; a rank whose batch cannot
-    give that many fails the step on every rank by name."""
+    micro-batch count is a multiple of ``layout.min_num_micro_batches``. Teacher tensors are required
+    under ``distillation_use_topk`` unless a custom logits processor brings its own. At CP > 1 each
+    micro-batch also gets this rank's share (:mod:`mcore_engine.data.context_parallel`). The ranks of
+    ``layout.micro_batch_count_group`` split into the largest count of any (one all-reduce of one
+    number), as verl does; a rank whose batch cannot give that many fails the step by name."""
+    device, dp_group, parts = layout.device, layout.dp_group, layout.min_num_micro_batches
+    split = partial(split_micro_batches, batch, default_micro_batch_size=layout.default_micro_batch_size)
     error: Exception | None = None
     prepared = None
     local_tokens = torch.zeros((), dtype=torch.float64, device=device)
     local_seqs = 0
     try:
         flags = parse_step_flags(batch)
-        validate_batch(batch, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
+        validate_batch(batch, vocab_size=layout.vocab_size, max_sequence_length=layout.max_sequence_length,
                        require_teacher=flags.distillation_use_topk and not has_logits_processor_func)
-        mbs, order = split_micro_batches(batch, flags, default_micro_batch_size=default_micro_batch_size,
-                                         min_num_micro_batches=1)
-        if len(mbs) % min_num_micro_batches and flags.use_dynamic_bsz:  # more, smaller micro-batches
-            parts = -(-len(mbs) // min_num_micro_batches) * min_num_micro_batches
-            mbs, order = split_micro_batches(batch, flags, default_micro_batch_size=default_micro_batch_size,
-                                             min_num_micro_batches=parts)
-        if len(mbs) % min_num_micro_batches:
-            raise ValueError(f"the interleaved pipeline schedule needs a multiple of {min_num_micro_batches} "
+        mbs, order = split(flags, min_num_micro_batches=1)
+        if len(mbs) % parts and flags.use_dynamic_bsz:  # more, smaller micro-batches
+            mbs, order = split(flags, min_num_micro_batches=-(-len(mbs) // parts) * parts)
+        if len(mbs) % parts:
+            raise ValueError(f"the interleaved pipeline schedule needs a multiple of {parts} "
                              f"(pipeline_model_parallel_size) micro-batches, the batch gives {len(mbs)}: "
                              "change micro_batch_size_per_gpu or the number of sequences")
     except Exception as exc:  # any failure, not only validation: the other DP ranks must hear of it
         error = exc
     dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
-    if micro_batch_count_group is not None and dist.get_world_size(micro_batch_count_group) > 1:
+    count_group = layout.micro_batch_count_group
+    if count_group is not None and dist.get_world_size(count_group) > 1:
         count = torch.tensor(0 if error is not None else len(mbs), dtype=torch.int64, device=device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=micro_batch_count_group)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=count_group)
         if error is None and len(mbs) != int(count):
             try:
-                mbs, order = split_micro_batches(batch, flags, num_micro_batches=int(count),
-                                                 default_micro_batch_size=default_micro_batch_size)
+                mbs, order = split(flags, num_micro_batches=int(count))
             except Exception as exc:
                 error = exc
     try:
@@ -124,8 +119,8 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
             raise error
         micro_batches, start = [], 0
         for i, mb in enumerate(mbs):
-            inputs = pack_micro_batch(mb, data_format=data_format, temperature=flags.temperature,
-                                      pad_multiple=pad_multiple, device=device)
+            inputs = pack_micro_batch(mb, data_format=layout.data_format, temperature=flags.temperature,
+                                      pad_multiple=layout.pad_multiple, device=device)
             b = mb.batch_size[0]
             sample_ids = torch.tensor(order[start:start + b], dtype=torch.int64)
             start += b
@@ -133,11 +128,11 @@ def prepare_step(batch: TensorDictBase, *, vocab_size: int, max_sequence_length:
                 index=i, data=mb, inputs=dataclasses.replace(inputs, attention_mask=None),
                 sample_ids=sample_ids))
             local_tokens = local_tokens + inputs.loss_mask.sum(dtype=torch.float64)
-        if common_shape:
+        if layout.common_shape:
             shape = tuple(max(int(mb.inputs.input_ids.shape[d]) for mb in micro_batches) for d in (0, 1))
             micro_batches = [dataclasses.replace(mb, inputs=pad_inputs(mb.inputs, shape), model_inputs=None)
                              for mb in micro_batches]
-        cp_size, cp_rank, cp_group = context_parallel
+        cp_size, cp_rank, cp_group = layout.context_parallel
         if cp_size > 1:
             micro_batches = [_with_cp_share(mb, cp_size, cp_rank, cp_group) for mb in micro_batches]
         local_seqs = batch.batch_size[0]
@@ -271,10 +266,11 @@ def micro_batch_loss_result(result: Any) -> tuple[tuple[Any, dict], dict[str, An
     return (loss, {}), kept
 
 
-def gather_micro_batch_metrics(store: list[dict[str, Any]], *, num_micro_batches: int, pp_group: Any,
-                               pp_last_rank: int) -> list[dict[str, Any]]:
+def gather_micro_batch_metrics(step: PreparedStep, store: list[dict[str, Any]], layout: StepLayout
+                               ) -> list[dict[str, Any]]:
     """One metrics dict per micro-batch (this DP rank's) from the last stage's ``store``; with PP > 1
     broadcast to the other stages (one object broadcast)."""
+    pp_group, pp_last_rank, num_micro_batches = layout.pp_group, layout.pp_last_rank, len(step.micro_batches)
     metrics = [r["raw_metrics"] for r in sorted(store, key=lambda r: r["index"])]
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         box = [metrics]
@@ -299,14 +295,15 @@ def collect_outputs(step: PreparedStep, per_mb: list[dict[str, torch.Tensor]]) -
     return out
 
 
-def gather_results(step: PreparedStep, store: list[dict[str, Any]], *, is_last_stage: bool, pp_group: Any,
-                   pp_last_rank: int, dp_group: Any, device: torch.device
+def gather_results(step: PreparedStep, store: list[dict[str, Any]], layout: StepLayout
                    ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor, dict[str, float]]:
     """Per-micro-batch outputs (model layout), global loss (0-d) and global metrics on every rank,
     from ``store`` (the last stage's records; empty elsewhere). Loss and metrics are contributions:
     their sum over micro-batches and DP ranks is the global value. PP > 1: the last stage broadcasts
     the metrics (one object) and each output key (one flat tensor). One host sync (a float64
     ``[num_micro_batches, 1 + num_metrics]`` sum). Memory: one flat copy of the outputs."""
+    is_last_stage, pp_group, pp_last_rank = layout.is_last_stage, layout.pp_group, layout.pp_last_rank
+    dp_group, device = layout.dp_group, layout.device
     meta: dict[str, Any] | None = None
     per_mb: list[dict[str, torch.Tensor]] = []
     if is_last_stage:
