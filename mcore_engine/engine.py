@@ -7,7 +7,7 @@ A facade: each public method checks the engine's state and delegates. One ``trai
     run_schedule(step)                    # Megatron's schedule; outputs, loss, metrics on every rank
     optimizer_step()                      # clip; step, or skip on non-finite gradients
 
-Set-up: ``parallel/wrap.py``; the step: ``step/`` (layout, prepare, schedule, lm_head, optimizer);
+Set-up: ``model/wrap.py``; the step: ``step/`` (layout, prepare, schedule, lm_head, optimizer);
 state: ``state/`` (in-memory state, checkpoints, offload, adapters).
 """
 
@@ -27,8 +27,8 @@ from mcore_engine.hf import load_hf_weights
 from mcore_engine.layers.lora import adapters_disabled
 from mcore_engine.model.build import build_model_chunks
 from mcore_engine.model.moe import MoERuntime
+from mcore_engine.model.wrap import wrap_model
 from mcore_engine.parallel.platform import apply_cpu_device_layer, get_device, init_distributed
-from mcore_engine.parallel.wrap import wrap_model
 from mcore_engine.processor import process_lm_head_logits
 from mcore_engine.state.adapters import attach_lora
 from mcore_engine.state.checkpoint import load_engine_checkpoint, save_engine_checkpoint

@@ -6,10 +6,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.utils import get_pg_size
 from torch import Tensor
@@ -27,7 +29,7 @@ from mcore_engine.layers.lora_linear import (
 
 __all__ = ["LINEAR_PROJECTIONS", "LORA_TP_PARTIAL_GRAD", "ColumnLayout", "LoRAColumnParallelLinear",
            "LoRARowParallelLinear", "LoRAShard", "adapter_shards", "adapters_disabled", "apply_lora",
-           "load_adapters", "lora_modules", "set_adapters_enabled"]
+           "load_adapters", "lora_modules", "set_adapters_enabled", "sum_partial_adapter_grads"]
 
 LoRALinear = LoRAColumnParallelLinear | LoRARowParallelLinear
 
@@ -183,3 +185,20 @@ def load_adapters(model: torch.nn.Module | Iterable[torch.nn.Module],
             plan.append((m, p, a, b))
     for m, p, a, b in plan:
         m.load_full(p, a, b)
+
+
+def sum_partial_adapter_grads(model_chunks: Sequence[torch.nn.Module]) -> None:
+    """SUM over TP the ``main_grad`` of every trainable parameter marked ``lora_tp_partial_grad``
+    (one coalesced all-reduce; nothing without TP or without such parameters)."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return
+    grads = [p.main_grad for chunk in model_chunks for p in getattr(chunk, "module", chunk).parameters()
+             if p.requires_grad and getattr(p, LORA_TP_PARTIAL_GRAD, False)
+             and getattr(p, "main_grad", None) is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(part.view_as(g))

@@ -1,1 +1,2 @@
-"""The Megatron-Core ``GPTModel`` built from the config: layer spec choice, MoE runtime, MTP."""
+"""The Megatron-Core ``GPTModel`` from the config: transformer config, layer spec, MoE runtime and
+routing replay, the output head, and its wrapping (DDP or forward-only)."""

@@ -41,7 +41,6 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
 from megatron.core.transformer.moe.router import TopKRouter
-from tensordict import TensorDictBase
 
 from mcore_engine.config import EngineConfig
 from mcore_engine.model.routing import ROUTING_KEY, RoutingReplay, has_routing, validate_routing
@@ -159,19 +158,6 @@ class MoERuntime:
         self._held_counts = None if training else [r.local_tokens_per_expert.clone()
                                                    for r in self._bias_routers]
         self._armed = True
-
-    def finish_into(self, out: TensorDictBase, step: Any) -> None:
-        """Add ``routed_experts`` (``input_ids``' layout + ``[L, k]``) and the router metrics to a
-        step's output TensorDict ``out``; disarms (collective over PP and DP)."""
-        from mcore_engine.step.prepare import collect_outputs
-
-        try:
-            per_mb, metrics = self.finish()
-        finally:
-            self.reset()
-        for key, value in collect_outputs(step, per_mb).items():
-            out.set(key, value)
-        out.set_non_tensor("metrics", {**out.get_non_tensor("metrics"), **metrics})
 
     def finish(self) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
         """Per micro-batch ``{"routed_experts": [rows, cols, L, k]}`` (model layout; every layer

@@ -1,2 +1,1 @@
-"""Device and process-group bring-up (NCCL / gloo), the CPU device layer and CPU collectives, model
-wrapping (DDP)."""
+"""Device and process-group bring-up (NCCL / gloo), the CPU device layer and CPU collectives."""

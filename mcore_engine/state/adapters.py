@@ -1,6 +1,5 @@
 """LoRA in the engine (``ModelConfig.lora``): :func:`attach_lora` freezes the base (no grad buffer, no
-optimizer state), applies the adapters and loads ``adapter_path``; :func:`sum_partial_adapter_grads`
-SUMs the replicated adapters' partial gradients over TP (one coalesced all-reduce);
+optimizer state), applies the adapters and loads ``adapter_path``;
 :func:`gather_adapters` / :func:`iter_adapter_tensors` give the full adapters (collective over TP and
 PP); :func:`merged_weight_overrides` the merged ``W + scaling B A`` for exports. Memory: the adapters;
 one merged weight at a time.
@@ -17,15 +16,13 @@ from megatron.core import parallel_state
 from mcore_engine.config import EngineConfig
 from mcore_engine.hf.peft import Adapters, peft_key, read_adapter
 from mcore_engine.layers.lora import (
-    LORA_TP_PARTIAL_GRAD,
     adapter_shards,
     apply_lora,
     load_adapters,
     lora_modules,
 )
 
-__all__ = ["attach_lora", "gather_adapters", "iter_adapter_tensors", "merged_weight_overrides",
-           "sum_partial_adapter_grads"]
+__all__ = ["attach_lora", "gather_adapters", "iter_adapter_tensors", "merged_weight_overrides"]
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -64,23 +61,6 @@ def _projection_shapes(cfg: EngineConfig) -> dict[str, tuple[int, int]]:
     h, f = m.hidden_size, m.ffn_size
     return {"q": (m.num_attention_heads * d, h), "k": (m.query_groups * d, h), "v": (m.query_groups * d, h),
             "o": (h, m.num_attention_heads * d), "gate": (f, h), "up": (f, h), "down": (h, f)}
-
-
-def sum_partial_adapter_grads(model_chunks: Sequence[torch.nn.Module]) -> None:
-    """SUM over TP the ``main_grad`` of every trainable parameter marked ``lora_tp_partial_grad``
-    (one coalesced all-reduce; nothing without TP or without such parameters)."""
-    group = parallel_state.get_tensor_model_parallel_group()
-    if dist.get_world_size(group) == 1:
-        return
-    grads = [p.main_grad for chunk in model_chunks for p in _unwrap(chunk).parameters()
-             if p.requires_grad and getattr(p, LORA_TP_PARTIAL_GRAD, False)
-             and getattr(p, "main_grad", None) is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-        g.copy_(part.view_as(g))
 
 
 def _gather_dim(t: torch.Tensor, dim: int | None) -> torch.Tensor:

@@ -175,8 +175,14 @@ def run_schedule(chunks: list[torch.nn.Module], run: Pass, layout: StepLayout, *
         out.set("scores", sequence_scores(per_mb, step.micro_batches, step.order))
     out.set_non_tensor("loss", loss)
     out.set_non_tensor("metrics", metrics)
-    if moe is not None:  # routed_experts per token, router metrics
-        moe.finish_into(out, step)
+    if moe is not None:  # routed_experts per token, router metrics (collective over PP and DP)
+        try:
+            per_mb, moe_metrics = moe.finish()
+        finally:
+            moe.reset()
+        for key, value in collect_outputs(step, per_mb).items():
+            out.set(key, value)
+        out.set_non_tensor("metrics", {**metrics, **moe_metrics})
     if run.loss_convention == "micro_batch":
         out.set_non_tensor("micro_batch_metrics", gather_micro_batch_metrics(step, store, layout))
     return out

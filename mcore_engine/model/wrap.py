@@ -20,8 +20,8 @@ from megatron.core.distributed import (
 )
 
 from mcore_engine.config import EngineConfig
+from mcore_engine.layers.lora import sum_partial_adapter_grads
 from mcore_engine.model.build import output_hidden_states
-from mcore_engine.state.adapters import sum_partial_adapter_grads
 
 __all__ = ["ForwardOnlyChunk", "broadcast_params", "wrap_model"]
 
