@@ -14,7 +14,7 @@ from typing import Any
 
 from mcore_engine.config.checks import Block, fail, is_number, require
 
-__all__ = ["HF_PROJECTIONS", "LINEAR_PROJECTIONS", "LoRAConfig"]
+__all__ = ["HF_PROJECTIONS", "LINEAR_PROJECTIONS", "LoRAConfig", "linear_projections"]
 
 # Megatron linear -> the Hugging Face projections it fuses (SwiGLU fc1: gate and up)
 LINEAR_PROJECTIONS: dict[str, tuple[str, ...]] = {
@@ -26,6 +26,11 @@ HF_PROJECTIONS: dict[str, tuple[str, str]] = {
     "o_proj": ("linear_proj", "o"), "gate_proj": ("linear_fc1", "gate"), "up_proj": ("linear_fc1", "up"),
     "down_proj": ("linear_fc2", "down")}
 PROJECTION_HF_NAMES = {proj: name for name, (_, proj) in HF_PROJECTIONS.items()}
+
+
+def linear_projections(linear: str, swiglu: bool) -> tuple[str, ...]:
+    """The projections Megatron's ``linear`` fuses; without SwiGLU ``linear_fc1`` is ``up`` alone."""
+    return ("up",) if linear == "linear_fc1" and not swiglu else LINEAR_PROJECTIONS[linear]
 
 
 @dataclass(kw_only=True)
@@ -88,7 +93,7 @@ class LoRAConfig(Block):
             require(out["linear_fc1"] != {"gate"}, "LoRAConfig.target_modules: gate_proj needs "
                     "ModelConfig.swiglu (no gate without SwiGLU)", self.path("target_modules"),
                     "model.swiglu")
-            out["linear_fc1"] = {"up"}
+            out["linear_fc1"] &= set(linear_projections("linear_fc1", swiglu))
         return out
 
     def hf_target_modules(self, swiglu: bool = True) -> list[str]:

@@ -16,7 +16,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.utils import get_pg_size
 from torch import Tensor
 
-from mcore_engine.config.lora import LINEAR_PROJECTIONS
+from mcore_engine.config.lora import LINEAR_PROJECTIONS, linear_projections
 from mcore_engine.layers.lora_linear import (
     LORA_TP_PARTIAL_GRAD,
     ColumnLayout,
@@ -134,12 +134,10 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, targets: Mapp
         raise ValueError(f"swiglu={swiglu} but the model's gated_linear_unit is {gated}")
     wanted: dict[str, set[str]] = {}
     for linear, projections in dict(targets).items():
-        allowed = LINEAR_PROJECTIONS.get(linear)
-        if allowed is None:
+        if linear not in LINEAR_PROJECTIONS:
             raise ValueError(f"targets: unknown linear {linear!r}; expected one of "
                              f"{list(LINEAR_PROJECTIONS)}")
-        if linear == "linear_fc1" and not swiglu:
-            allowed = ("up",)
+        allowed = linear_projections(linear, swiglu)
         chosen = {projections} if isinstance(projections, str) else set(projections)
         if not chosen or not chosen <= set(allowed):
             raise ValueError(f"targets[{linear!r}] = {sorted(chosen)}: expected a non-empty subset of "
