@@ -11,7 +11,7 @@ Layouts: thd and bshd, the fused lm-head, selected rows (``outputs_on_loss_mask_
 critic, MoE with expert-TP 2, with expert-TP 1 x EP=2 and with the allgather dispatcher; on four
 ranks TP=2 x PP=2 (dense, also interleaved VPP=2, and MoE) and MoE TP=2 x EP=2. Under SP every
 token is routed to the TP=1 experts, and replaying the recorded ``routed_experts`` reproduces the
-routing bit for bit, outputs, loss and gradients to 1e-6. MoE training at TP=2 without SP is
+routing bit for bit, outputs, loss and gradients to 1e-5. MoE training at TP=2 without SP is
 refused naming ``sequence_parallel``. A checkpoint written with SP resumes without it (and back).
 """
 
@@ -23,7 +23,7 @@ import os
 import pytest
 import torch
 
-from tests.compare import bf16_budget
+from tests.compare import AdamSteps, Attention, assert_tensors_close, bf16_budget
 from tests.engine_setup import (
     check_router_replay,
     full_state,
@@ -122,9 +122,10 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
         if name == "dense-tp2-sp-thd":
             _check_resume_without_sp(engine, os.path.join(os.path.dirname(path), "ckpt-sp"))
         if model == "moe":
-            # replayed routing exact; the rest to 1e-6: padding slots (whose routing is not returned)
-            # are routed afresh, which changes the experts' GEMM sizes and so the last bits
-            check_router_replay(name, engine, batches()[0], tol=1e-6)
+            # replayed routing exact; the rest to fp32 1e-5: padding slots (whose routing is not
+            # returned) are routed afresh, which changes the experts' GEMM sizes and so the last bits,
+            # and the loss (0.02 from terms of order 1) carries them at up to 3e-6 (AVX2 kernels)
+            check_router_replay(name, engine, batches()[0], tol=TOL)
         del engine
         destroy_distributed()
 
@@ -137,10 +138,12 @@ def _check_resume_without_sp(engine, folder: str) -> None:
     engine.save_checkpoint(folder)
     batch = make_batch(SEED + 7, NUM_SEQS, **FLAGS)
 
-    def step(e) -> tuple[torch.Tensor, float, list[torch.Tensor]]:
+    def step(e) -> tuple[torch.Tensor, float, dict, dict]:
         out = e.train_batch(batch, policy_loss)
+        (chunk,) = e.model
         return (out.get_non_tensor("loss").clone(), out.get_non_tensor("metrics")["grad_norm"],
-                [p.detach().clone() for chunk in e.model for p in chunk.module.parameters()])
+                {k: p.detach().clone() for k, p in chunk.module.named_parameters()},
+                {k: p.main_grad.detach().clone() for k, p in chunk.module.named_parameters()})
 
     saved = [p.detach().clone() for chunk in engine.model for p in chunk.module.parameters()]
     want = step(engine)
@@ -149,11 +152,13 @@ def _check_resume_without_sp(engine, folder: str) -> None:
     plain.load_checkpoint(folder)
     loaded = [p.detach() for chunk in plain.model for p in chunk.module.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(loaded, saved, strict=True)), "SP checkpoint -> no SP"
-    loss, norm, weights = step(plain)
+    loss, norm, weights, _ = step(plain)
     assert_rel_close(loss, want[0], TOL, "resumed without SP: loss")
     assert abs(norm - want[1]) <= TOL * want[1], f"resumed without SP: grad norm {norm} vs {want[1]}"
-    for got, ref in zip(weights, want[2], strict=True):
-        assert_rel_close(got, ref, TOL, "resumed without SP: weights after the step")
+    opt = engine.config.optimizer  # one step from the same loaded weights and optimizer state
+    assert_tensors_close("resumed without SP: weights after the step", weights, want[2],
+                         attn=Attention.of(engine.config.model), grads=False,
+                         adam=AdamSteps(want[3], opt.lr, opt.adam_eps, 1))
     engine.load_checkpoint(folder)  # and back into the SP engine
     assert all(torch.equal(p.detach(), b) for p, b in
                zip((p for chunk in engine.model for p in chunk.module.parameters()), saved, strict=True))
