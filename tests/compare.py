@@ -86,8 +86,9 @@ def zero_grad_mask(name: str, shape: torch.Size, attn: Attention | None) -> torc
 
 @dataclass(frozen=True)
 class AdamSteps:
-    """The Adam steps between two weight snapshots: the reference's first-step gradients (keyed like
-    the weights), ``lr``, ``eps`` and the number of steps."""
+    """The Adam steps between two weight snapshots, from a fresh optimizer (or, for one step, from
+    the same loaded moments): the first step's gradients (keyed like the weights), ``lr``, ``eps``
+    and the number of steps."""
 
     grads: dict | list[dict]
     lr: float
@@ -101,13 +102,24 @@ class AdamSteps:
         error ``dg`` is ``lr * dg * eps / (|g_i| + eps)^2``: largest (``lr * dg / 4 eps``) where
         ``|g_i|`` is near ``eps``. The gradient check allows ``dg`` up to ``FP32 * ||g||``; entries
         where that could move the weight by a tenth of the tensor's budget ``tol * ||w||`` are
-        unresolved (in our tiny models: the key-bias channels of the slowest RoPE frequency, which
-        rotate by 0.02 rad over 64 positions, nearly shift invariant, with gradients ~1e-7 of their
-        tensor's). Later steps divide by ``sqrt(v)``, which keeps the first gradient's size.
+        unresolved (in our tiny models: mostly the key-bias channels of the slowest RoPE frequency,
+        which turns by 0.02 rad over 64 positions, nearly shift invariant, with gradients ~1e-7 of
+        their tensor's). Later steps divide by ``sqrt(v)``, which keeps the first gradient's size.
         """
         g = grad.double().abs()
         worst = self.lr * FP32 * float(g.norm()) * self.eps / (g + self.eps) ** 2
         return (worst > 0.1 * tol * weight_norm) & (g > 0)  # exact zeros (absent tokens) stay zero
+
+
+def hf_grads(engine) -> dict[str, torch.Tensor]:
+    """The engine's current main gradients (fp32) in Hugging Face names and layouts, as
+    ``per_tensor_generator`` streams the weights (collective likewise): ``AdamSteps.grads`` for
+    weights compared in HF names."""
+    from mcore_engine.hf.export import iter_hf_tensors
+
+    grads = {id(p): (lambda p=p: p.main_grad) for chunk in engine.model for p in chunk.module.parameters()}
+    return dict(iter_hf_tensors(engine.model, engine.config, dtype=torch.float32, overrides=grads,
+                                keep_fp32=True))
 
 
 def _flat(tensors: dict | list[dict]) -> dict[str, torch.Tensor]:
