@@ -52,6 +52,9 @@ def engine_config(folder: Path, tp: int = 1, pp: int = 1, ep: int = 1, cp: int =
     model = from_hf_config(read_hf_config(folder), hf_path=str(folder))
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                               expert_model_parallel_size=ep, context_parallel_size=cp, sequence_parallel=sp)
+    # adam_eps 1e-4, not the production 1e-8: at 1e-8 the second step's grad norm of ds_qlora at
+    # TP=2 + SP moved by 1.4e-4 under ATEN_CPU_CAPABILITY=default (the first step's entries that Adam
+    # cannot pin down, ~lr apart, feed it); the first step's gradients and weights hold at 1e-5 either way
     optimizer = OptimizerConfig(lr=3e-3, min_lr=0.0, weight_decay=0.01, clip_grad=1.0, adam_eps=1e-4)
     return EngineConfig(model=model, parallel=parallel, optimizer=optimizer, micro_batch_size=2,
                         logits_chunk_size=7, data_format=data_format)
@@ -162,7 +165,6 @@ def _refuse_broken_bias(engine, root: Path) -> None:
 def _layouts(rank: int, world_size: int, root: Path) -> None:
     from mcore_engine.engine import MegatronEngine
     from mcore_engine.parallel.platform import destroy_distributed
-    from tests.engine_setup import local_reference
 
     ref = torch.load(root / "reference.pt")
     one = torch.load(root / "one_rank.pt", weights_only=False)
@@ -195,11 +197,13 @@ def _layouts(rank: int, world_size: int, root: Path) -> None:
             if train:
                 got = run_steps(engine, "moe")
                 compare(what, got, one[name], False, TOL, batches())
+                r = one[name]
+                same_tensors(f"{what}: gradients of step 1", engine, got["grads"], r["grads"][0])
+                same_tensors(f"{what}: weights after step 1", engine, got["weights1"], r["weights1"][0],
+                             steps_from=r["grads"][0], steps=1)
                 weights = [{k: p.detach() for k, p in c.module.named_parameters()} for c in engine.model]
-                same_tensors(f"{what}: weights after 2 steps", weights,
-                             local_reference(engine, one[name]["full2"]), TOL)
-                same_tensors(f"{what}: gradients of step 1", got["grads"],
-                             local_reference(engine, one[name]["grads"][0]), TOL)
+                same_tensors(f"{what}: weights after 2 steps", engine, weights, r["full2"],
+                             steps_from=r["grads"][0])
             if (name, layout) == ("ds_qlora", "ep2"):
                 _refuse_broken_bias(engine, root)
             seconds[f"{name} {layout}"] = time.perf_counter() - start

@@ -5,7 +5,9 @@ Launch 1 (one gloo rank) records the references; launch 2 (two gloo ranks) repla
 Loaded weights: TP=2, DP=2 (each rank half of the batch; plain and distributed optimizer), PP=2
 (1F1B), PP=2 x VPP=2 (interleaved; thd with one sequence per micro-batch, bshd with micro-batches
 padded to one shape, a token budget), fused lm-head under TP=2 and PP=2: per-token outputs, global
-loss, grad norm and weights after one Adam step at fp32 relative-norm error 1e-5 (bf16 TP=2: 2e-2).
+loss, grad norm at fp32 relative-norm error 1e-5 (bf16 TP=2: 2e-2), and the weights after one Adam
+step (production ``adam_eps``) tensor by tensor through ``tests.compare`` (bf16: per-tensor budgets
+from a one-rank bf16 step).
 Under PP=2 and DP=2 a loss function failing (or malformed) on one rank, and an exception while
 packing on one DP rank, fail the step on both ranks, gradients zeroed, parameters untouched.
 
@@ -22,16 +24,17 @@ from functools import partial
 import torch
 from tensordict import TensorDict
 
+from tests.compare import bf16_budget
 from tests.engine_setup import (
     flat_values,
     full_state,
     load_full_state,
     local_params,
-    local_reference,
     make_batch,
     policy_loss,
     tiny_config,
 )
+from tests.parallel_setup import same_tensors
 from tests.utils import REL_TOL, assert_rel_close, rel_err, run_distributed
 
 TOL = REL_TOL[torch.float32]
@@ -40,10 +43,18 @@ NUM_SEQS = 6
 FLAGS = dict(calculate_entropy=True, temperature=0.7)
 
 
+def config(**kwargs):
+    """``tests.engine_setup.tiny_config`` with the production ``adam_eps``."""
+    from mcore_engine.config import OptimizerConfig
+
+    return tiny_config(adam_eps=OptimizerConfig.adam_eps, **kwargs)
+
+
 def _reference(rank: int, world_size: int, path: str) -> None:
     from mcore_engine.engine import MegatronEngine
+    from mcore_engine.parallel.platform import destroy_distributed
 
-    engine = MegatronEngine(tiny_config())
+    engine = MegatronEngine(config())
     engine.initialize()
     batch = make_batch(SEED, NUM_SEQS, **FLAGS)
     ref = {"full0": full_state(engine)}
@@ -55,9 +66,19 @@ def _reference(rank: int, world_size: int, path: str) -> None:
                grad_norm=torch.tensor(out.get_non_tensor("metrics")["grad_norm"], dtype=torch.float64),
                tokens=out.get_non_tensor("metrics")["tokens"],
                seq_id_sum=out.get_non_tensor("metrics")["seq_id_sum"],
-               full1=full_state(engine))
+               full1=full_state(engine),
+               grads={k: p.main_grad.detach().clone() for k, p in engine.model[0].module.named_parameters()})
     assert out.get_non_tensor("metrics")["update_skipped"] == 0.0
     del engine
+    destroy_distributed()
+    # the bf16 layout's per-tensor budgets: the same step in bf16 on one rank against fp32
+    engine = MegatronEngine(config(precision="bf16"))
+    engine.initialize()
+    load_full_state(engine, ref["full0"])
+    engine.train_batch(batch, policy_loss)
+    ref["bf16_budget"] = bf16_budget(full_state(engine), ref["full1"])
+    del engine
+    destroy_distributed()
     ref["hf"] = _hf_reference(os.path.dirname(path))
     torch.save(ref, path)
 
@@ -172,7 +193,7 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
     ref = torch.load(path, weights_only=False)
     for name, kwargs, split, flags in LAYOUTS:
         tol = REL_TOL[torch.bfloat16] if kwargs.get("precision") == "bf16" else TOL
-        engine = MegatronEngine(tiny_config(**kwargs))
+        engine = MegatronEngine(config(**kwargs))
         engine.initialize()
         load_full_state(engine, ref["full0"])
         batch = make_batch(SEED, NUM_SEQS, **FLAGS, **flags)
@@ -200,10 +221,12 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
         assert_rel_close(out.get_non_tensor("loss"), ref["loss"], tol, f"{name}: global loss")
         assert metrics["tokens"] == ref["tokens"], f"{name}: metric not summed to its global value"
         assert metrics["seq_id_sum"] == ref["seq_id_sum"], f"{name}: seq_ids not global batch indices"
-        expected = local_reference(engine, ref["full1"])
-        for chunk, (got, want) in enumerate(zip(local_params(engine), expected, strict=True)):
-            for key in want:
-                assert_rel_close(got[key], want[key], tol, f"{name}: chunk {chunk} {key} after one step")
+        if kwargs.get("precision") == "bf16":
+            same_tensors(f"{name}: weights after one step", engine, local_params(engine), ref["full1"],
+                         tol=ref["bf16_budget"])
+        else:
+            same_tensors(f"{name}: weights after one step", engine, local_params(engine), ref["full1"],
+                         steps_from=ref["grads"], steps=1)
         if name in FAILURES:
             FAILURES[name](engine, batch)
         del engine

@@ -23,9 +23,12 @@ REL_TOL: dict[torch.dtype, float] = {torch.float64: 1e-10, torch.float32: 1e-5, 
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """||actual - expected|| / max(||expected||, tiny), computed in float64."""
+    """||actual - expected|| / max(||expected||, tiny), computed in float64; ``actual`` must be finite
+    and of the expected shape. The one relative error of the tests (``tests.compare`` builds on it)."""
     a, e = actual.detach().double(), expected.detach().double()
-    return float((a - e).norm() / e.norm().clamp_min(1e-30))
+    assert a.shape == e.shape, f"shape {tuple(a.shape)} != {tuple(e.shape)}"
+    assert torch.isfinite(a).all(), "non-finite values"
+    return float((a - e).norm() / e.norm().clamp_min(1e-300))
 
 
 def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str = "") -> None:

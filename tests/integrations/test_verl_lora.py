@@ -26,7 +26,7 @@ pytest.importorskip("verl", reason="verl is installed by `make setup` (pip insta
 pytest.importorskip("peft")
 
 from tests.integrations.verl_setup import make_hf_model  # noqa: E402
-from tests.utils import run_distributed  # noqa: E402
+from tests.utils import rel_err, run_distributed  # noqa: E402
 
 RANK, ALPHA, TOL = 4, 8.0, 1e-5
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -64,10 +64,6 @@ def hf_log_probs(model, data) -> list[torch.Tensor]:
     return out
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 def same_log_probs(got, want, what: str, report: dict) -> None:
     """``got``: verl's jagged log-probs (position t: the token at t + 1; the last position unused);
     ``want``: the same layout (jagged, or per-sequence tensors of length >= len - 1)."""
@@ -75,7 +71,7 @@ def same_log_probs(got, want, what: str, report: dict) -> None:
     want = want.unbind() if isinstance(want, torch.Tensor) else want
     a = torch.cat([r[: len(r) - 1] for r in rows])
     b = torch.cat([w[: len(r) - 1] for r, w in zip(rows, want, strict=True)])
-    report[what] = max(report.get(what, 0.0), rel(a, b))
+    report[what] = max(report.get(what, 0.0), rel_err(a, b))
     assert report[what] < TOL, f"{what}: relative error {report[what]:.2e}"
 
 
@@ -134,7 +130,7 @@ def lora_ranks(rank: int, world: int, hf_dir: str, adapter_dir: str, out_dir: st
         if ref is None:
             return None
         same_log_probs(ref, want, f"{when}: no_lora_adapter == the base model", report)
-        distance = rel(policy.values(), want.values())
+        distance = rel_err(policy.values(), want.values())
         report[f"{when}: LoRA policy vs base (relative distance)"] = distance
         assert distance > 1e-2, "the adapters must matter"
         return policy
@@ -183,7 +179,7 @@ def lora_ranks(rank: int, world: int, hf_dir: str, adapter_dir: str, out_dir: st
     core = dict(adapter.engine.per_tensor_generator())
     assert all(torch.equal(merged[k], core[k]) for k in core)
     effective = rollout.effective_state()  # the adapter-synced rollout's W + scaling B A
-    worst = max(rel(merged[k], effective[k]) for k in merged)
+    worst = max(rel_err(merged[k], effective[k]) for k in merged)
     report["merged vs PEFT-applied adapters (worst tensor)"] = worst
     assert worst < TOL, worst
     merged_rollout = PeftReceiver(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval())

@@ -28,7 +28,7 @@ pytest.importorskip("verl", reason="verl is installed by `make setup` (pip insta
 
 from tests.integrations.test_verl_config import build_configs  # noqa: E402
 from tests.integrations.verl_setup import make_hf_model  # noqa: E402
-from tests.utils import run_distributed  # noqa: E402
+from tests.utils import rel_err, run_distributed  # noqa: E402
 
 TOL = 1e-5
 P_LEN, R_LEN = [5, 3, 4, 2], [4, 6, 2, 5]  # prompt / response lengths of the test batch
@@ -286,10 +286,6 @@ def hf_pass(model, ids: torch.Tensor, policy: str = "native", forced: torch.Tens
     return logp[:-1].gather(-1, ids[1:, None])[:, 0], hooks.routes()
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 def r2_rank(rank: int, world: int, hf_dir: str, out_dir: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29997",
                       LOCAL_RANK="0", VERL_ENGINE_DEVICE="cpu")
@@ -337,7 +333,7 @@ def r2_rank(rank: int, world: int, hf_dir: str, out_dir: str) -> None:
         got = routes.unbind()[i].long()
         assert torch.equal(got.sort(-1).values, want_routes.sort(-1).values), f"sequence {i}: routing"
         key = "R2 record: log-probs vs transformers"
-        report[key] = max(report.get(key, 0.0), rel(logp.unbind()[i][:-1], want_logp))
+        report[key] = max(report.get(key, 0.0), rel_err(logp.unbind()[i][:-1], want_logp))
     # a batch carrying routes (every token's second choice) replays them: inference ...
     replay = verl_batch(1, calculate_entropy=False, compute_loss=False)
     replay["routed_experts"] = torch.nested.as_nested_tensor([r.to(torch.int16) for r in second],
@@ -345,9 +341,9 @@ def r2_rank(rank: int, world: int, hf_dir: str, out_dir: str) -> None:
     out = worker.infer_batch(replay)
     assert "routed_experts" not in out.keys(), "a replaying pass returns no routing (verl's)"
     logp = tu.get(out, "log_probs").unbind()
-    report["R2 replay: inference vs transformers (forced)"] = max(rel(a[:-1], b) for a, b in zip(
+    report["R2 replay: inference vs transformers (forced)"] = max(rel_err(a[:-1], b) for a, b in zip(
         logp, forced, strict=True))
-    report["R2 replay: native routing's distance"] = min(rel(a[:-1], b[0]) for a, b in zip(
+    report["R2 replay: native routing's distance"] = min(rel_err(a[:-1], b[0]) for a, b in zip(
         logp, native, strict=True))
     # ... and the update (verl's loss sees the replayed log-probs), on dynamic micro-batches
     train = verl_batch(1)
@@ -358,7 +354,7 @@ def r2_rank(rank: int, world: int, hf_dir: str, out_dir: str) -> None:
     by_ids = {tuple(s.tolist()): f for s, f in zip(ids, forced, strict=True)}
     for mb_ids, mb_logp in seen:
         for s, lp in zip(mb_ids.unbind(), mb_logp.unbind(), strict=True):
-            err = rel(lp[:-1], by_ids[tuple(s.tolist())])
+            err = rel_err(lp[:-1], by_ids[tuple(s.tolist())])
             report["R2 replay: update vs transformers (forced)"] = max(
                 report.get("R2 replay: update vs transformers (forced)", 0.0), err)
     report["R2 replay: update ppo_kl"] = abs(metric_value(metrics["actor/ppo_kl"]))

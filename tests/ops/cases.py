@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from tests.reference import reference_logits_outputs
+from tests.utils import rel_err
 
 
 @dataclass(frozen=True)
@@ -129,14 +130,6 @@ def hard_case_inputs(case: HardCase, world: int, dtype: torch.dtype, seed: int) 
     return dict(full=full, vocab=vocab, labels=labels, tids=tids, tlp=tlp, temp=temp, clamp=clamp)
 
 
-def rel(a: torch.Tensor, e: torch.Tensor) -> float:
-    """Relative norm error; the actual values must be finite and of the expected shape."""
-    a, e = a.detach().double(), e.detach().double()
-    assert a.shape == e.shape, f"shape {tuple(a.shape)} != {tuple(e.shape)}"
-    assert torch.isfinite(a).all(), "non-finite values"
-    return float((a - e).norm() / e.norm().clamp_min(1e-300))
-
-
 class HardReference:
     """The float64 reference of a ``HardCase`` and its error budget: ``tol + 2 x`` the error of the same
     formulas in plain fp32 (CCE-style ``|ref - op| <= |ref - naive_fp32| + tol``), capped at ``5 x tol``
@@ -164,17 +157,18 @@ class HardReference:
         if self.dtype != torch.float32:
             return self.tol
         if ups is None:
-            naive_err = rel(self.naive[key], self.ref[key])
+            naive_err = rel_err(self.naive[key], self.ref[key])
         else:
-            naive_err = rel(self._grad(self.naive, self.leaf32, ups), self._grad(self.ref, self.leaf, ups))
+            naive = self._grad(self.naive, self.leaf32, ups)
+            naive_err = rel_err(naive, self._grad(self.ref, self.leaf, ups))
         return min(self.tol + 2 * naive_err, 5 * self.tol)
 
     def check(self, what: str, out: torch.Tensor, key: str) -> None:
         assert out.dtype == torch.float32 and out.shape == HARD_LEAD, (what, out.dtype, out.shape)
-        e, b = rel(out, self.ref[key]), self.budget(key)
+        e, b = rel_err(out, self.ref[key]), self.budget(key)
         assert e <= b, f"{self.name}/{what}: value rel err {e:.3e} > {b:.3e}"
 
     def check_grad(self, what: str, gx: torch.Tensor, ups: dict[str, torch.Tensor], cols: slice) -> None:
         assert gx.dtype == self.dtype
-        e, b = rel(gx, self._grad(self.ref, self.leaf, ups)[..., cols]), self.budget(None, ups)
+        e, b = rel_err(gx, self._grad(self.ref, self.leaf, ups)[..., cols]), self.budget(None, ups)
         assert e <= b, f"{self.name}/{what}: grad rel err {e:.3e} > {b:.3e}"

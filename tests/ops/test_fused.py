@@ -23,12 +23,11 @@ from tests.ops.cases import (
     HardReference,
     case_inputs,
     hard_case_inputs,
-    rel,
     shard_of,
     weighted_sum,
 )
 from tests.reference import reference_logits_outputs
-from tests.utils import REL_TOL, assert_rel_close, run_distributed
+from tests.utils import REL_TOL, assert_rel_close, rel_err, run_distributed
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -267,8 +266,8 @@ def check_hard_case(rank: int, world: int, case: HardCase, dtype: torch.dtype, s
         assert ((ids >= 0) & (ids < vocab)).all()
         assert (lp[..., 1:] <= lp[..., :-1]).all(), "top-k not sorted descending"
         assert (ids.sort(-1).values.diff(dim=-1) > 0).all(), "duplicate ids in top-k"
-        e1, e2 = rel(lp, lref.topk(k, dim=-1).values), rel(lp, lref.gather(-1, ids))
-        b = ref.tol if dtype != torch.float32 else min(5 * ref.tol, ref.tol + 2 * rel(  # as in budget()
+        e1, e2 = rel_err(lp, lref.topk(k, dim=-1).values), rel_err(lp, lref.gather(-1, ids))
+        b = ref.tol if dtype != torch.float32 else min(5 * ref.tol, ref.tol + 2 * rel_err(  # as in budget()
             zref.float().log_softmax(-1).topk(k, dim=-1).values, lref.topk(k, dim=-1).values))
         assert max(e1, e2) <= b, f"{case.name}/topk k={k}: {e1:.3e} {e2:.3e} > {b:.3e}"
         if k == vocab:
@@ -296,8 +295,8 @@ def check_neg_inf_logits(rank: int, world: int) -> None:
     kl = vocab_parallel_forward_kl_topk(x, tids, tlp, group=group)["distillation_losses"]
     kl_ref = (tlp.double().exp() * (tlp.double() - logp.gather(-1, tids))).sum(-1)
     _, ids = vocab_parallel_topk(x, world * HARD_V_LOCAL, group=group)
-    assert rel(lp, logp.gather(-1, labels[:, None])[:, 0]) < 1e-5, "log_probs next to -inf logits"
-    assert rel(kl, kl_ref) < 1e-5, "kl next to -inf logits"
+    assert rel_err(lp, logp.gather(-1, labels[:, None])[:, 0]) < 1e-5, "log_probs next to -inf logits"
+    assert rel_err(kl, kl_ref) < 1e-5, "kl next to -inf logits"
     assert ((ids >= 0) & (ids < world * HARD_V_LOCAL)).all(), "top-k ids next to -inf logits"
 
 
@@ -374,7 +373,7 @@ def test_near_one_hot_gradients_within_4x_of_naive_fp32() -> None:
         for dt, fn in ((torch.float64, math_fn), (torch.float32, math_fn), (torch.float32, op)):
             xl = x.to(dt).requires_grad_(True)
             grads.append(torch.autograd.grad((fn(xl) * up.to(dt)).sum(), xl)[0])
-        err_naive, err_op = rel(grads[1], grads[0]), rel(grads[2], grads[0])
+        err_naive, err_op = rel_err(grads[1], grads[0]), rel_err(grads[2], grads[0])
         assert err_op <= 4 * err_naive + 1e-5, f"op {err_op:.2e} vs naive fp32 {err_naive:.2e}"
 
 
@@ -385,6 +384,6 @@ def test_entropy_with_neg_inf_logits() -> None:
     h = vocab_parallel_entropy(x, temperature=0.7)
     z = x.detach().double()[:, torch.arange(HARD_V_LOCAL) != 3] / 0.7
     ref = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
-    assert torch.isfinite(h).all() and rel(h, ref) < 1e-5, h
+    assert torch.isfinite(h).all() and rel_err(h, ref) < 1e-5, h
     (g,) = torch.autograd.grad(h.sum(), x)
     assert torch.isfinite(g).all() and (g[:, 3] == 0).all()
