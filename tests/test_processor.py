@@ -19,7 +19,7 @@ from mcore_engine.processor import process_lm_head_hidden, process_lm_head_logit
 from tests.ops import cases
 from tests.ops.cases import Case, case_inputs, shard_of, weighted_sum
 from tests.reference import reference_logits_outputs
-from tests.utils import REL_TOL, assert_rel_close, run_distributed
+from tests.utils import REL_TOL, assert_rel_close, rel_err, run_distributed
 
 # (calculate_sum_pi_squared, calculate_entropy, distillation_use_topk, distillation_only), all valid.
 COMBOS = [c for c in itertools.product((False, True), repeat=4) if not (c[3] and not c[2])]
@@ -339,7 +339,7 @@ def test_custom_func_and_flags() -> None:
                                  distillation_use_topk=False, distillation_only=False)
     assert set(out) == {"log_probs"}
     ref = (x.double() / 0.3).log_softmax(-1).gather(-1, lab[..., None])[..., 0]
-    assert cases.rel(out["log_probs"], ref) < 1e-5
+    assert rel_err(out["log_probs"], ref) < 1e-5
 
 
 def test_temperature_is_checked_once() -> None:
