@@ -19,14 +19,14 @@ VOCAB = 250
 def tiny_config(*, tp: int = 1, pp: int = 1, vpp: int | None = None, data_format: str = "thd",
                 micro_batch_size: int = 2, precision: str = "fp32", seed: int = 1234,
                 use_distributed_optimizer: bool = False, clip_grad: float = 1.0, lr: float = 1e-3,
-                fused_lm_head: bool = False, adam_eps: float = 1e-4):
-    """A 4-layer GQA / SwiGLU / QKV-bias GPT with a padded vocab (250 -> 256), fp32, no warm-up.
-
-    ``adam_eps``: the layout tests on ``tests.compare`` pass the production 1e-8. The default 1e-4
-    remains for the tests that still compare weights after Adam steps entry-blind (test_engine_parallel,
-    test_moe, test_mtp, ...): at 1e-8 Adam's first step ``lr * g / (|g| + eps)`` is most sensitive
-    where ``|g|`` is near eps (the key bias's slowest RoPE channels), see ``tests.compare.AdamSteps``."""
+                fused_lm_head: bool = False, adam_eps: float | None = None):
+    """A 4-layer GQA / SwiGLU / QKV-bias GPT with a padded vocab (250 -> 256), fp32, no warm-up,
+    the production ``adam_eps`` unless given (weights after Adam steps on different layouts or paths
+    compare through ``tests.compare``)."""
     from mcore_engine.config import EngineConfig, ModelConfig, OptimizerConfig, ParallelConfig
+
+    if adam_eps is None:
+        adam_eps = OptimizerConfig.adam_eps
 
     return EngineConfig(
         model=ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,

@@ -18,7 +18,12 @@ checkpoint round trip restores it; replay of recorded routing after a bias chang
 recorded outputs bit for bit. Two ranks: DP=2 (with full activation recompute), EP=2, TP=2 + SP,
 CP=2 and PP=2 against the one-rank run of the same batch: routed experts, losses, weights and
 expert biases after two steps (fp32 1e-5; biases and routing exactly); router replay on EP=2 and
-TP=2 + SP; the EP=2 checkpoint loads at EP=1 (biases bit for bit).
+TP=2 + SP; the EP=2 checkpoint loads at EP=1 (biases bit for bit). Weights go through
+``tests.compare`` (production ``adam_eps``): the entries step 1's gradients cannot pin down (mostly
+key-bias channels RoPE barely turns) are bounded by 2 x lr per step, the rest held to 1e-5 (measured
+worst 1.1e-6). Step 2's routing is still compared bit for bit: those entries move each score of a
+query by nearly the same amount, which softmax cancels, so the hidden states the routers see differ
+by rounding only, as at step 1 (a layout that flips a route there would be a real difference).
 """
 
 from __future__ import annotations
@@ -199,6 +204,9 @@ def two_steps(engine, batch) -> dict:
         out = engine.train_batch(batch, policy_loss)
         rec[f"loss{i}"] = out.get_non_tensor("loss").clone()
         rec[f"routed{i}"] = flat_values(out["routed_experts"])
+        if i == 1:  # the first step's (clipped) gradients: which entries Adam's steps cannot pin down
+            rec["grads"] = [{k: p.main_grad.detach().float().clone()
+                             for k, p in chunk.module.named_parameters()} for chunk in engine.model]
     rec["params"] = [{k: p.detach().clone() for k, p in chunk.module.named_parameters()}
                      for chunk in engine.model]
     rec["biases"] = biases(engine)
@@ -342,7 +350,8 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
 
     from mcore_engine.engine import MegatronEngine
     from mcore_engine.parallel.distributed import destroy_distributed
-    from tests.engine_setup import load_full_state, local_reference
+    from tests.engine_setup import load_full_state
+    from tests.parallel_setup import same_tensors
 
     ref = torch.load(path, weights_only=False)
     batch = make_batch(SEED, 6)
@@ -360,9 +369,8 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
             assert_rel_close(got[f"loss{i}"], ref[f"loss{i}"], TOL, f"{name}: loss of step {i}")
             assert torch.equal(got[f"routed{i}"], ref[f"routed{i}"][tokens[rows.start]:tokens[rows.stop]]), \
                 f"{name}: routed experts of step {i}"
-        for chunk, want in zip(got["params"], local_reference(engine, ref["params"][0]), strict=True):
-            for key, value in want.items():
-                assert_rel_close(chunk[key], value, TOL, f"{name}: {key} after two steps")
+        same_tensors(f"{name}: weights after two steps", engine, got["params"], ref["params"][0],
+                     steps_from=ref["grads"][0], tol=TOL)
         same_bits(got["biases"], ref["biases"], f"{name}: expert bias after two steps")
         if name in ("ep2", "tp2-sp"):
             check_router_replay(name, engine, mine, tol=None if name == "ep2" else 1e-6)
