@@ -26,7 +26,7 @@ $(STAMP): setup.py constraints.txt
 
 test: $(STAMP)
 	@mkdir -p $(TMPDIR)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --durations=15
 
 test-fast: $(STAMP)
 	@mkdir -p $(TMPDIR)
@@ -38,7 +38,7 @@ test-fast: $(STAMP)
 CAPABILITY ?= default
 CAPABILITY_TESTS := tests/test_compare.py tests/test_context_parallel.py tests/test_sequence_parallel.py \
 	tests/test_engine_parallel.py tests/test_moe.py tests/test_value_head.py tests/test_deepseek.py \
-	tests/integrations/test_verl.py
+	tests/test_checkpoint.py tests/test_moe_routing.py tests/test_engine.py tests/integrations/test_verl.py
 test-capability: $(STAMP)
 	@mkdir -p $(TMPDIR)
 	ATEN_CPU_CAPABILITY=$(CAPABILITY) $(PY) -m pytest -q $(CAPABILITY_TESTS)
