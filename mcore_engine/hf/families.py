@@ -127,6 +127,7 @@ def family_of(cfg: Any) -> Family:
 
 
 def model_family(cfg: Any) -> str:
+    """The Hugging Face ``model_type`` a ``ModelConfig`` maps to."""
     return family_of(cfg).model_type
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from mcore_engine.config import ModelConfig
-from mcore_engine.hf.families import FAMILIES, family_of
+from mcore_engine.hf.families import FAMILIES, family_of, model_family  # noqa: F401 (its old home)
 from mcore_engine.hf.mtp_names import (
     is_mtp_unit,
     mtp_aliases,

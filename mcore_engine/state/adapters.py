@@ -20,9 +20,11 @@ from mcore_engine.layers.lora import (
     apply_lora,
     load_adapters,
     lora_modules,
+    sum_partial_adapter_grads,  # lives with the LoRA layers; importable from here as before
 )
 
-__all__ = ["attach_lora", "gather_adapters", "iter_adapter_tensors", "merged_weight_overrides"]
+__all__ = ["attach_lora", "gather_adapters", "iter_adapter_tensors", "merged_weight_overrides",
+           "sum_partial_adapter_grads"]
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
