@@ -148,6 +148,7 @@ def bf16_budget(bf16_ref: dict | list[dict], fp32_ref: dict | list[dict]) -> dic
     bf16 reference's own deviation from fp32 (same layout as the references), at least ``BF16_FLOOR``.
     Keys as :func:`assert_tensors_close` sees them (pass both on the reference's layout)."""
     low, high = _flat(bf16_ref), _flat(fp32_ref)
+    assert all(torch.isfinite(t).all() for t in (*low.values(), *high.values())), "non-finite reference"
     return {k: max(BF16_FACTOR * rel_err(low[k].float(), high[k]), BF16_FLOOR) for k in high}
 
 
@@ -158,31 +159,38 @@ def assert_tensors_close(what: str, got: dict | list[dict], want: dict | list[di
     """Every tensor of ``got`` against ``want`` (same names and shapes), on its own.
 
     ``tol``: one relative-norm budget (fp32: 1e-5) or one per tensor (:func:`bf16_budget`; per model
-    chunk like ``got``). Entries of
-    :func:`zero_grad_mask` are left out; with ``grads`` they are asserted near zero first (norm at most
-    the budget times the norm of the whole tensor's gradient, on both sides). ``adam`` (weights after
-    fp32 steps): the entries :meth:`AdamSteps.unresolved` names are left out too, each asserted to
-    differ by at most the ``2 * lr`` per step that Adam can move it.
+    chunk like ``got``). Entries of :func:`zero_grad_mask`: with ``grads`` asserted near zero (norm at
+    most the budget times the norm of the whole tensor's gradient, on both sides) and left out; for
+    weights after steps (``adam``) left out and, like the entries :meth:`AdamSteps.unresolved` names,
+    each asserted to differ by at most the ``2 * lr`` per step that Adam can move it; otherwise
+    compared. Both sides must be finite; an empty comparison fails.
     """
     got, want = _flat(got), _flat(want)
     tol = _flat(tol) if isinstance(tol, list) else tol
     if adam is not None:  # parameters only (a state dict also holds buffers)
-        got, want = ({k: t[k] for k in _flat(adam.grads)} for t in (got, want))
+        params = _flat(adam.grads).keys()
+        dropped = [k for k in got.keys() | want.keys()
+                   if k not in params and k.endswith((".weight", ".bias"))]
+        assert not dropped, f"{what}: parameters {sorted(dropped)} have no gradient in adam.grads"
+        got, want = ({k: t[k] for k in params} for t in (got, want))
     assert got.keys() == want.keys(), f"{what}: tensors {sorted(got.keys() ^ want.keys())} on one side only"
+    assert want, f"{what}: nothing to compare"
     errors, budgets, unresolved = {}, {}, {}
     for key, w in want.items():
         g = got[key]
         budget = tol[key] if isinstance(tol, dict) else tol
         assert g.shape == w.shape, f"{what}: {key}: shape {tuple(g.shape)} != {tuple(w.shape)}"
-        assert torch.isfinite(g).all(), f"{what}: {key}: non-finite values"
+        assert torch.isfinite(g).all() and torch.isfinite(w).all(), f"{what}: {key}: non-finite values"
         g, w = g.detach().double(), w.detach().double()
-        mask = zero_grad_mask(key, w.shape, attn)
+        mask = zero_grad_mask(key, w.shape, attn) if grads or adam is not None else None
         for side, t in (("got", g), ("want", w)) if mask is not None and grads else ():
             noise, scale = float(t[mask].norm()), float(t.norm())
             assert noise <= budget * scale, (f"{what}: {key}: gradient {noise:.3e} on exact-zero entries "
                                              f"({side}) > {budget:.1e} * {scale:.3e}")
         if adam is not None:
             steps_mask = adam.unresolved(_flat(adam.grads)[key], float(w.norm()), budget)
+            if mask is not None:
+                steps_mask = steps_mask | mask
             worst = float((g - w)[steps_mask].abs().max()) if steps_mask.any() else 0.0
             assert worst <= 2 * adam.lr * adam.steps, \
                 f"{what}: {key}: an entry Adam cannot pin down moved {worst:.3e} > {adam.steps} x 2 x lr"
@@ -192,7 +200,7 @@ def assert_tensors_close(what: str, got: dict | list[dict], want: dict | list[di
             g, w = g[~mask], w[~mask]
         errors[key], budgets[key] = rel_err(g, w), budget
     _report(what, errors, budgets, unresolved)
-    bad = {k: e for k, e in errors.items() if e > budgets[k]}
+    bad = {k: e for k, e in errors.items() if not e <= budgets[k]}  # a NaN fails
     if bad:
         raise AssertionError(f"{what}: " + "; ".join(
             f"{k}: relative norm error {e:.3e} > {budgets[k]:.1e}" for k, e in bad.items()))

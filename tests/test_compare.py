@@ -125,3 +125,29 @@ def test_adam_steps_unresolved_are_the_entries_adam_amplifies():
     assert float((a - b)[unresolved].abs().max()) <= 2 * lr
     assert_tensors_close("AdamW, one step", {"w": a}, {"w": b}, attn=None, grads=False,
                          adam=AdamSteps({"w": g}, lr, eps, 1))
+
+
+def test_refuses_what_it_cannot_judge():
+    """A NaN on either side, an empty comparison, a parameter the Adam gradients leave out: failures,
+    never passes."""
+    w = {"norm.weight": torch.ones(8), "proj.weight": torch.randn(4, 8)}
+    nan = {k: v.clone() for k, v in w.items()}
+    nan["proj.weight"][0, 0] = float("nan")
+    wrong = {**w, "norm.weight": w["norm.weight"] * 1.05}
+    for got, want in ((w, nan), (nan, w)):
+        with pytest.raises(AssertionError, match="non-finite"):
+            assert_tensors_close("nan", got, want, attn=None, grads=True)
+    with pytest.raises(AssertionError, match="non-finite"):
+        bf16_budget(nan, w)
+    with pytest.raises(AssertionError, match="nothing to compare"):
+        assert_tensors_close("empty", {}, {}, attn=None, grads=True)
+    adam = AdamSteps({"proj.weight": torch.randn(4, 8)}, 1e-3, 1e-8, 1)
+    with pytest.raises(AssertionError, match="norm.weight"):
+        assert_tensors_close("narrowed", wrong, w, attn=None, grads=False, adam=adam)
+    # weights after steps: the exact-zero-gradient entries are bounded by Adam's reach, not dropped
+    attn = Attention(heads=2, groups=1, head_dim=4, rotated=2, key_norm=False)
+    bias = {"k_proj.bias": torch.randn(4)}
+    far = {"k_proj.bias": bias["k_proj.bias"] + torch.tensor([0.0, 0.0, 100.0, 0.0])}
+    with pytest.raises(AssertionError, match="cannot pin down"):
+        assert_tensors_close("key bias", far, bias, attn=attn, grads=False,
+                             adam=AdamSteps({"k_proj.bias": torch.randn(4)}, 1e-3, 1e-8, 1))
