@@ -1,4 +1,5 @@
-"""The layer rules of DESIGN.md, read from the source: no import cycles, no arrow pointing up.
+"""The layer rules of the README's package layout, read from the source: no import cycles, no arrow
+pointing up.
 
 Every ``import`` statement counts, function-local and ``TYPE_CHECKING`` ones included. An import of
 ``pkg.mod`` (or ``from pkg import mod``) is an edge to that module; the implicit import of the
@@ -125,7 +126,7 @@ def test_layers_know_nothing_of_the_engine():
     assert not up, f"layers/ imports from higher layers: {up}"
 
 
-# The subsystems of DESIGN.md, bottom (0) to top: a module imports its own subsystem or lower ones.
+# The subsystems of the package layout, bottom (0) to top: a module imports its own subsystem or lower ones.
 LEVELS = {
     "config": 0, "ops": 0,
     "layers": 1,
@@ -149,3 +150,19 @@ def test_arrows_point_down():
     up = sorted(f"{a} -> {b}" for a, deps in graph.items() if _subsystem(a) is not None
                 for b in deps if _subsystem(b) is not None and LEVELS[_subsystem(b)] > LEVELS[_subsystem(a)])
     assert not up, f"imports that point up the layers: {up}"
+
+
+def test_only_integrations_import_a_framework():
+    """The core never imports an RL framework (verl); an adapter in ``integrations/`` does."""
+    found = []
+    for mod, path in _modules().items():
+        if mod.startswith("mcore_engine.integrations"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            found += [f"{mod} -> {n}" for n in names if n.split(".")[0] in FRAMEWORKS]
+    assert not found, f"the core imports a framework: {found}"
+
+
+FRAMEWORKS = ("verl", "nemo_rl", "slime", "skyrl", "tinker", "openrlhf")

@@ -18,8 +18,10 @@ __all__ = ["Block", "ConfigError", "build", "fail", "is_int", "is_number", "requ
 
 class ConfigError(ValueError):
     """A refused config value. ``fields``: dotted paths from ``EngineConfig`` of the fields the rule
-    combines (``"model.moe.num_experts"``, ``"parallel.context_parallel_size"``), the refused one
-    first; ``field``: that first one (None for a rule without a field)."""
+    combines (``"model.moe.num_experts"``, ``"parallel.context_parallel_size"``): a block's own field
+    first, or for a rule across the model and the layout the layout's field first (what an adapter
+    renames); ``field``: that first one (None for a rule without a field). The message names the
+    field that is refused."""
 
     def __init__(self, message: str, *fields: str) -> None:
         super().__init__(message)

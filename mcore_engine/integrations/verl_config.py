@@ -185,9 +185,6 @@ def _check_checkpoint(c: Any) -> None:
 # ------------------------------------------------------------------------------- MoE routing and MTP
 _MOE_KEYS = ("moe_router_bias_update_rate", "moe_router_enable_expert_bias")
 _MTP_KEYS = ("mtp_num_layers", "mtp_loss_scaling_factor")
-# verl's MtpConfig (model_config.mtp): what the engine honours; the rest configures the rollout's
-# speculative decoding (vLLM / SGLang) and has no meaning for a training engine
-_MTP_ENGINE_FIELDS = ("enable", "enable_train", "detach_encoder", "mtp_loss_scaling_factor")
 
 
 def router_replay_mode(e: Any) -> str:
