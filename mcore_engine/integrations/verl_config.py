@@ -11,6 +11,7 @@ re-raised with the verl field their field comes from (``verl_fields.VERL_FIELDS`
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 from verl.workers.config.optimizer import McoreOptimizerConfig, OptimizerConfig
@@ -119,11 +120,11 @@ def engine_config_from_verl(model_config: Any, engine_config: Any, optimizer_con
     sources.update(dict.fromkeys(recompute, source))
     mbs = e.micro_batch_size_per_gpu
     with in_verl_terms(sources, **roots):  # the core's checks name its own fields: name verl's
-        layout = ParallelConfig(**{n: getattr(e, n) for n in PARALLEL_FIELDS},
+        layout = ParallelConfig(**{n: _integral(getattr(e, n)) for n in PARALLEL_FIELDS},
                                 sequence_parallel=bool(e.sequence_parallel),
                                 cp_comm_type=otc.get("cp_comm_type", "p2p"))
         return EngineConfig(model=model, parallel=layout, optimizer=optimizer, precision=DTYPES[e.dtype],
-                            seed=e.seed, micro_batch_size=1 if mbs is None else mbs,
+                            seed=_integral(e.seed), micro_batch_size=1 if mbs is None else _integral(mbs),
                             logits_chunk_size=getattr(e, "logits_chunk_size", None),
                             data_format="thd" if e.use_remove_padding else "bshd",
                             forward_only=forward_only, **recompute)
@@ -185,6 +186,11 @@ def _check_checkpoint(c: Any) -> None:
 # ------------------------------------------------------------------------------- MoE routing and MTP
 _MOE_KEYS = ("moe_router_bias_update_rate", "moe_router_enable_expert_bias")
 _MTP_KEYS = ("mtp_num_layers", "mtp_loss_scaling_factor")
+
+
+def _integral(value: Any) -> Any:
+    """A verl integer (a numpy one too) as ``int``; anything else as it is, for the core to judge."""
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
 
 
 def router_replay_mode(e: Any) -> str:

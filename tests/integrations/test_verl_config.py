@@ -7,6 +7,7 @@ verl's ``ppo_megatron_trainer`` with actor, reference and critic on this backend
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 pytest.importorskip("verl", reason="verl is installed by `make setup` (pip install --no-deps verl==0.9.1)")
@@ -174,6 +175,13 @@ def test_verl_config_mapping(hf_dir):
         micro_batch_size_per_gpu=3, use_remove_padding=False, seed=7, use_fused_kernels=True)))
     assert (cfg.precision, cfg.parallel.pipeline_model_parallel_size, cfg.micro_batch_size) == ("bf16", 2, 3)
     assert (cfg.data_format, cfg.seed, cfg.model.fused_lm_head) == ("bshd", 7, True)
+    # numpy integers (a config filled from arrays) are integers; a string is the core's to refuse
+    cfg = engine_config_from_verl(*build_configs(hf_dir, "engine", dict(
+        micro_batch_size_per_gpu=np.int64(3), seed=np.int32(7), tensor_model_parallel_size=np.int64(2))))
+    assert (cfg.micro_batch_size, cfg.seed, cfg.parallel.tensor_model_parallel_size) == (3, 7, 2)
+    assert {type(v) for v in (cfg.micro_batch_size, cfg.seed, cfg.parallel.tensor_model_parallel_size)} == {int}
+    with pytest.raises(ValueError, match="seed"):
+        engine_config_from_verl(*build_configs(hf_dir, "engine", dict(seed="7")))
     engine_config_from_verl(*build_configs(hf_dir, "engine", dict(param_offload=True,
                                                                    optimizer_offload=True)))
     # expert-parallel fields reach ParallelConfig; a dense model refuses them there, by both names
