@@ -178,8 +178,8 @@ def test_verl_config_mapping(hf_dir):
     # numpy integers (a config filled from arrays) are integers; a string is the core's to refuse
     cfg = engine_config_from_verl(*build_configs(hf_dir, "engine", dict(
         micro_batch_size_per_gpu=np.int64(3), seed=np.int32(7), tensor_model_parallel_size=np.int64(2))))
-    assert (cfg.micro_batch_size, cfg.seed, cfg.parallel.tensor_model_parallel_size) == (3, 7, 2)
-    assert {type(v) for v in (cfg.micro_batch_size, cfg.seed, cfg.parallel.tensor_model_parallel_size)} == {int}
+    ints = (cfg.micro_batch_size, cfg.seed, cfg.parallel.tensor_model_parallel_size)
+    assert ints == (3, 7, 2) and {type(v) for v in ints} == {int}
     with pytest.raises(ValueError, match="seed"):
         engine_config_from_verl(*build_configs(hf_dir, "engine", dict(seed="7")))
     engine_config_from_verl(*build_configs(hf_dir, "engine", dict(param_offload=True,
