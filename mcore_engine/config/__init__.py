@@ -3,6 +3,7 @@
 
 from mcore_engine.config.checks import ConfigError
 from mcore_engine.config.engine import EngineConfig
+from mcore_engine.config.gdn import GDNConfig
 from mcore_engine.config.lora import LoRAConfig
 from mcore_engine.config.mla import MLAConfig
 from mcore_engine.config.model import ModelConfig
@@ -10,5 +11,5 @@ from mcore_engine.config.moe import MoEConfig
 from mcore_engine.config.optimizer import OptimizerConfig
 from mcore_engine.config.parallel import ParallelConfig
 
-__all__ = ["ConfigError", "EngineConfig", "LoRAConfig", "MLAConfig", "ModelConfig", "MoEConfig",
+__all__ = ["ConfigError", "EngineConfig", "GDNConfig", "LoRAConfig", "MLAConfig", "ModelConfig", "MoEConfig",
            "OptimizerConfig", "ParallelConfig"]

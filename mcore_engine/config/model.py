@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mcore_engine.config.checks import Block, is_number
+from mcore_engine.config.gdn import GDNConfig
 from mcore_engine.config.lora import LoRAConfig
 from mcore_engine.config.mla import MLAConfig
 from mcore_engine.config.moe import MoEConfig
@@ -59,6 +60,14 @@ class ModelConfig(Block):
     """Bias on the QKV projection only (Qwen2 style); other linear layers have none."""
     qk_layernorm: bool = False
     """Normalise queries and keys per head (Qwen3 style)."""
+    attention_output_gate: bool = False
+    """Gate each attention head's output: ``o_h * sigmoid(W_g x)_h`` before ``linear_proj`` (Qwen3.5 /
+    Qwen3-Next; Megatron's ``attention_output_gate``: per query group ``[q, gate, k, v]`` rows)."""
+    zero_centered_norm: bool = False
+    """RMSNorms scale by ``1 + w`` (``w`` stored, initialised to 0; Megatron's
+    ``layernorm_zero_centered_gamma``): every layer, final, q / k norm, computed in fp32 (Qwen3.5)."""
+    linear_attention: GDNConfig | None = None
+    """Gated DeltaNet layers of a hybrid decoder (a mapping in YAML); ``None``: every layer attention."""
     make_vocab_size_divisible_by: int = 128
     """The padded vocab is a multiple of this times the tensor-parallel size (Megatron's rule)."""
     init_method_std: float = 0.02
@@ -95,7 +104,8 @@ class ModelConfig(Block):
         self._ints("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_sequence_length",
                    "make_vocab_size_divisible_by")
         self._ints("num_query_groups", "ffn_hidden_size", "kv_channels", optional=True)
-        self._bools("swiglu", "tie_word_embeddings", "add_qkv_bias", "qk_layernorm", "fused_lm_head")
+        self._bools("swiglu", "tie_word_embeddings", "add_qkv_bias", "qk_layernorm", "fused_lm_head",
+                    "attention_output_gate", "zero_centered_norm")
         self._require(self.kv_channels is not None or self.mla is not None
                       or self.hidden_size % self.num_attention_heads == 0,
                       f"ModelConfig.hidden_size ({self.hidden_size}) must be divisible by "
@@ -124,12 +134,15 @@ class ModelConfig(Block):
         self._block("moe", MoEConfig)
         self._block("lora", LoRAConfig)
         self._block("mla", MLAConfig)
+        self._block("linear_attention", GDNConfig)
+        self._require(not self.zero_centered_norm or self.normalization == "RMSNorm",
+                      "ModelConfig.zero_centered_norm needs normalization='RMSNorm'", "zero_centered_norm")
         for block in self.blocks():
             block.check(self, None)
 
     def blocks(self) -> list[Any]:
         """The feature blocks this model uses, each with ``check(model, parallel)``."""
-        return [b for b in (self.mla, self.lora, self.moe) if b is not None] + [MTP]
+        return [b for b in (self.mla, self.lora, self.moe, self.linear_attention) if b is not None] + [MTP]
 
     @property
     def query_groups(self) -> int:
