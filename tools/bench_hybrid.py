@@ -162,8 +162,8 @@ def _hf_decode(model, ids):
 
     cache, out = None, []
     for t in range(ids.shape[1]):
-        step = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
-        cache = step.past_key_values
+        step = model(ids[:, t:t + 1], cache=cache, use_cache=True)
+        cache = step.cache
         out.append(step.logits)
     return torch.cat(out, dim=1)
 
@@ -190,7 +190,7 @@ def gap_worker(precision: str, init_std: float, args: argparse.Namespace) -> dic
         engine.initialize()
     batch = TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool)},
                        batch_size=[args.gap_seqs])
-    engine_lp = engine.infer_batch(batch)["log_probs"][:, :-1].float()
+    engine_lp = engine.infer_batch(batch)["log_probs"][:, :-1].float().cpu()
     hf = hf.to(dtype)
     with torch.no_grad():
         logits = hf(ids).logits
