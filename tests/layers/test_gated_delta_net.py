@@ -2,7 +2,7 @@
 ``Qwen3_5GatedDeltaNet`` (fp32) and a float64 token-by-token reference (values, input and weight
 gradients); a ``thd`` pack equal to its sequences alone; on two gloo ranks TP = 2, TP = 2 + SP and
 CP = 2 (``thd`` and ``bshd``) against one rank with the same full weights (fp32, and bf16 within the
-one-rank bf16 error); the TP checkpoint layout; bad inputs."""
+one-rank bf16 error); a TP = 2 checkpoint loaded at TP = 1; bad inputs."""
 
 from __future__ import annotations
 
@@ -267,9 +267,9 @@ def _one_rank_checks(rank: int, world: int) -> None:
 # ----------------------------------------------------------------------------------------------------
 # Two ranks: TP = 2, TP = 2 + SP, CP = 2 vs one rank
 # ----------------------------------------------------------------------------------------------------
-def _two_rank_checks(rank: int, world: int) -> None:
+def _two_rank_checks(rank: int, world: int, checkpoint: str) -> None:
     import torch.distributed as dist
-    from megatron.core import parallel_state
+    from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from mcore_engine.layers.attention import cp_local_index
@@ -312,6 +312,7 @@ def _two_rank_checks(rank: int, world: int) -> None:
             rows = torch.arange(offsets[part] + start, offsets[part] + start + size)
             assert torch.equal(piece.data.double(), full[full_key][rows].float().double()), f"{key}.{part}"
     assert state["A_log"].global_shape == (NV,) and state["A_log"].global_offset == (rank * NV // world,)
+    dist_checkpointing.save(tp.sharded_state_dict(prefix="gdn."), checkpoint, async_sharded_save=False)
 
     with pytest.raises(ValueError, match="num_key_heads"):
         GatedDeltaNet(_config(tp=world), gdn=_gdn(nk=1, nv=2))
@@ -356,6 +357,14 @@ def _two_rank_checks(rank: int, world: int) -> None:
     for name, e2, e1 in zip(("out", "d_hidden", *NAMES), _errors(two, exact), one_err, strict=True):
         assert e2 <= min(1.2 * e1 + 1e-3, BF16_CAP), f"rank {rank}: bf16 {name} {e2:.2e} vs {e1:.2e}"
 
+    # --- the TP = 2 checkpoint loads into a TP = 1 (CP = 2) layer: the full weights ---
+    fresh = GatedDeltaNet(_config(cp=world), gdn=_gdn())
+    loaded = dist_checkpointing.load(fresh.sharded_state_dict(prefix="gdn."), checkpoint)
+    weights = {k for k in loaded if not k.endswith("_extra_state")}
+    assert weights == {f"gdn.{n}" for n in NAMES}, sorted(loaded)
+    for name in NAMES:
+        assert torch.equal(loaded[f"gdn.{name}"], full[name].float()), f"resharded checkpoint: {name}"
+
     # --- bad input ---
     with pytest.raises(ValueError, match="num_key_heads"):
         GatedDeltaNet(_config(cp=world), gdn=_gdn(nk=1, nv=2))
@@ -372,8 +381,8 @@ def test_one_rank_matches_transformers_and_reference():
 
 
 @pytest.mark.slow
-def test_tp2_sp_cp2_match_one_rank():
-    run_distributed(_two_rank_checks, 2)
+def test_tp2_sp_cp2_match_one_rank(tmp_path):
+    run_distributed(_two_rank_checks, 2, str(tmp_path))
 
 
 def test_qkv_partition_rows():
