@@ -240,6 +240,26 @@ def _one_rank_checks(rank: int, world: int) -> None:
         assert e_ours <= min(1.25 * e_hf + 1e-3, BF16_CAP), \
             f"bf16 {name}: error {e_ours:.2e} vs transformers' {e_hf:.2e}"
 
+    # --- built by Megatron's TransformerLayer from a ModuleSpec (the layer spec's contract), thd ---
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    spec = copy.deepcopy(get_gpt_layer_local_spec())
+    spec.submodules.self_attention = ModuleSpec(module=GatedDeltaNet, params={"gdn": _gdn()})
+    layer = build_module(spec, config=_config(), layer_number=1)
+    assert isinstance(layer.self_attention, GatedDeltaNet)
+    layer.self_attention.load_state_dict({k: v.float() for k, v in full.items()})
+    seen = {}
+    layer.self_attention.register_forward_hook(lambda m, args, out: seen.update(x=args[0], out=out[0]))
+    hidden_p = hidden_p.float().requires_grad_()
+    out, _ = layer(hidden_p, attention_mask=None, packed_seq_params=_packed(lengths, padded))
+    out.backward(grad_p.float())
+    alone, _ = module(seen["x"].detach(), None, packed_seq_params=_packed(lengths, padded))
+    assert_rel_close(seen["out"].detach(), alone, 0.0, "TransformerLayer's self_attention output")
+    assert all(p.grad is not None for p in layer.self_attention.parameters())
+
     # --- a fresh module: TP-independent init, A_log / dt_bias / conv marked tensor parallel ---
     fresh = GatedDeltaNet(_config(), gdn=_gdn())
     assert torch.all((fresh.A_log.exp() >= 1) & (fresh.A_log.exp() <= 16)) and torch.all(fresh.dt_bias == 1)
