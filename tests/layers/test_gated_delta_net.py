@@ -1,8 +1,9 @@
 """mcore_engine.layers.gated_delta_net: GatedDeltaNet on one rank against ``transformers`` 5.24's
 ``Qwen3_5GatedDeltaNet`` (fp32) and a float64 token-by-token reference (values, input and weight
 gradients); a ``thd`` pack equal to its sequences alone; on two gloo ranks TP = 2, TP = 2 + SP and
-CP = 2 (``thd`` and ``bshd``) against one rank with the same full weights (fp32, and bf16 within the
-one-rank bf16 error); a TP = 2 checkpoint loaded at TP = 1; bad inputs."""
+CP = 2 (``thd`` and ``bshd``), on four TP = 2 + SP with CP = 2, against one rank with the same full
+weights (fp32, and bf16 within the one-rank bf16 error); a TP = 2 checkpoint loaded at TP = 1; bad
+inputs."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from tests.utils import assert_rel_close, rel_err, run_distributed
 
-NK, NV, DK, DV, K, H = 2, 4, 8, 6, 4, 24  # key / value heads, head dims, conv kernel, hidden size
+NK, NV, DK, DV, K, H = 4, 8, 8, 6, 4, 24  # key / value heads, head dims, conv kernel, hidden size
 CHUNK = 8  # chunk of the rule: sequences longer than a chunk stay cheap
 EPS = 1e-6
 FP32_TOL = 1e-5
@@ -395,6 +396,37 @@ def _two_rank_checks(rank: int, world: int, checkpoint: str) -> None:
     parallel_state.destroy_model_parallel()
 
 
+# ----------------------------------------------------------------------------------------------------
+# Four ranks: TP = 2 + SP with CP = 2 (each rank one key head of the full sequences) vs one rank
+# ----------------------------------------------------------------------------------------------------
+def _four_rank_checks(rank: int, world: int) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from mcore_engine.layers.attention import cp_local_index
+
+    full = _weights(10)
+    solo = [dist.new_group([r]) for r in range(world)][rank]
+    _setup(tp=2, cp=2)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    cp_rank = parallel_state.get_context_parallel_rank()
+    reference = _module(full, pg=ProcessGroupCollection(tp=solo, cp=solo))
+    module = _module(full, tp=2, cp=2, sp=True, rank=tp_rank)
+    real = [3, 17, 1, 10]
+    padded = [-(-n // 4) * 4 for n in real]  # 40 tokens: 20 per CP rank, 10 per TP rank after SP
+    hidden, grad = _inputs((sum(padded), 1, H), seed=11)
+    expected = _run(reference, hidden, grad, _packed(real, padded))
+    idx = cp_local_index(padded, 2, cp_rank)[tp_rank * 10: (tp_rank + 1) * 10]  # CP chunks, then SP split
+    actual = _run(module, hidden[idx], grad[idx], _packed(real, padded))
+    for g in actual[2:]:
+        dist.all_reduce(g, group=parallel_state.get_context_parallel_group())
+    grads = _shard(dict(zip(NAMES, expected[2:], strict=True)), 2, tp_rank)
+    _check(actual, [expected[0][idx], expected[1][idx], *(grads[n] for n in NAMES)], FP32_TOL,
+           f"rank {rank} (tp {tp_rank}, cp {cp_rank}): TP=2 + SP + CP=2 thd")
+    parallel_state.destroy_model_parallel()
+
+
 @pytest.mark.slow
 def test_one_rank_matches_transformers_and_reference():
     run_distributed(_one_rank_checks, 1)
@@ -411,7 +443,14 @@ def test_qkv_partition_rows():
     gdn = _gdn()
     parts = [qkv_partition_rows(gdn, 2, r) for r in range(2)]
     assert torch.equal(torch.cat(parts).sort().values, torch.arange(2 * NK * DK + NV * DV))
-    assert parts[1][:DK].tolist() == list(range(DK, 2 * DK))  # rank 1's q: key head 1
-    assert parts[1][DK: 2 * DK].tolist() == list(range(NK * DK + DK, NK * DK + 2 * DK))  # its k
+    kd = NK * DK // 2  # per rank
+    assert parts[1][:kd].tolist() == list(range(kd, 2 * kd))  # rank 1's q: the second half of the key heads
+    assert parts[1][kd: 2 * kd].tolist() == list(range(NK * DK + kd, NK * DK + 2 * kd))  # its k
+    assert parts[1][2 * kd:].tolist() == list(range(2 * NK * DK + NV * DV // 2, 2 * NK * DK + NV * DV))  # v
     with pytest.raises(ValueError, match="tp=3"):
         qkv_partition_rows(gdn, 3, 0)
+
+
+@pytest.mark.slow
+def test_tp2_sp_with_cp2_matches_one_rank():
+    run_distributed(_four_rank_checks, 4)
