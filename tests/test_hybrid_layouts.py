@@ -2,8 +2,8 @@
 norms, partial RoPE; chunks of 8 tokens for sequences of 3..17) on every layout against one rank.
 
 Launch 1 (one gloo rank) records the references of the dense hybrid and its MoE twin (a gated
-shared expert), fp32 and bf16. Launch 2 (two ranks) replays them on identical weights: TP=2, TP=2 +
-SP, PP=2 (the GDN / attention layer types follow the global layer index across stages), CP=2 (thd
+shared expert), fp32 and bf16, from trained-like GDN decays and norm weights (``trained_like``).
+Launch 2 (two ranks) replays them on identical weights: TP=2, TP=2 + SP, PP=2 (the GDN / attention layer types follow the global layer index across stages), CP=2 (thd
 and bshd: the GDN exchange of ``layers.gated_delta_net``) and the MoE at EP=2 and TP=2 + SP; each:
 inference outputs, two ``train_batch`` steps (outputs, loss, grad norm), every gradient of the first
 step and the weights after each step, tensor by tensor (``tests.compare``: fp32 1e-5, two Adam steps
@@ -16,7 +16,7 @@ import torch
 
 from tests.compare import bf16_budget
 from tests.engine_setup import full_state, load_full_state
-from tests.parallel_setup import TOL, compare, config, run_steps, same_tensors
+from tests.parallel_setup import TOL, compare, config, run_steps, same_tensors, trained_like
 from tests.utils import REL_TOL, run_distributed
 
 # name, model, config kwargs, tolerance
@@ -44,6 +44,8 @@ def _reference(rank: int, world_size: int, path: str) -> None:
         engine.initialize()
         if precision == "bf16":
             load_full_state(engine, ref[name]["full0"])
+        else:
+            trained_like(engine)
         full0 = full_state(engine)
         got = run_steps(engine, name)
         ref[model] = {"full0": full0, "full2": full_state(engine), **got}
