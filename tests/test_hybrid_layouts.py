@@ -3,11 +3,12 @@ norms, partial RoPE; chunks of 8 tokens for sequences of 3..17) on every layout 
 
 Launch 1 (one gloo rank) records the references of the dense hybrid and its MoE twin (a gated
 shared expert), fp32 and bf16, from trained-like GDN decays and norm weights (``trained_like``).
-Launch 2 (two ranks) replays them on identical weights: TP=2, TP=2 + SP, PP=2 (the GDN / attention layer types follow the global layer index across stages), CP=2 (thd
-and bshd: the GDN exchange of ``layers.gated_delta_net``) and the MoE at EP=2 and TP=2 + SP; each:
-inference outputs, two ``train_batch`` steps (outputs, loss, grad norm), every gradient of the first
-step and the weights after each step, tensor by tensor (``tests.compare``: fp32 1e-5, two Adam steps
-1e-4; bf16 per-tensor budgets from the one-rank bf16 run).
+Launch 2 (two ranks) replays them on identical weights: TP=2, TP=2 + SP, PP=2 (the GDN / attention
+layer types follow the global layer index across stages), CP=2 (thd and bshd: the GDN exchange of
+``layers.gated_delta_net``) and the MoE at EP=2 and TP=2 + SP; each: inference outputs, two
+``train_batch`` steps (outputs, loss, grad norm), every gradient of the first step and the weights
+after each step, tensor by tensor (``tests.compare``: fp32 1e-5, two Adam steps 1e-4; bf16 per-
+tensor budgets from the one-rank bf16 run).
 """
 
 from __future__ import annotations
