@@ -71,6 +71,7 @@ def _check(rank: int, world_size: int, root: Path) -> None:
     from mcore_engine import MegatronEngine
     from mcore_engine.hf.mapping import unwrap_chunk
     from mcore_engine.parallel.platform import destroy_distributed
+    from mcore_engine.weight_sync import unflatten_bucket
 
     ref = torch.load(root / "reference.pt")
     ids = ref["ids"]
@@ -105,6 +106,11 @@ def _check(rank: int, world_size: int, root: Path) -> None:
             assert sorted(streamed) == sorted(language), what
             for n, t in language.items():
                 assert streamed[n].dtype == t.dtype and torch.equal(streamed[n], t), f"{n} {what}"
+            bucketed = {}  # the bucketed sync's plan (hf_stream_shapes) has the same names, in order
+            for bucket, meta in engine.bucketed_weight_generator(1 << 16):
+                bucketed.update({n: t.clone() for n, t in unflatten_bucket(bucket, meta).items()})
+            assert list(bucketed) == list(streamed), what
+            assert all(torch.equal(bucketed[n], t) for n, t in streamed.items()), what
             engine.export_hf(root / f"export_{folder}_tp{tp}_ep{ep}_pp{pp}")
             del engine
             destroy_distributed()
