@@ -77,6 +77,12 @@ class HFCheckpointReader:
         """All tensor names in the folder."""
         return list(self._weight_map)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of ``name`` (reads its header)."""
+        if name not in self._weight_map:
+            raise ValueError(f"tensor {name!r} is missing from the checkpoint at {str(self.path)!r}")
+        return tuple(self._open(self._weight_map[name]).get_slice(name).get_shape())
+
     def check(self, expected: dict[str, tuple[int, ...]]) -> None:
         """Every tensor of ``expected`` exists with that full shape (reads headers only)."""
         for name, shape in expected.items():
@@ -108,6 +114,11 @@ class HFCheckpointReader:
         if dim == 1:
             return sl[:, start:stop]
         raise ValueError(f"dim: expected 0 or 1, got {dim}")
+
+    def read_index(self, name: str, expected_shape: tuple[int, ...], index: tuple) -> torch.Tensor:
+        """``tensor[index]`` (ints and slices, e.g. one expert's rows of a fused 3-D expert tensor) after
+        checking the stored shape; reads only the slice."""
+        return self._slice(name, expected_shape)[index]
 
 
 class ShardedSafetensorsWriter:

@@ -22,9 +22,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mcore_engine.config import EngineConfig
-from mcore_engine.hf.checkpoint_io import ShardedSafetensorsWriter
+from mcore_engine.hf.checkpoint_io import HFCheckpointReader, ShardedSafetensorsWriter
+from mcore_engine.hf.folder import folder_format, folder_stream, kept_out_names
 from mcore_engine.hf.hf_config import read_hf_config, to_hf_config
-from mcore_engine.hf.layout import hf_from_gathered
+from mcore_engine.hf.hybrid import assemble_parts, row_map
+from mcore_engine.hf.layout import gathered_names, hf_from_gathered
 from mcore_engine.hf.mapping import hf_shapes, iter_units, model_units, unit_rule
 from mcore_engine.hf.mtp_names import mtp_aliases
 
@@ -61,17 +63,32 @@ def iter_hf_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, 
                     dtype: torch.dtype | None = None,
                     overrides: Mapping[int, Callable[[], torch.Tensor]] | None = None,
                     keep_fp32: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, tensor)`` for the whole model in checkpoint order, on the parameters' device, in
-    ``dtype`` (None: ``cfg.precision``; fp32 norms of a bf16 model are cast; ``keep_fp32``: the
-    tensors of ``TensorRule.fp32`` rules, the expert biases, stay fp32). Collective over the
-    tensor-, pipeline- and (MoE) expert-parallel groups.
+    """``(hf_name, tensor)`` for the whole model in checkpoint order, in the names and expert layout of
+    the folder ``cfg.model.hf_path`` (``hf.folder``: a vision-language folder's ``model.language_model.``
+    prefix, fused experts; its vision tower and MTP weights are not part of the stream), on the
+    parameters' device, in ``dtype`` (None: ``cfg.precision``; fp32 norms of a bf16 model are cast;
+    ``keep_fp32``: the tensors of ``TensorRule.fp32`` rules, the expert biases, stay fp32). Collective
+    over the tensor-, pipeline- and (MoE) expert-parallel groups.
 
     A routed expert's weight is gathered over the expert-tensor-parallel group on the
     expert-parallel rank that holds it and broadcast over the expert-parallel group. No yielded
     tensor shares storage with a parameter (unsharded ones are copied). ``overrides``: ``id(param) ->
     callable`` giving the local tensor to export instead (LoRA's merged weights). Memory: one full
-    tensor.
+    tensor (fused experts: one layer's).
     """
+    moe = cfg.model.moe
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    stream = _iter_engine_tensors(model_chunks, cfg, dtype=dtype, overrides=overrides, keep_fp32=keep_fp32)
+    return folder_stream(assemble_parts(stream, cfg.model, tp_size), folder_format(cfg.model.hf_path),
+                         moe.num_experts if moe is not None else 0)
+
+
+def _iter_engine_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, *,
+                         dtype: torch.dtype | None = None,
+                         overrides: Mapping[int, Callable[[], torch.Tensor]] | None = None,
+                         keep_fp32: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`iter_hf_tensors` in the engine's names (``model.layers.*``, one tensor per expert;
+    Qwen3-Next's parts ``"{name}#{kind}"``: ``hybrid.assemble_parts``)."""
     model_cfg = cfg.model
     dtype = dtype or precision_dtype(cfg)
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -108,7 +125,12 @@ def iter_hf_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, 
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
 
     def receive(name: str, key: str, src: int) -> torch.Tensor:
-        return torch.empty(shapes[name], dtype=getattr(torch, owners[src][key]), device=device)
+        if "#" in name:  # a part of a Qwen3-Next tensor: its TP-gathered engine rows
+            hf_name, kind = name.split("#")
+            shape = (row_map(kind, model_cfg, tp_size).numel(), *shapes[hf_name][1:])
+        else:
+            shape = shapes[name]
+        return torch.empty(shape, dtype=getattr(torch, owners[src][key]), device=device)
 
     for unit in model_units(model_cfg):
         key = _stage_key(unit)
@@ -118,7 +140,7 @@ def iter_hf_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, 
         src = owner[key]
         rule = unit_rule(unit, model_cfg)
         if src != pp_rank:
-            tensors = [(name, None) for name in rule.hf_names]
+            tensors = [(name, None) for name in gathered_names(rule)]
         elif not rule.expert:
             param, rule = local[unit]
             value = overrides[id(param)]() if overrides and id(param) in overrides else param.detach()
@@ -147,6 +169,14 @@ def iter_hf_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, 
 
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+
+
+def _copy_kept_out(src: Path, writer: ShardedSafetensorsWriter) -> None:
+    """The source folder's tensors the engine does not hold (a vision tower, ``mtp.*``: ``hf.folder``),
+    copied unchanged, so the folder stays a whole vision-language / MTP checkpoint. Memory: one tensor."""
+    with HFCheckpointReader(src) as reader:
+        for name in kept_out_names(reader):
+            writer.add(name, reader.read(name, reader.shape(name)))
 
 
 def _copy_side_files(src: Path, dst: Path) -> None:
@@ -178,6 +208,8 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, out_di
                                             keep_fp32=True):
             if writer is not None:
                 writer.add(name, tensor)
+    if writer is not None and cfg.model.hf_path:
+        _copy_kept_out(Path(cfg.model.hf_path), writer)
     if writer is not None:
         writer.close()
         hf_path = cfg.model.hf_path

@@ -11,8 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ARCHITECTURES", "FAMILIES", "Family", "MoENames", "family_of", "hf_family", "hf_family_of",
-           "model_family", "partial_rotary_factor", "rope_params"]
+__all__ = ["ARCHITECTURES", "FAMILIES", "MULTIMODAL_ARCHITECTURES", "Family", "MoENames", "describes",
+           "family_of", "hf_family", "hf_family_of", "is_multimodal", "model_family", "partial_rotary_factor",
+           "rope_params", "text_config"]
 
 
 @dataclass(frozen=True)
@@ -54,14 +55,38 @@ class Family:
     """Multi-token prediction layers (``num_nextn_predict_layers``)."""
     export: Mapping[str, Any] = field(default_factory=dict)
     """``config.json`` fields written as is on export (features the family has and we never use)."""
+    hybrid: str | None = None
+    """Gated DeltaNet + gated-attention decoder (``ModelConfig.linear_attention``): ``"split"``
+    (Qwen3.5: ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``) or ``"fused"`` (Qwen3-Next:
+    ``in_proj_qkvz`` / ``in_proj_ba`` grouped per key head); None: no GDN layers."""
+    moe_fixed: bool = False
+    """Every layer MoE with renormalised top-k weights, and ``config.json`` has no field for it
+    (Qwen3.5-MoE)."""
+    moe_defaults: Mapping[str, Any] = field(default_factory=dict)
+    """MoE ``config.json`` fields' values when absent (Qwen3-Next: ``norm_topk_prob`` True)."""
+    multimodal: tuple[str, str] | None = None
+    """``(architecture, model_type)`` of the vision-language folders whose ``text_config`` is this
+    family (``model.language_model.*``); their vision tower is not loaded."""
 
 
 _QWEN_DENSE = {"use_sliding_window": False}
 _QWEN3 = {"use_sliding_window": False, "attention_bias": False}
 _DEEPSEEK_NAMES = MoENames(shared="shared_experts")
 
+_HYBRID = {"attention_bias": False}
+_QWEN3_5_MM = ("Qwen3_5ForConditionalGeneration", "qwen3_5")
+_QWEN3_5_MOE_MM = ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe")
+
 # Order matters for ``family_of``: the first row that describes a ModelConfig is its family.
 FAMILIES: tuple[Family, ...] = (
+    Family("qwen3_5_text", "Qwen3_5ForCausalLM", qk_norm=True, rope="partial", hybrid="split",
+           multimodal=_QWEN3_5_MM, export=_HYBRID),
+    Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", qk_norm=True, rope="partial", moe="qwen",
+           shared_expert="gated", moe_names=MoENames(), hybrid="split", moe_fixed=True,
+           multimodal=_QWEN3_5_MOE_MM, export=_HYBRID),
+    Family("qwen3_next", "Qwen3NextForCausalLM", qk_norm=True, rope="partial", moe="qwen",
+           shared_expert="gated", moe_names=MoENames(), hybrid="fused",
+           moe_defaults={"norm_topk_prob": True}, export=_HYBRID),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", rope="mla", mla=True, moe="deepseek",  # Kimi-K2, Moonlight
            shared_expert="ungated", moe_names=_DEEPSEEK_NAMES, mtp=True),
     Family("glm4_moe", "Glm4MoeForCausalLM", qkv_bias="attention_bias", qk_norm="use_qk_norm", rope="partial",
@@ -76,11 +101,15 @@ FAMILIES: tuple[Family, ...] = (
            moe_names=MoENames(block="block_sparse_moe", gate="w1", up="w3", down="w2")),
 )
 _BY_TYPE = {f.model_type: f for f in FAMILIES}
+# vision-language architecture -> model_type of its text family
+MULTIMODAL_ARCHITECTURES: dict[str, str] = {f.multimodal[0]: f.model_type for f in FAMILIES if f.multimodal}
 ARCHITECTURES: dict[str, str] = {
     **{f.architecture: f.model_type for f in FAMILIES},
     **{f.architecture.replace("ForCausalLM", "ForTokenClassification"): f.model_type
        for f in FAMILIES if f.value_head},
+    **MULTIMODAL_ARCHITECTURES,
 }
+_MULTIMODAL_TYPES = {f.multimodal[1]: f.model_type for f in FAMILIES if f.multimodal}
 
 
 def hf_family_of(hf_config: Mapping[str, Any]) -> Family:
@@ -92,6 +121,8 @@ def hf_family_of(hf_config: Mapping[str, Any]) -> Family:
     model_type = hf_config.get("model_type")
     if not archs and model_type in _BY_TYPE:
         return _BY_TYPE[model_type]
+    if not archs and model_type in _MULTIMODAL_TYPES:
+        return _BY_TYPE[_MULTIMODAL_TYPES[model_type]]
     raise ValueError(f"architectures: unknown architecture {archs or model_type!r}; supported: "
                      f"{sorted(ARCHITECTURES)}")
 
@@ -100,11 +131,38 @@ def hf_family(hf_config: Mapping[str, Any]) -> str:
     return hf_family_of(hf_config).model_type
 
 
-def _describes(f: Family, cfg: Any) -> bool:
+def is_multimodal(hf_config: Mapping[str, Any]) -> bool:
+    """A vision-language ``config.json`` (``text_config`` nested) of a family here."""
+    archs = hf_config.get("architectures") or []
+    return (any(a in MULTIMODAL_ARCHITECTURES for a in archs)
+            or (not archs and hf_config.get("model_type") in _MULTIMODAL_TYPES))
+
+
+def text_config(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's fields: a vision-language config's ``text_config`` (with the top level's
+    ``tie_word_embeddings``, which ``transformers`` ties by), else ``hf_config`` itself."""
+    if not is_multimodal(hf_config):
+        return hf_config
+    text = hf_config.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ValueError(f"text_config: a {hf_config.get('architectures')} config needs its language model's "
+                         "fields in text_config")
+    out = dict(text)
+    if "tie_word_embeddings" in hf_config:
+        out["tie_word_embeddings"] = hf_config["tie_word_embeddings"]
+    return out
+
+
+def describes(f: Family, cfg: Any) -> bool:
     """Whether row ``f`` can express ``cfg`` (a ``ModelConfig``) in its kind: MLA claims every MLA
     model, sigmoid routing every sigmoid-routed MoE; the rest by MoE or not, QKV bias and QK-norm."""
     if f.mla or cfg.mla is not None:
         return f.mla and cfg.mla is not None
+    if f.hybrid or cfg.linear_attention is not None:
+        if not (f.hybrid and cfg.linear_attention is not None and (f.moe is None) == (cfg.moe is None)):
+            return False
+        moe = cfg.moe
+        return not f.moe_fixed or (all(moe.layer_pattern(cfg.num_layers)) and not moe.router_pre_softmax)
     sigmoid = cfg.moe is not None and cfg.moe.router_score_function == "sigmoid"
     if f.moe == "deepseek" or sigmoid:
         return f.moe == "deepseek" and sigmoid
@@ -120,7 +178,7 @@ def _expresses(trait: bool | str, value: bool) -> bool:
 def family_of(cfg: Any) -> Family:
     """The row ``cfg`` (a ``ModelConfig``) maps to: the first that describes it."""
     for f in FAMILIES:
-        if _describes(f, cfg):
+        if describes(f, cfg):
             return f
     raise ValueError(f"cfg: add_qkv_bias={cfg.add_qkv_bias} with qk_layernorm={cfg.qk_layernorm} "
                      f"({'MoE' if cfg.moe is not None else 'dense'}) has no Hugging Face family here")

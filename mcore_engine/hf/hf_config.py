@@ -30,10 +30,13 @@ from mcore_engine.hf.families import (
     family_of,
     hf_family,
     hf_family_of,
+    is_multimodal,
     partial_rotary_factor,
     rope_params,
+    text_config,
 )
-from mcore_engine.hf.mapping import head_dim
+from mcore_engine.hf.hybrid import gdn_from_hf, gdn_to_hf
+from mcore_engine.hf.mapping import head_dim, source_family
 
 __all__ = ["ARCHITECTURES", "MOE_DIALECTS", "from_hf_config", "hf_family", "is_token_classification",
            "read_hf_config", "to_hf_config"]
@@ -122,6 +125,9 @@ def _qwen_from_hf(hf_config: Mapping[str, Any], family: Family) -> dict[str, Any
     """MoE layers ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0``;
     ``router_pre_softmax = not norm_topk_prob``; a gated shared expert when the family has one."""
     num_layers = int(hf_config["num_hidden_layers"])
+    hf_config = {**family.moe_defaults, **hf_config}
+    if family.moe_fixed:  # every layer MoE, top-k renormalised, whatever the config says
+        hf_config.update(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
     step, dense = int(hf_config.get("decoder_sparse_step", 1)), set(hf_config.get("mlp_only_layers") or [])
     pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(num_layers)]
     moe = dict(_softmax_moe(hf_config), ffn_hidden_size=int(hf_config["moe_intermediate_size"]),
@@ -175,6 +181,14 @@ def _qwen_to_hf(cfg: ModelConfig, family: Family, base: Mapping[str, Any] | None
         if [int(i not in b_dense and (i + 1) % b_step == 0) for i in range(cfg.num_layers)] == pattern:
             step, dense = b_step, b_dense
     out.update(decoder_sparse_step=step, mlp_only_layers=dense)
+    if family.moe_fixed:
+        if not all(pattern) or moe.router_pre_softmax:
+            raise ValueError(f"MoEConfig.layer_freq / router_pre_softmax: {family.model_type} has MoE in "
+                             "every layer and renormalised top-k weights")
+        for key in ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"):
+            out.pop(key)
+        if "intermediate_size" not in (base or {}):
+            out["intermediate_size"] = None  # removed by to_hf_config (the family has no dense MLP)
     if family.shared_expert == "gated":
         out["shared_expert_intermediate_size"] = moe.shared_expert_ffn_hidden_size
     return out
@@ -195,8 +209,10 @@ def _flag(trait: bool | str, hf_config: Mapping[str, Any]) -> bool:
 
 def from_hf_config(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     """``ModelConfig`` from a ``config.json`` dict (``overrides`` set other fields); ``ValueError`` naming
-    the field for what this model cannot express (other activations, sliding windows, MLP biases, ...)."""
+    the field for what this model cannot express (other activations, sliding windows, MLP biases, ...).
+    A vision-language config (Qwen3.5's ``*ForConditionalGeneration``) maps its ``text_config``."""
     family = hf_family_of(hf_config)
+    hf_config = text_config(hf_config)
     hidden, heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
     if hf_config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act: {hf_config['hidden_act']!r} is not supported (expected 'silu')")
@@ -211,6 +227,8 @@ def from_hf_config(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfi
     if family.rope != "partial" and float(hf_config.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError(f"partial_rotary_factor: partial RoPE is not supported for {family.model_type}")
     theta, rope_factor = _rope(hf_config, family)
+    if family.moe_fixed:  # every layer MoE: no dense MLP width in config.json
+        hf_config = {"intermediate_size": hf_config.get("moe_intermediate_size"), **hf_config}
     fields: dict[str, Any] = dict(
         num_layers=int(hf_config["num_hidden_layers"]), hidden_size=hidden, num_attention_heads=heads,
         num_query_groups=int(hf_config.get("num_key_value_heads") or heads),
@@ -228,7 +246,9 @@ def from_hf_config(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfi
     elif d != hidden // heads or hidden % heads:
         fields["kv_channels"] = int(d)
     if family.rope == "partial":
-        fields["rotary_percent"] = partial_rotary_factor(hf_config, 0.5)
+        fields["rotary_percent"] = partial_rotary_factor(hf_config, 0.25 if family.hybrid else 0.5)
+    if family.hybrid:
+        fields.update(gdn_from_hf(hf_config, family))
     if family.mtp:
         fields["mtp_num_layers"] = int(hf_config.get("num_nextn_predict_layers") or 0)
     if family.moe is not None:
@@ -245,7 +265,7 @@ def to_hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
     not own (token ids, generation settings)."""
     if cfg.normalization != "RMSNorm" or not cfg.swiglu:
         raise ValueError("cfg: only RMSNorm + SwiGLU models map to Llama/Qwen2/Qwen3 and their MoE families")
-    family = family_of(cfg)
+    family = source_family(cfg, base) if base is not None else family_of(cfg)
     name = family.model_type
     if cfg.rotary_percent != 1.0 and family.rope != "partial":
         raise ValueError(f"ModelConfig.rotary_percent: partial RoPE maps to GLM-4.5 only (MoE with sigmoid "
@@ -254,6 +274,9 @@ def to_hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
         raise ValueError(f"model.head: a value head on a {name} model has no Hugging Face class here")
     if base is not None and hf_family(base) != name:
         base = None  # the source describes another family: do not carry its fields over
+    outer = None
+    if base is not None and is_multimodal(base):  # the language model goes into text_config
+        outer, base = base, text_config(base)
     arch = family.architecture
     if cfg.head == "value":
         arch = arch.replace("ForCausalLM", "ForTokenClassification")
@@ -285,4 +308,18 @@ def to_hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
         out.update(mla_to_hf(cfg))
     if family.moe is not None:
         out.update(MOE_DIALECTS[family.moe][1](cfg, family, base))
+    if family.moe_fixed and out.get("intermediate_size") is None:
+        out.pop("intermediate_size")
+    if family.hybrid:
+        out.update(gdn_to_hf(cfg, family, base))
+        out["rope_parameters"] = {**(base or {}).get("rope_parameters", {}), **out["rope_parameters"]}
+        if "partial_rotary_factor" not in (base or {}):
+            out.pop("partial_rotary_factor")  # transformers keeps it in rope_parameters
+    if outer is not None:
+        for key in ("architectures", "torch_dtype", "dtype"):  # the outer config's; text_config as was
+            out.pop(key)
+            if key in base:
+                out[key] = base[key]
+        return {**outer, "text_config": {**out, "model_type": outer["text_config"].get("model_type", name)},
+                "tie_word_embeddings": cfg.tie_word_embeddings, "dtype": str(dtype).removeprefix("torch.")}
     return out

@@ -5,6 +5,11 @@
 heads per group and head dim ``d``, rank ``r`` holds ``full[r*n:(r+1)*n]``, ``n = len(full) / tp``::
 
     full = torch.cat([torch.cat([q[g*Q*d:(g+1)*Q*d], k[g*d:(g+1)*d], v[g*d:(g+1)*d]]) for g in range(G)])
+
+With ``cfg.attention_output_gate`` (Qwen3.5 / Qwen3-Next) a group is ``[q (Q*d); gate (Q*d); k; v]``
+(Megatron-Core's order) while Hugging Face's ``q_proj`` holds per head ``[q_h (d); gate_h (d)]``.
+The Gated DeltaNet kinds (``hybrid.GDN_KINDS``) are row maps: rank ``r`` reads Hugging Face rows
+``perm[r*n:(r+1)*n]`` (one read of their span), the gathered tensor goes back as ``hf[perm] = full``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from mcore_engine.config import ModelConfig
+from mcore_engine.hf.hybrid import GDN_KINDS, PART_KINDS, row_map
 from mcore_engine.hf.mapping import TensorRule, head_dim
 
 # read(name, dim, start, stop) -> rows (dim 0) or columns (dim 1) [start, stop) of an HF tensor,
@@ -24,13 +30,20 @@ Reader = Callable[..., torch.Tensor]
 def _qkv_segments(cfg: ModelConfig, start: int, stop: int) -> list[tuple[int, int, int]]:
     """Rows ``[start, stop)`` of the fused qkv layout as ``(source 0/1/2 = q/k/v, hf_start, hf_stop)``."""
     d, ng = head_dim(cfg), cfg.query_groups
-    q_rows = cfg.num_attention_heads // ng * d
-    group_rows = q_rows + 2 * d
+    per_group = cfg.num_attention_heads // ng
+    q_rows = per_group * d
+    gated = cfg.attention_output_gate
+    group_rows = q_rows * (2 if gated else 1) + 2 * d
     segments = []
     for g in range(start // group_rows, min(ng, -(-stop // group_rows))):
         base = g * group_rows
-        for src, offset, size, hf_base in ((0, 0, q_rows, g * q_rows), (1, q_rows, d, g * d),
-                                           (2, q_rows + d, d, g * d)):
+        if gated:  # per head: Megatron rows of q_h at h*d, of gate_h at q_rows + h*d; HF q_proj at 2d*h (+d)
+            pieces = [(0, j * d, d, (g * per_group + j) * 2 * d) for j in range(per_group)]
+            pieces += [(0, q_rows + j * d, d, (g * per_group + j) * 2 * d + d) for j in range(per_group)]
+            pieces += [(1, 2 * q_rows, d, g * d), (2, 2 * q_rows + d, d, g * d)]
+        else:
+            pieces = [(0, 0, q_rows, g * q_rows), (1, q_rows, d, g * d), (2, q_rows + d, d, g * d)]
+        for src, offset, size, hf_base in pieces:
             a, b = max(start, base + offset), min(stop, base + offset + size)
             if a < b:
                 segments.append((src, hf_base + a - base - offset, hf_base + b - base - offset))
@@ -69,7 +82,17 @@ def shard_from_hf(rule: TensorRule, read: Reader, cfg: ModelConfig, tp_rank: int
             hi = max(b for s, _, b in segments if s == src)
             parts[src] = (lo, read(names[src], 0, lo, hi))
         return torch.cat([parts[s][1][a - parts[s][0]:b - parts[s][0]] for s, a, b in segments])
+    if rule.kind in GDN_KINDS:
+        n = local_shape[0]
+        rows = row_map(rule.kind, cfg, tp_size)[tp_rank * n:(tp_rank + 1) * n]
+        lo, hi = int(rows.min()), int(rows.max()) + 1
+        return read(names[0], 0, lo, hi)[rows - lo]
     raise ValueError(f"rule.kind: unknown kind {rule.kind!r}")
+
+
+def gathered_names(rule: TensorRule) -> list[str]:
+    """The names :func:`hf_from_gathered` gives ``rule``'s tensors (Qwen3-Next part: ``"{name}#{kind}"``)."""
+    return [f"{rule.hf_names[0]}#{rule.kind}"] if rule.kind in PART_KINDS else list(rule.hf_names)
 
 
 def hf_from_gathered(rule: TensorRule, full: torch.Tensor, cfg: ModelConfig,
@@ -88,6 +111,17 @@ def hf_from_gathered(rule: TensorRule, full: torch.Tensor, cfg: ModelConfig,
     if rule.kind == "qkv":
         d, ng = head_dim(cfg), cfg.query_groups
         q_rows = cfg.num_attention_heads // ng * d
-        q, k, v = full.view(ng, q_rows + 2 * d, *rest).split([q_rows, d, d], dim=1)
+        if cfg.attention_output_gate:
+            q, gate, k, v = full.view(ng, 2 * q_rows + 2 * d, *rest).split([q_rows, q_rows, d, d], dim=1)
+            heads = (ng, q_rows // d, 1, d, *rest)
+            q = torch.cat([q.reshape(heads), gate.reshape(heads)], dim=2)  # per head [q_h; gate_h]
+        else:
+            q, k, v = full.view(ng, q_rows + 2 * d, *rest).split([q_rows, d, d], dim=1)
         return [(name, t.reshape(-1, *rest)) for name, t in zip(names, (q, k, v), strict=True)]
+    if rule.kind in PART_KINDS:  # one part of a Qwen3-Next tensor: hybrid.assemble_parts writes it back
+        return [(f"{names[0]}#{rule.kind}", full)]
+    if rule.kind in GDN_KINDS:
+        out = torch.empty_like(full)
+        out[row_map(rule.kind, cfg, tp_size).to(full.device)] = full
+        return [(names[0], out)]
     raise ValueError(f"rule.kind: unknown kind {rule.kind!r}")

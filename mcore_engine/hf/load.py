@@ -17,6 +17,7 @@ from megatron.core import parallel_state
 
 from mcore_engine.config import EngineConfig, ModelConfig
 from mcore_engine.hf.checkpoint_io import HFCheckpointReader
+from mcore_engine.hf.folder import FolderReader
 from mcore_engine.hf.hf_config import from_hf_config, is_token_classification, read_hf_config
 from mcore_engine.hf.layout import shard_from_hf
 from mcore_engine.hf.mapping import check_hf_names, hf_shapes, iter_units
@@ -31,7 +32,9 @@ _MATCHING_FIELDS = {"num_layers": "num_layers", "hidden_size": "hidden_size",
                     "normalization": "normalization", "norm_epsilon": "norm_epsilon", "swiglu": "swiglu",
                     "tie_word_embeddings": "tie_word_embeddings", "add_qkv_bias": "add_qkv_bias",
                     "qk_layernorm": "qk_layernorm", "kv_channels": "kv_channels",
-                    "rotary_percent": "rotary_percent", "mla": "mla"}
+                    "rotary_percent": "rotary_percent", "mla": "mla",
+                    "zero_centered_norm": "zero_centered_norm",
+                    "attention_output_gate": "attention_output_gate"}
 # MoEConfig fields that must agree (routing and expert shapes).
 _MOE_MATCHING_FIELDS = ("num_experts", "router_topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size",
                         "shared_expert_gate", "router_pre_softmax", "router_score_function",
@@ -48,8 +51,23 @@ def _moe_fields(cfg: ModelConfig) -> dict | None:
     return out
 
 
+def _gdn_fields(cfg: ModelConfig) -> dict | None:
+    g = cfg.linear_attention
+    if g is None:
+        return None
+    return {"num_key_heads": g.num_key_heads, "num_value_heads": g.num_value_heads,
+            "key_head_dim": g.key_head_dim, "value_head_dim": g.value_head_dim,
+            "conv_kernel_dim": g.conv_kernel_dim, "layer_types": g.layer_pattern(cfg.num_layers)}
+
+
 def check_config_matches(cfg: ModelConfig, hf_cfg: ModelConfig) -> None:
     """``ValueError`` naming the first architecture field where ``cfg`` and the checkpoint differ."""
+    ours, theirs = _gdn_fields(cfg), _gdn_fields(hf_cfg)
+    for name in sorted(set(ours or {}) | set(theirs or {})):
+        a, b = (ours or {}).get(name), (theirs or {}).get(name)
+        if a != b:
+            raise ValueError(f"model.linear_attention.{name}: the engine config has {a!r} but the Hugging "
+                             f"Face checkpoint's config.json implies {b!r}")
     for name, attr in _MATCHING_FIELDS.items():
         if name == "tie_word_embeddings" and cfg.head == "value":
             continue  # a value trunk never ties (the causal LM's lm_head is dropped)
@@ -89,8 +107,13 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_path: str | os.P
     hf_config = read_hf_config(hf_path)
     check_config_matches(model_cfg, from_hf_config(hf_config, head=model_cfg.head))
     shapes = hf_shapes(model_cfg)
+    if model_cfg.linear_attention is not None and model_cfg.mtp_num_layers:
+        raise ValueError("model.mtp_num_layers: the hybrid (Qwen3.5 / Qwen3-Next) families' mtp.* weights "
+                         "are not loaded here; build with mtp_num_layers=0")
 
-    with HFCheckpointReader(hf_path) as reader:
+    # by the engine's names: a vision-language folder's model.language_model.* prefix and fused experts
+    # translated, its vision tower and mtp.* kept out (hf.folder)
+    with HFCheckpointReader(hf_path) as raw, FolderReader(raw) as reader:
         check_hf_names(reader.names(), model_cfg)
         # a value head keeps its fresh (seeded) initialisation when the folder is a causal LM, and a
         # zero bias when a *ForTokenClassification folder has none

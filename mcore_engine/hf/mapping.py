@@ -22,14 +22,27 @@ is one tensor per projection, as ``save_pretrained`` writes them. ``config.json`
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from mcore_engine.config import ModelConfig
-from mcore_engine.hf.families import FAMILIES, family_of, model_family  # noqa: F401 (its old home)
+from mcore_engine.hf.families import (  # noqa: F401 (model_family: its old home)
+    FAMILIES,
+    Family,
+    describes,
+    family_of,
+    hf_family_of,
+    model_family,
+)
+from mcore_engine.hf.folder import folder_format, folder_stream
+from mcore_engine.hf.hybrid import GDN_SUFFIXES, gdn_hf_shapes, gdn_units
 from mcore_engine.hf.mtp_names import (
     is_mtp_unit,
     mtp_aliases,
@@ -119,6 +132,43 @@ _GLOBAL_UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+@lru_cache(maxsize=32)
+def _folder_config(path: str, stamp: tuple[int, int]) -> dict[str, Any] | None:
+    try:
+        return json.loads((Path(path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def folder_config(path: str | None) -> dict[str, Any] | None:
+    """``config.json`` of ``path`` (cached while the file is unchanged); None when absent or invalid."""
+    file = Path(path) / "config.json" if path else None
+    if file is None or not file.is_file():
+        return None
+    st = file.stat()
+    return _folder_config(str(path), (st.st_mtime_ns, st.st_size))
+
+
+def source_family(cfg: ModelConfig, base: Mapping[str, Any] | None = None) -> Family:
+    """The family a hybrid ``cfg`` keeps: that of ``base`` (default: ``cfg.hf_path``'s ``config.json``) when
+    it describes ``cfg`` (a Qwen3-Next folder stays Qwen3-Next), else ``family_of(cfg)``."""
+    if cfg.linear_attention is not None:
+        base = base if base is not None else folder_config(cfg.hf_path)
+        try:
+            family = hf_family_of(base) if base is not None else None
+        except ValueError:
+            family = None
+        if family is not None and describes(family, cfg):
+            return family
+    return family_of(cfg)
+
+
+def is_gdn_layer(cfg: ModelConfig, layer: int) -> bool:
+    """Whether decoder layer ``layer`` is a Gated DeltaNet layer."""
+    g = cfg.linear_attention
+    return g is not None and layer < cfg.num_layers and g.layer_pattern(cfg.num_layers)[layer]
+
+
 def head_dim(cfg: ModelConfig) -> int:
     """Per-head channels ``d`` (``cfg.kv_channels`` when set, else hidden / heads)."""
     return cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
@@ -134,7 +184,7 @@ def canonical_unit(name: str, global_layer: int | None, global_expert: int | Non
     parts = name.split(".", 3)
     if len(parts) == 4 and parts[:2] == ["decoder", "layers"] and global_layer is not None:
         suffix = _TE_ALIASES.get(parts[3], parts[3])
-        if suffix in _LAYER_UNITS or suffix in _MOE_UNITS or suffix in _MLA_UNITS:
+        if suffix in _LAYER_UNITS or suffix in _MOE_UNITS or suffix in _MLA_UNITS or suffix in GDN_SUFFIXES:
             return f"decoder.layers.{global_layer}.{suffix}"
         match = _EXPERT_RE.match(suffix)
         if match and global_expert is not None:
@@ -152,6 +202,10 @@ def unit_rule(unit: str, cfg: ModelConfig) -> TensorRule:
     if is_mtp_unit(unit):  # multi-token prediction modules: mcore_engine.hf.mtp_names
         return TensorRule(*mtp_rule(unit, cfg))
     _, _, layer, suffix = unit.split(".", 3)
+    family = source_family(cfg)
+    if suffix in GDN_SUFFIXES and is_gdn_layer(cfg, int(layer)):
+        kind, name = gdn_units(family)[suffix]
+        return TensorRule(kind, (f"model.layers.{layer}.{name}",))
     layer_units = {**_LAYER_UNITS, **_MLA_UNITS} if cfg.mla is not None else _LAYER_UNITS
     if suffix in layer_units:
         kind, names = layer_units[suffix]
@@ -159,7 +213,7 @@ def unit_rule(unit: str, cfg: ModelConfig) -> TensorRule:
     match = _EXPERT_RE.match(suffix)
     key = f"mlp.experts.local_experts.{{e}}.{match[2]}" if match else suffix
     kind, names = _MOE_UNITS[key]
-    fmt = dict(dataclasses.asdict(family_of(cfg).moe_names), e=match[1] if match else "")
+    fmt = dict(dataclasses.asdict(family.moe_names), e=match[1] if match else "")
     return TensorRule(kind, tuple(f"model.layers.{layer}.{n.format(**fmt)}" for n in names),
                       expert=match is not None, fp32=suffix == "mlp.router.expert_bias")
 
@@ -197,8 +251,11 @@ def model_units(cfg: ModelConfig) -> list[str]:
     """All units of the full model, in Hugging Face order (embedding, layers, norm, lm_head)."""
     attn = ["input_layernorm.weight"] + _attention_suffixes(cfg)
     attn += ["self_attention.linear_proj.weight", "pre_mlp_layernorm.weight"]
+    gdn = (["input_layernorm.weight", *gdn_units(source_family(cfg)), "pre_mlp_layernorm.weight"]
+           if cfg.linear_attention is not None else [])
     units = ["embedding.word_embeddings.weight"]
-    units += [f"decoder.layers.{i}.{s}" for i in range(cfg.num_layers) for s in attn + _mlp_suffixes(cfg, i)]
+    units += [f"decoder.layers.{i}.{s}" for i in range(cfg.num_layers)
+              for s in (gdn if is_gdn_layer(cfg, i) else attn) + _mlp_suffixes(cfg, i)]
     units.append("decoder.final_layernorm.weight")
     if cfg.head == "value":
         units += ["value_head.weight", "value_head.bias"]
@@ -210,7 +267,7 @@ def model_units(cfg: ModelConfig) -> list[str]:
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Full shape of every Hugging Face tensor the model is made of, in checkpoint order."""
     h, d, ng, n = cfg.hidden_size, head_dim(cfg), cfg.query_groups, cfg.num_attention_heads
-    q_out, kv_out, o_in = n * d, ng * d, n * d
+    q_out, kv_out, o_in = n * d * (2 if cfg.attention_output_gate else 1), ng * d, n * d
     ffn = cfg.ffn_size
     by_suffix = {
         "model.embed_tokens.weight": (cfg.vocab_size, h), "lm_head.weight": (cfg.vocab_size, h),
@@ -239,6 +296,8 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                               f"mlp.{names.shared}.down_proj.weight": (h, fs)})
         by_suffix["mlp.shared_expert_gate.weight"] = (1, h)
     by_suffix.update(mtp_hf_shapes(cfg))
+    if cfg.linear_attention is not None:
+        by_suffix.update(gdn_hf_shapes(cfg))
     shapes = {}
     for unit in model_units(cfg):
         for name in unit_rule(unit, cfg).hf_names:
@@ -249,12 +308,16 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def hf_stream_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """``hf_shapes`` in the order ``export.iter_hf_tensors`` yields them, with the MTP modules' copies
-    of the embedding / output layer right after their source (what a weight-sync stream carries)."""
-    shapes = {}
-    for name, shape in hf_shapes(cfg).items():
-        shapes[name] = shape
-        shapes.update(dict.fromkeys(mtp_aliases(name, cfg), shape))
-    return shapes
+    of the embedding / output layer right after their source, in the names and expert layout of the
+    folder ``cfg.hf_path`` (``hf.folder``; what a weight-sync stream carries)."""
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, shape in hf_shapes(cfg).items():
+            yield name, torch.empty(shape, device="meta")
+            for alias in mtp_aliases(name, cfg):
+                yield alias, torch.empty(shape, device="meta")
+
+    experts = cfg.moe.num_experts if cfg.moe is not None else 0
+    return {name: tuple(t.shape) for name, t in folder_stream(stream(), folder_format(cfg.hf_path), experts)}
 
 
 def hf_fp32_names(cfg: ModelConfig) -> set[str]:

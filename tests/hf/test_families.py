@@ -10,11 +10,13 @@ import pytest
 
 from mcore_engine.hf.families import ARCHITECTURES, FAMILIES, family_of, hf_family_of
 from mcore_engine.hf.hf_config import MOE_DIALECTS, from_hf_config, to_hf_config
-from tests.hf import deepseek_models, models
+from tests.hf import deepseek_models, models, qwen3_5_models
 
 CONFIGS = {**{f: (lambda f=f: models.hf_config_dict(f)) for f in (*models.FAMILIES, *models.MOE_FAMILIES)},
            "deepseek_v3": lambda: deepseek_models.hf_config_dict("ds_qlora"),
-           "glm4_moe": lambda: deepseek_models.hf_config_dict("glm")}
+           "glm4_moe": lambda: deepseek_models.hf_config_dict("glm"),
+           **{qwen3_5_models.MODEL_TYPES[k]: (lambda k=k: qwen3_5_models.hf_config_dict(k))
+              for k in ("qwen3_5", "qwen3_5_moe", "qwen3_next")}}
 
 
 def test_rows_are_consistent():
