@@ -115,15 +115,15 @@ def _causal_conv_silu(x: Tensor, weight: Tensor, lengths: list[int] | None) -> T
     t, b, c = x.shape
     k = weight.size(-1)
     w = weight.unsqueeze(1)
-    if lengths is None:  # bshd: every row its own sequence
-        y = F.conv1d(x.permute(1, 2, 0), w, padding=k - 1, groups=c)[..., :t]  # [b, C, T]
+    if lengths is None:  # bshd: every row its own sequence (a contiguous [b, C, T] input: faster on CPU)
+        y = F.conv1d(x.permute(1, 2, 0).contiguous(), w, padding=k - 1, groups=c)[..., :t]  # [b, C, T]
         return F.silu(y).permute(2, 0, 1)
     n = len(lengths)
     seq = torch.repeat_interleave(torch.arange(n, device=x.device),
                                   torch.tensor(lengths, device=x.device), output_size=t)
-    dest = torch.arange(t, device=x.device) + (seq + 1) * (k - 1)  # row of token i in the padded buffer
-    buf = x.new_zeros(t + n * (k - 1), c).index_copy(0, dest, x[:, 0])
-    y = F.conv1d(buf.t().unsqueeze(0), w, groups=c)[0]  # [C, T + (n - 1)(K - 1)]: window [o, o + K)
+    dest = torch.arange(t, device=x.device) + (seq + 1) * (k - 1)  # column of token i in the buffer
+    buf = x.new_zeros(c, t + n * (k - 1)).index_copy(1, dest, x[:, 0].t())
+    y = F.conv1d(buf.unsqueeze(0), w, groups=c)[0]  # [C, T + (n - 1)(K - 1)]: window [o, o + K)
     return F.silu(y.index_select(1, dest - (k - 1))).t().unsqueeze(1)
 
 
