@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 _L2NORM_EPS = 1e-6
-_Step = Callable[[slice, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (chunks, state) -> (out, state)
+_Step = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (step j, state) -> (out, state)
 
 
 # --- input checks -------------------------------------------------------------------------------------
@@ -137,17 +137,22 @@ class _Layout:
         x = x.transpose(1, 2)
         return x.reshape((-1,) + x.shape[2:])[self.inverse]
 
+    def steps(self, *xs: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Per scan step, the rows of each ``[M, ...]`` tensor that step owns: split once, so the backward
+        concatenates the steps' gradients once (slicing per step would build a zero-filled ``[M, ...]``
+        gradient per step: quadratic in the chunks)."""
+        return list(zip(*(x.split(self.counts) for x in xs), strict=True))
+
     def scan(self, state: torch.Tensor, step: _Step) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Run ``step(chunks, state) -> (out, state)`` over the steps; return (outputs ``[M, ...]``, final
+        """Run ``step(j, state) -> (out, state)`` over the steps ``j``; return (outputs ``[M, ...]``, final
         states ``[N, ...]`` in the original order). ``state`` is ``[N, ...]`` in the original order."""
         state = state[self.order]
         counts = self.counts + [0]
         finished = [state[counts[0]:]]  # empty sequences keep their initial state
-        state, outs, start = state[:counts[0]], [], 0
-        for j, count in enumerate(self.counts):
-            out, state = step(slice(start, start + count), state)
+        state, outs = state[:counts[0]], []
+        for j in range(len(self.counts)):
+            out, state = step(j, state)
             outs.append(out)
-            start += count
             finished.append(state[counts[j + 1]:])  # sequences that end here, at the end of the batch
             state = state[:counts[j + 1]]
         final = torch.cat(finished[::-1])[torch.argsort(self.order)]
@@ -206,10 +211,13 @@ def _chunk_torch(q, k, v, g, beta, *, scale=None, initial_state=None, output_fin
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [M, H, 1, 1]
 
     # --- 3. the scan over chunks, all sequences at once ---
-    def step(c: slice, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        u = w_v[c] - w_k[c] @ s
-        out = q_decayed[c] @ s + attn[c] @ u
-        return out, s * chunk_decay[c] + k_decayed[c].transpose(-1, -2) @ u
+    parts = lay.steps(w_v, w_k, q_decayed, attn, chunk_decay, k_decayed)
+
+    def step(j: int, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w_v_j, w_k_j, q_decayed_j, attn_j, chunk_decay_j, k_decayed_j = parts[j]
+        u = w_v_j - w_k_j @ s
+        out = q_decayed_j @ s + attn_j @ u
+        return out, s * chunk_decay_j + k_decayed_j.transpose(-1, -2) @ u
 
     out, final = lay.scan(state, step)
     if out is None:
@@ -227,11 +235,14 @@ def _recurrent_torch(q, k, v, g, beta, *, scale=None, initial_state=None, output
     q, k, v = (x[lay.index[:, 0]] for x in (q, k, v))  # [M, H, d], step-major
     decay, beta = g[lay.index[:, 0]].exp()[..., None, None], beta[lay.index[:, 0]][..., None]
 
-    def step(c: slice, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s = s * decay[c]
-        delta = (v[c] - (k[c][..., None, :] @ s)[..., 0, :]) * beta[c]
-        s = s + k[c][..., :, None] * delta[..., None, :]
-        return (q[c][..., None, :] @ s)[..., 0, :], s
+    parts = lay.steps(q, k, v, decay, beta)
+
+    def step(j: int, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q_j, k_j, v_j, decay_j, beta_j = parts[j]
+        s = s * decay_j
+        delta = (v_j - (k_j[..., None, :] @ s)[..., 0, :]) * beta_j
+        s = s + k_j[..., :, None] * delta[..., None, :]
+        return (q_j[..., None, :] @ s)[..., 0, :], s
 
     out, final = lay.scan(state, step)
     if out is None:

@@ -97,7 +97,7 @@ def test_matches_the_token_loop_values_and_gradients(form, dtype):
 @pytest.mark.parametrize("form", FORMS)
 def test_packed_lengths_around_the_chunk_size(form):
     """Packed lengths 1, C-1, C, C+1, several chunks, and empty sequences (which keep their state)."""
-    cu = torch.tensor([0, 1, 8, 8, 16, 25, 51, 52, 52])  # C = 8
+    cu = torch.tensor([0, 1, 8, 8, 16, 25, 51, 52, 52], dtype=torch.int32)  # C = 8
     x = make_inputs(2, 1, 52, 1, 2, 4, 3, 8, torch.float64)
     kw = {"chunk_size": 8} if form == "chunk" else {}
     check_against_reference(FORMS[form], x, 2, TOL[torch.float64], cu_seqlens=cu, **kw)
@@ -108,6 +108,17 @@ def test_scale_and_no_l2norm(form):
     x = make_inputs(3, 1, 11, 2, 2, 4, 4, 1, torch.float64)
     kw = {"chunk_size": 4} if form == "chunk" else {}
     check_against_reference(FORMS[form], x, 3, TOL[torch.float64], scale=0.3, use_qk_l2norm=False, **kw)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_strong_and_zero_decays(form):
+    """Decays e^g down to ~e^-100 per token (products underflow within a chunk) and g = 0 (no decay)."""
+    x = make_inputs(12, 1, 40, 1, 2, 4, 3, 1, torch.float64)
+    with torch.no_grad():
+        x["g"].mul_(30.0)
+        x["g"][:, 5:12] = 0.0
+    kw = {"chunk_size": 16} if form == "chunk" else {}
+    check_against_reference(FORMS[form], x, 12, TOL[torch.float64], **kw)
 
 
 def test_chunk_size_does_not_change_the_result():
