@@ -21,7 +21,7 @@ never reaches a real token). TP rank ``r`` holds key heads ``r nk / tp ..`` and 
 ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` / ``A_log`` / ``dt_bias`` their value-head rows,
 ``out_proj`` its columns; ``norm.weight [dv]`` is replicated (its gradient all-reduced over TP in
 the backward: the TP ranks normalise different heads). Checkpoints store ``in_proj_qkv`` / ``conv1d``
-as ``.query`` / ``.key`` / ``.value`` pieces, so they reshard to any TP size.
+as ``.q`` / ``.k`` / ``.v`` pieces, so they reshard to any TP size.
 
 Context parallelism (CP rank ``c`` holds chunks ``c`` and ``2 cp - 1 - c`` of every sequence): after
 the local projections one all-to-all (:mod:`mcore_engine.layers.gdn_cp`) turns ``[local tokens,
@@ -52,7 +52,6 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.ssm.gated_delta_net import _split_tensor_factory
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -69,6 +68,7 @@ from megatron.core.transformer.utils import (
 from torch import Tensor
 
 from mcore_engine.config.gdn import GDNConfig
+from mcore_engine.layers.gdn_checkpoint import split_blocks
 from mcore_engine.layers.gdn_cp import heads_to_tokens, tokens_to_heads
 
 __all__ = ["GatedDeltaNet", "GatedRMSNorm", "qkv_partition_rows"]
@@ -315,8 +315,9 @@ class GatedDeltaNet(MegatronModule):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:
         """TP-sharded along dim 0: ``A_log``, ``dt_bias``, ``conv1d.weight`` and the projections; the
-        ``in_proj_qkv`` / ``conv1d`` shards split into ``.query`` / ``.key`` / ``.value`` pieces, so a
-        checkpoint reshards to any TP size (each piece is head-contiguous over the ranks)."""
+        ``in_proj_qkv`` / ``conv1d`` shards split into ``.q`` / ``.k`` / ``.v`` pieces
+        (:func:`~mcore_engine.layers.gdn_checkpoint.split_blocks`), so a checkpoint reshards to any TP
+        size (each piece is head-contiguous over the ranks)."""
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         state: dict = {}
         self._save_to_state_dict(state, "", keep_vars=True)
@@ -333,6 +334,5 @@ class GatedDeltaNet(MegatronModule):
                                                         tp_group=self.tp_group))
         sections = [self.nk * self.dk, self.nk * self.dk, self.nv * self.dv]
         for key in ("in_proj_qkv.weight", "conv1d.weight"):
-            state[f"{prefix}{key}"] = _split_tensor_factory(state[f"{prefix}{key}"], sections,
-                                                            ["query", "key", "value"], 0)
+            state[f"{prefix}{key}"] = split_blocks(state[f"{prefix}{key}"], sections, ("q", "k", "v"))
         return state
