@@ -326,10 +326,11 @@ def _two_rank_checks(rank: int, world: int, checkpoint: str) -> None:
     state = tp.sharded_state_dict()
     for key, full_key in (("in_proj_qkv.weight", "in_proj_qkv.weight"), ("conv1d.weight", "conv1d.weight")):
         pieces = {p.key.rsplit(".", 1)[-1]: p for p in state[key].build()}
-        offsets = {"query": 0, "key": NK * DK, "value": 2 * NK * DK}
+        offsets = {"q": 0, "k": NK * DK, "v": 2 * NK * DK}
+        assert sorted(pieces) == sorted(offsets)
         for part, piece in pieces.items():
             start, size = piece.global_offset[0], piece.local_shape[0]
-            assert piece.global_shape[0] == (NV * DV if part == "value" else NK * DK)
+            assert piece.global_shape[0] == (NV * DV if part == "v" else NK * DK)
             rows = torch.arange(offsets[part] + start, offsets[part] + start + size)
             assert torch.equal(piece.data.double(), full[full_key][rows].float().double()), f"{key}.{part}"
     assert state["A_log"].global_shape == (NV,) and state["A_log"].global_offset == (rank * NV // world,)
