@@ -26,7 +26,7 @@ from mcore_engine.hf.checkpoint_io import HFCheckpointReader, ShardedSafetensors
 from mcore_engine.hf.folder import folder_format, folder_stream, kept_out_names
 from mcore_engine.hf.hf_config import read_hf_config, to_hf_config
 from mcore_engine.hf.hybrid import assemble_parts, row_map
-from mcore_engine.hf.layout import hf_from_gathered
+from mcore_engine.hf.layout import gathered_names, hf_from_gathered
 from mcore_engine.hf.mapping import hf_shapes, iter_units, model_units, unit_rule
 from mcore_engine.hf.mtp_names import mtp_aliases
 
@@ -140,7 +140,7 @@ def _iter_engine_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineCon
         src = owner[key]
         rule = unit_rule(unit, model_cfg)
         if src != pp_rank:
-            tensors = [(name, None) for name in rule.hf_names]
+            tensors = [(name, None) for name in gathered_names(rule)]
         elif not rule.expert:
             param, rule = local[unit]
             value = overrides[id(param)]() if overrides and id(param) in overrides else param.detach()

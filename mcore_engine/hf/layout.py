@@ -90,6 +90,11 @@ def shard_from_hf(rule: TensorRule, read: Reader, cfg: ModelConfig, tp_rank: int
     raise ValueError(f"rule.kind: unknown kind {rule.kind!r}")
 
 
+def gathered_names(rule: TensorRule) -> list[str]:
+    """The names :func:`hf_from_gathered` gives ``rule``'s tensors (Qwen3-Next part: ``"{name}#{kind}"``)."""
+    return [f"{rule.hf_names[0]}#{rule.kind}"] if rule.kind in PART_KINDS else list(rule.hf_names)
+
+
 def hf_from_gathered(rule: TensorRule, full: torch.Tensor, cfg: ModelConfig,
                      tp_size: int) -> list[tuple[str, torch.Tensor]]:
     """Hugging Face ``(name, tensor)`` pairs from the gathered ``full``: replicated, row and column

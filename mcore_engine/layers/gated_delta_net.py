@@ -1,5 +1,6 @@
 """Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention) as Megatron-Core's ``self_attention``:
-tensor, sequence and context parallel, packed ``thd`` and ``bshd``, no flash-linear-attention.
+tensor, sequence and context parallel, packed ``thd`` and ``bshd``; pure torch (no
+flash-linear-attention needed; ``ops.gated_delta`` uses it on CUDA when it imports).
 
 Math per token ``x [h]`` (``transformers`` 5.24 ``Qwen3_5GatedDeltaNet``; ``nk`` key heads of ``dk``,
 ``nv`` value heads of ``dv``, key head ``i`` serving value heads ``i r .. i r + r - 1``, ``r = nv / nk``)::
@@ -9,31 +10,35 @@ Math per token ``x [h]`` (``transformers`` 5.24 ``Qwen3_5GatedDeltaNet``; ``nk``
     o = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)            # state reset per sequence
     out = W_o (w * rmsnorm(o) * silu(W_z x))                                    # per value head, fp32 inside
 
-Layouts: ``hidden_states [s, b, h]`` (``[s / tp, b, h]`` with sequence parallelism: the four column
-projections gather it, ``out_proj`` reduce-scatters). ``thd`` (``packed_seq_params.qkv_format ==
-'thd'``, ``b == 1``): sequences are the blocks of ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``);
-``bshd``: every row is one sequence. TP rank ``r`` holds key heads ``r nk / tp ..`` and value heads
+(fp32 inside means "at least fp32": float64 runs stay float64.)
+
+Layouts: ``hidden_states [s, b, h]`` (``[s / tp, b, h]`` with sequence parallelism: each of the four
+column projections all-gathers it, ``out_proj`` reduce-scatters). ``thd`` (``packed_seq_params.
+qkv_format == 'thd'``, ``b == 1``): sequences are the blocks of ``cu_seqlens_q_padded`` (else
+``cu_seqlens_q``); ``bshd``: every row is one sequence; ``attention_mask`` is not used (right padding
+never reaches a real token). TP rank ``r`` holds key heads ``r nk / tp ..`` and value heads
 ``r nv / tp ..``: ``in_proj_qkv`` / ``conv1d`` rows ``[q_r; k_r; v_r]`` (:func:`qkv_partition_rows`),
 ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` / ``A_log`` / ``dt_bias`` their value-head rows,
 ``out_proj`` its columns; ``norm.weight [dv]`` is replicated (its gradient all-reduced over TP in
-the backward, as every rank sees other heads).
+the backward: the TP ranks normalise different heads). Checkpoints store ``in_proj_qkv`` / ``conv1d``
+as ``.q`` / ``.k`` / ``.v`` pieces, so they reshard to any TP size.
 
 Context parallelism (CP rank ``c`` holds chunks ``c`` and ``2 cp - 1 - c`` of every sequence): after
 the local projections one all-to-all (:mod:`mcore_engine.layers.gdn_cp`) turns ``[local tokens,
 heads / tp]`` into ``[all tokens, heads / (tp cp)]``, reordered to global order; conv, decay and
 rule run on whole sequences of the rank's head group (``conv1d`` / ``A_log`` / ``dt_bias`` sliced to
 it); a second all-to-all brings ``o`` back to the local tokens before the gated norm and
-``out_proj``. Traffic per layer and direction: ``(2 key_dim + value_dim + 2 nv) / tp`` resp.
-``value_dim / tp`` values per global token, ``(cp - 1) / cp`` of it leaving the rank. The per-head
-parameters get gradients only on their slice; summing over CP (Megatron's DDP reduces over DP x CP)
-gives the full gradient.
+``out_proj``. Each rank sends ``(cp - 1) / cp`` of ``(2 key_dim + value_dim + 2 nv) / tp`` values
+per local token there and of ``value_dim / tp`` back (the same again in the backward). The per-head
+parameters get gradients only on their slice; the sum over CP (Megatron's DDP reduces over DP x CP)
+is the full gradient.
 
 Memory saved for backward per layer and local token (``C = (2 key_dim + value_dim) / tp``, ``Hv =
-nv / tp``): the projections' input (Megatron's linears), ``C`` conv input (plus ``(K - 1)`` zero rows
-per sequence in ``thd``), ``C`` pre-SiLU conv output, ``q, k, v`` and ``g, beta`` inside the rule
-(``ops.gated_delta``: one ``[chunk, chunk]`` block per head and chunk, no ``[s, s]`` tensor),
-``o`` and ``z`` (``Hv dv`` each, fp32 norm statistics ``Hv``), the ``out_proj`` input. At CP > 1 the
-rule's share is over the global sequence for ``Hv / cp`` heads: the same amount.
+nv / tp``): the projections' input (Megatron's linears), the conv input (``C``, plus ``K - 1`` zero
+columns per sequence in ``thd``) and its pre-SiLU output (``C``), what ``ops.gated_delta`` keeps of
+``q, k, v, g, beta`` (``[chunk, chunk]`` blocks per head and chunk, no ``[s, s]`` tensor), ``o`` and
+``z`` with the gated norm's fp32 intermediates (about ``4 Hv dv``), the ``out_proj`` input. At CP > 1
+the rule's share covers the global sequence for ``Hv / cp`` heads: the same amount per rank.
 """
 
 from __future__ import annotations
@@ -47,7 +52,6 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.ssm.gated_delta_net import _split_tensor_factory
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -64,6 +68,7 @@ from megatron.core.transformer.utils import (
 from torch import Tensor
 
 from mcore_engine.config.gdn import GDNConfig
+from mcore_engine.layers.gdn_checkpoint import split_blocks
 from mcore_engine.layers.gdn_cp import heads_to_tokens, tokens_to_heads
 
 __all__ = ["GatedDeltaNet", "GatedRMSNorm", "qkv_partition_rows"]
@@ -115,15 +120,15 @@ def _causal_conv_silu(x: Tensor, weight: Tensor, lengths: list[int] | None) -> T
     t, b, c = x.shape
     k = weight.size(-1)
     w = weight.unsqueeze(1)
-    if lengths is None:  # bshd: every row its own sequence
-        y = F.conv1d(x.permute(1, 2, 0), w, padding=k - 1, groups=c)[..., :t]  # [b, C, T]
+    if lengths is None:  # bshd: every row its own sequence (a contiguous [b, C, T] input: faster on CPU)
+        y = F.conv1d(x.permute(1, 2, 0).contiguous(), w, padding=k - 1, groups=c)[..., :t]  # [b, C, T]
         return F.silu(y).permute(2, 0, 1)
     n = len(lengths)
     seq = torch.repeat_interleave(torch.arange(n, device=x.device),
                                   torch.tensor(lengths, device=x.device), output_size=t)
-    dest = torch.arange(t, device=x.device) + (seq + 1) * (k - 1)  # row of token i in the padded buffer
-    buf = x.new_zeros(t + n * (k - 1), c).index_copy(0, dest, x[:, 0])
-    y = F.conv1d(buf.t().unsqueeze(0), w, groups=c)[0]  # [C, T + (n - 1)(K - 1)]: window [o, o + K)
+    dest = torch.arange(t, device=x.device) + (seq + 1) * (k - 1)  # column of token i in the buffer
+    buf = x.new_zeros(c, t + n * (k - 1)).index_copy(1, dest, x[:, 0].t())
+    y = F.conv1d(buf.unsqueeze(0), w, groups=c)[0]  # [C, T + (n - 1)(K - 1)]: window [o, o + K)
     return F.silu(y.index_select(1, dest - (k - 1))).t().unsqueeze(1)
 
 
@@ -183,7 +188,7 @@ class GatedDeltaNet(MegatronModule):
         k = gdn.conv_kernel_dim
         self.conv1d = torch.nn.Conv1d(self.conv_dim // tp, self.conv_dim // tp, k, groups=self.conv_dim // tp,
                                       bias=False, padding=k - 1, device=device, dtype=dtype)
-        self.A_log = torch.nn.Parameter(torch.empty(self.nv, dtype=dtype, device=device))
+        self.A_log = torch.nn.Parameter(torch.zeros(self.nv, dtype=dtype, device=device))
         self.dt_bias = torch.nn.Parameter(torch.ones(self.nv, dtype=dtype, device=device))
         for p in (self.conv1d.weight, self.A_log, self.dt_bias):
             set_tensor_model_parallel_attributes(p, True, 0, 1)
@@ -212,8 +217,8 @@ class GatedDeltaNet(MegatronModule):
                 inference_context: Any = None, attention_bias: Tensor | None = None,
                 packed_seq_params: PackedSeqParams | None = None,
                 **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-        """``[s, b, h]`` -> ``([s, b, h], None)``; ``attention_mask`` is not used (causal per sequence;
-        right padding never reaches a real token)."""
+        """``[s, b, h]`` -> ``([s, b, h], None)`` (SP: ``[s / tp, b, h]`` both); steps as in the module
+        docstring."""
         from mcore_engine.ops.gated_delta import chunk_gated_delta_rule
 
         # --- 1. checks; the global (padded) sequence lengths, None for bshd ---
@@ -310,8 +315,9 @@ class GatedDeltaNet(MegatronModule):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:
         """TP-sharded along dim 0: ``A_log``, ``dt_bias``, ``conv1d.weight`` and the projections; the
-        ``in_proj_qkv`` / ``conv1d`` shards split into ``.query`` / ``.key`` / ``.value`` pieces, so a
-        checkpoint reshards to any TP size (each piece is head-contiguous over the ranks)."""
+        ``in_proj_qkv`` / ``conv1d`` shards split into ``.q`` / ``.k`` / ``.v`` pieces
+        (:func:`~mcore_engine.layers.gdn_checkpoint.split_blocks`), so a checkpoint reshards to any TP
+        size (each piece is head-contiguous over the ranks)."""
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         state: dict = {}
         self._save_to_state_dict(state, "", keep_vars=True)
@@ -328,6 +334,5 @@ class GatedDeltaNet(MegatronModule):
                                                         tp_group=self.tp_group))
         sections = [self.nk * self.dk, self.nk * self.dk, self.nv * self.dv]
         for key in ("in_proj_qkv.weight", "conv1d.weight"):
-            state[f"{prefix}{key}"] = _split_tensor_factory(state[f"{prefix}{key}"], sections,
-                                                            ["query", "key", "value"], 0)
+            state[f"{prefix}{key}"] = split_blocks(state[f"{prefix}{key}"], sections, ("q", "k", "v"))
         return state

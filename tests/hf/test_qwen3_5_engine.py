@@ -1,10 +1,10 @@
 """Qwen3.5 / Qwen3.5-MoE / Qwen3-Next folders through the engine (2 gloo ranks, one launch): import at
-TP=2 (and a fused-expert vision-language folder at EP=2), logits and ``infer_batch`` log-probs against
-``transformers``' pure-torch path one sequence at a time (fp32, rel 1e-4; GDN chunks of 8 tokens, so
-sequences span several chunks, and a sequence of one token), ``per_tensor_generator`` yielding the
-folder's own names and tensors (``model.language_model.*``, fused experts; no vision tower), and
-``export_hf`` -> a folder equal to the source (vision tower and all) that ``from_pretrained`` loads to
-the same logits.
+TP=2 (and a fused-expert vision-language folder at EP=2, Qwen3-Next at PP=2), logits and
+``infer_batch`` log-probs against ``transformers``' pure-torch path one sequence at a time (fp32, rel
+1e-4; GDN chunks of 8 tokens, so sequences span several chunks, and a sequence of one token),
+``per_tensor_generator`` yielding the folder's own names and tensors (``model.language_model.*``, fused
+experts; no vision tower), and ``export_hf`` -> a folder equal to the source (vision tower and all)
+that ``from_pretrained`` loads to the same logits.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ pytest.importorskip("mcore_engine.layers.gated_delta_net")  # the engine's GDN l
 
 TOL = 1e-4
 LENGTHS = (13, 21, 1)
-# folder -> (kind, fused experts, layouts (tp, ep))
-FOLDERS = {"qwen3_5": ("qwen3_5", False, [(2, 1)]), "qwen3_5_moe": ("qwen3_5_moe", False, [(2, 1)]),
-           "qwen3_next": ("qwen3_next", False, [(2, 1)]), "qwen3_5_vl": ("qwen3_5_vl", False, [(2, 1)]),
-           "qwen3_5_moe_vl": ("qwen3_5_moe_vl", True, [(2, 1), (1, 2)])}
+# folder -> (kind, fused experts, layouts (tp, ep, pp))
+FOLDERS = {"qwen3_5": ("qwen3_5", False, [(2, 1, 1)]), "qwen3_5_moe": ("qwen3_5_moe", False, [(2, 1, 1)]),
+           "qwen3_next": ("qwen3_next", False, [(2, 1, 1), (1, 1, 2)]),
+           "qwen3_5_vl": ("qwen3_5_vl", False, [(2, 1, 1)]),
+           "qwen3_5_moe_vl": ("qwen3_5_moe_vl", True, [(2, 1, 1), (1, 2, 1)])}
 
 
 def _load(path: Path) -> dict[str, torch.Tensor]:
@@ -55,12 +56,13 @@ def saved(tmp_path_factory) -> Path:
     return root
 
 
-def _engine_config(folder: Path, tp: int, ep: int) -> EngineConfig:
+def _engine_config(folder: Path, tp: int, ep: int, pp: int) -> EngineConfig:
     model = from_hf_config(read_hf_config(folder), hf_path=str(folder))
     gdn = dataclasses.replace(model.linear_attention, chunk_size=8)
     model = dataclasses.replace(model, linear_attention=gdn)
     return EngineConfig(model=model, parallel=ParallelConfig(tensor_model_parallel_size=tp,
-                                                             expert_model_parallel_size=ep))
+                                                             expert_model_parallel_size=ep,
+                                                             pipeline_model_parallel_size=pp))
 
 
 def _check(rank: int, world_size: int, root: Path) -> None:
@@ -69,6 +71,7 @@ def _check(rank: int, world_size: int, root: Path) -> None:
     from mcore_engine import MegatronEngine
     from mcore_engine.hf.mapping import unwrap_chunk
     from mcore_engine.parallel.platform import destroy_distributed
+    from mcore_engine.weight_sync import unflatten_bucket
 
     ref = torch.load(root / "reference.pt")
     ids = ref["ids"]
@@ -78,9 +81,9 @@ def _check(rank: int, world_size: int, root: Path) -> None:
                        batch_size=[len(ids)])
     for folder, (_, _, layouts) in FOLDERS.items():
         source = _load(root / folder)
-        for tp, ep in layouts:
-            what = f"{folder} tp={tp} ep={ep} rank={rank}"
-            engine = MegatronEngine(_engine_config(root / folder, tp, ep))
+        for tp, ep, pp in layouts:
+            what = f"{folder} tp={tp} ep={ep} pp={pp} rank={rank}"
+            engine = MegatronEngine(_engine_config(root / folder, tp, ep, pp))
             engine.initialize()
             out = engine.infer_batch(batch)
             for i, (r, logits) in enumerate(zip(ids, ref["logits"][folder], strict=True)):
@@ -103,20 +106,25 @@ def _check(rank: int, world_size: int, root: Path) -> None:
             assert sorted(streamed) == sorted(language), what
             for n, t in language.items():
                 assert streamed[n].dtype == t.dtype and torch.equal(streamed[n], t), f"{n} {what}"
-            engine.export_hf(root / f"export_{folder}_tp{tp}_ep{ep}")
+            bucketed = {}  # the bucketed sync's plan (hf_stream_shapes) has the same names, in order
+            for bucket, meta in engine.bucketed_weight_generator(1 << 16):
+                bucketed.update({n: t.clone() for n, t in unflatten_bucket(bucket, meta).items()})
+            assert list(bucketed) == list(streamed), what
+            assert all(torch.equal(bucketed[n], t) for n, t in streamed.items()), what
+            engine.export_hf(root / f"export_{folder}_tp{tp}_ep{ep}_pp{pp}")
             del engine
             destroy_distributed()
 
 
-@pytest.mark.slow  # six engine builds on 2 ranks
+@pytest.mark.slow  # seven engine builds on 2 ranks
 def test_qwen3_5_import_log_probs_sync_and_export(saved):
     run_distributed(_check, 2, saved)
 
     ref = torch.load(saved / "reference.pt")
     for folder, (kind, _, layouts) in FOLDERS.items():
         source, source_config = _load(saved / folder), read_hf_config(saved / folder)
-        for tp, ep in layouts:
-            out = saved / f"export_{folder}_tp{tp}_ep{ep}"
+        for tp, ep, pp in layouts:
+            out = saved / f"export_{folder}_tp{tp}_ep{ep}_pp{pp}"
             exported = _load(out)
             assert sorted(exported) == sorted(source), out.name
             for n, t in source.items():
@@ -124,7 +132,7 @@ def test_qwen3_5_import_log_probs_sync_and_export(saved):
             config = json.loads((out / "config.json").read_text())
             assert from_hf_config(config) == from_hf_config(source_config)
             assert config["architectures"] == source_config["architectures"]
-        tp, ep = layouts[-1]
-        model = M.model_class(kind).from_pretrained(saved / f"export_{folder}_tp{tp}_ep{ep}")
+        tp, ep, pp = layouts[-1]
+        model = M.model_class(kind).from_pretrained(saved / f"export_{folder}_tp{tp}_ep{ep}_pp{pp}")
         for got, want in zip(_hf_logits(model.eval(), ref["ids"]), ref["logits"][folder], strict=True):
             assert torch.equal(got, want), folder

@@ -19,8 +19,8 @@ from mcore_engine.hf.checkpoint_io import HFCheckpointReader
 from mcore_engine.hf.families import family_of, hf_family_of
 from mcore_engine.hf.folder import FolderReader, folder_format, folder_stream
 from mcore_engine.hf.hf_config import from_hf_config, to_hf_config
-from mcore_engine.hf.hybrid import assemble_parts
-from mcore_engine.hf.layout import hf_from_gathered, shard_from_hf
+from mcore_engine.hf.hybrid import assemble_parts, row_map
+from mcore_engine.hf.layout import gathered_names, hf_from_gathered, shard_from_hf
 from mcore_engine.hf.mapping import check_hf_names, hf_shapes, hf_stream_shapes, model_units, unit_rule
 from tests.hf import qwen3_5_models as M
 
@@ -150,6 +150,26 @@ def test_saved_names_all_placed(kind, folders, caplog):
     gdn = [u for u in units if ".in_proj_qkv." in u]
     assert [u.split(".")[2] for u in gdn] == ["0", "1", "2"]
     assert [u.split(".")[2] for u in units if ".linear_qkv." in u] == ["3"]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe_vl_fused"])
+def test_stream_order_is_the_sync_plan(kind, folders):
+    """The engine-order stream (units, Qwen3-Next parts, per-expert tensors) through assemble_parts and
+    folder_stream gives hf_stream_shapes' names, shapes and order (what the bucketed sync plans by)."""
+    path = folders[kind]
+    cfg = from_hf_config(json.loads((path / "config.json").read_text()), hf_path=str(path))
+    shapes = hf_shapes(cfg)
+
+    def engine_stream():
+        for unit in model_units(cfg):
+            rule = unit_rule(unit, cfg)
+            for name in gathered_names(rule):
+                base, _, part = name.partition("#")
+                rows = row_map(part, cfg, 1).numel() if part else shapes[base][0]
+                yield name, torch.empty((rows, *shapes[base][1:]), device="meta")
+
+    got = folder_stream(assemble_parts(engine_stream(), cfg, 1), folder_format(path), cfg.moe.num_experts)
+    assert [(n, tuple(t.shape)) for n, t in got] == list(hf_stream_shapes(cfg).items())
 
 
 def raw_names(path) -> list[str]:

@@ -1,8 +1,9 @@
 """mcore_engine.layers.gated_delta_net: GatedDeltaNet on one rank against ``transformers`` 5.24's
 ``Qwen3_5GatedDeltaNet`` (fp32) and a float64 token-by-token reference (values, input and weight
 gradients); a ``thd`` pack equal to its sequences alone; on two gloo ranks TP = 2, TP = 2 + SP and
-CP = 2 (``thd`` and ``bshd``) against one rank with the same full weights (fp32, and bf16 within the
-one-rank bf16 error); the TP checkpoint layout; bad inputs."""
+CP = 2 (``thd`` and ``bshd``), on four TP = 2 + SP with CP = 2, against one rank with the same full
+weights (fp32, and bf16 within the one-rank bf16 error); a TP = 2 checkpoint loaded at TP = 1; bad
+inputs."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from tests.utils import assert_rel_close, rel_err, run_distributed
 
-NK, NV, DK, DV, K, H = 2, 4, 8, 6, 4, 24  # key / value heads, head dims, conv kernel, hidden size
+NK, NV, DK, DV, K, H = 4, 8, 8, 6, 4, 24  # key / value heads, head dims, conv kernel, hidden size
 CHUNK = 8  # chunk of the rule: sequences longer than a chunk stay cheap
 EPS = 1e-6
 FP32_TOL = 1e-5
@@ -240,6 +241,26 @@ def _one_rank_checks(rank: int, world: int) -> None:
         assert e_ours <= min(1.25 * e_hf + 1e-3, BF16_CAP), \
             f"bf16 {name}: error {e_ours:.2e} vs transformers' {e_hf:.2e}"
 
+    # --- built by Megatron's TransformerLayer from a ModuleSpec (the layer spec's contract), thd ---
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    spec = copy.deepcopy(get_gpt_layer_local_spec())
+    spec.submodules.self_attention = ModuleSpec(module=GatedDeltaNet, params={"gdn": _gdn()})
+    layer = build_module(spec, config=_config(), layer_number=1)
+    assert isinstance(layer.self_attention, GatedDeltaNet)
+    layer.self_attention.load_state_dict({k: v.float() for k, v in full.items()})
+    seen = {}
+    layer.self_attention.register_forward_hook(lambda m, args, out: seen.update(x=args[0], out=out[0]))
+    hidden_p = hidden_p.float().requires_grad_()
+    out, _ = layer(hidden_p, attention_mask=None, packed_seq_params=_packed(lengths, padded))
+    out.backward(grad_p.float())
+    alone, _ = module(seen["x"].detach(), None, packed_seq_params=_packed(lengths, padded))
+    assert_rel_close(seen["out"].detach(), alone, 0.0, "TransformerLayer's self_attention output")
+    assert all(p.grad is not None for p in layer.self_attention.parameters())
+
     # --- a fresh module: TP-independent init, A_log / dt_bias / conv marked tensor parallel ---
     fresh = GatedDeltaNet(_config(), gdn=_gdn())
     assert torch.all((fresh.A_log.exp() >= 1) & (fresh.A_log.exp() <= 16)) and torch.all(fresh.dt_bias == 1)
@@ -267,9 +288,9 @@ def _one_rank_checks(rank: int, world: int) -> None:
 # ----------------------------------------------------------------------------------------------------
 # Two ranks: TP = 2, TP = 2 + SP, CP = 2 vs one rank
 # ----------------------------------------------------------------------------------------------------
-def _two_rank_checks(rank: int, world: int) -> None:
+def _two_rank_checks(rank: int, world: int, checkpoint: str) -> None:
     import torch.distributed as dist
-    from megatron.core import parallel_state
+    from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from mcore_engine.layers.attention import cp_local_index
@@ -305,13 +326,15 @@ def _two_rank_checks(rank: int, world: int) -> None:
     state = tp.sharded_state_dict()
     for key, full_key in (("in_proj_qkv.weight", "in_proj_qkv.weight"), ("conv1d.weight", "conv1d.weight")):
         pieces = {p.key.rsplit(".", 1)[-1]: p for p in state[key].build()}
-        offsets = {"query": 0, "key": NK * DK, "value": 2 * NK * DK}
+        offsets = {"q": 0, "k": NK * DK, "v": 2 * NK * DK}
+        assert sorted(pieces) == sorted(offsets)
         for part, piece in pieces.items():
             start, size = piece.global_offset[0], piece.local_shape[0]
-            assert piece.global_shape[0] == (NV * DV if part == "value" else NK * DK)
+            assert piece.global_shape[0] == (NV * DV if part == "v" else NK * DK)
             rows = torch.arange(offsets[part] + start, offsets[part] + start + size)
             assert torch.equal(piece.data.double(), full[full_key][rows].float().double()), f"{key}.{part}"
     assert state["A_log"].global_shape == (NV,) and state["A_log"].global_offset == (rank * NV // world,)
+    dist_checkpointing.save(tp.sharded_state_dict(prefix="gdn."), checkpoint, async_sharded_save=False)
 
     with pytest.raises(ValueError, match="num_key_heads"):
         GatedDeltaNet(_config(tp=world), gdn=_gdn(nk=1, nv=2))
@@ -356,6 +379,14 @@ def _two_rank_checks(rank: int, world: int) -> None:
     for name, e2, e1 in zip(("out", "d_hidden", *NAMES), _errors(two, exact), one_err, strict=True):
         assert e2 <= min(1.2 * e1 + 1e-3, BF16_CAP), f"rank {rank}: bf16 {name} {e2:.2e} vs {e1:.2e}"
 
+    # --- the TP = 2 checkpoint loads into a TP = 1 (CP = 2) layer: the full weights ---
+    fresh = GatedDeltaNet(_config(cp=world), gdn=_gdn())
+    loaded = dist_checkpointing.load(fresh.sharded_state_dict(prefix="gdn."), checkpoint)
+    weights = {k for k in loaded if not k.endswith("_extra_state")}
+    assert weights == {f"gdn.{n}" for n in NAMES}, sorted(loaded)
+    for name in NAMES:
+        assert torch.equal(loaded[f"gdn.{name}"], full[name].float()), f"resharded checkpoint: {name}"
+
     # --- bad input ---
     with pytest.raises(ValueError, match="num_key_heads"):
         GatedDeltaNet(_config(cp=world), gdn=_gdn(nk=1, nv=2))
@@ -366,14 +397,45 @@ def _two_rank_checks(rank: int, world: int) -> None:
     parallel_state.destroy_model_parallel()
 
 
+# ----------------------------------------------------------------------------------------------------
+# Four ranks: TP = 2 + SP with CP = 2 (each rank one key head of the full sequences) vs one rank
+# ----------------------------------------------------------------------------------------------------
+def _four_rank_checks(rank: int, world: int) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from mcore_engine.layers.attention import cp_local_index
+
+    full = _weights(10)
+    solo = [dist.new_group([r]) for r in range(world)][rank]
+    _setup(tp=2, cp=2)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    cp_rank = parallel_state.get_context_parallel_rank()
+    reference = _module(full, pg=ProcessGroupCollection(tp=solo, cp=solo))
+    module = _module(full, tp=2, cp=2, sp=True, rank=tp_rank)
+    real = [3, 17, 1, 10]
+    padded = [-(-n // 4) * 4 for n in real]  # 40 tokens: 20 per CP rank, 10 per TP rank after SP
+    hidden, grad = _inputs((sum(padded), 1, H), seed=11)
+    expected = _run(reference, hidden, grad, _packed(real, padded))
+    idx = cp_local_index(padded, 2, cp_rank)[tp_rank * 10: (tp_rank + 1) * 10]  # CP chunks, then SP split
+    actual = _run(module, hidden[idx], grad[idx], _packed(real, padded))
+    for g in actual[2:]:
+        dist.all_reduce(g, group=parallel_state.get_context_parallel_group())
+    grads = _shard(dict(zip(NAMES, expected[2:], strict=True)), 2, tp_rank)
+    _check(actual, [expected[0][idx], expected[1][idx], *(grads[n] for n in NAMES)], FP32_TOL,
+           f"rank {rank} (tp {tp_rank}, cp {cp_rank}): TP=2 + SP + CP=2 thd")
+    parallel_state.destroy_model_parallel()
+
+
 @pytest.mark.slow
 def test_one_rank_matches_transformers_and_reference():
     run_distributed(_one_rank_checks, 1)
 
 
 @pytest.mark.slow
-def test_tp2_sp_cp2_match_one_rank():
-    run_distributed(_two_rank_checks, 2)
+def test_tp2_sp_cp2_match_one_rank(tmp_path):
+    run_distributed(_two_rank_checks, 2, str(tmp_path))
 
 
 def test_qkv_partition_rows():
@@ -382,7 +444,14 @@ def test_qkv_partition_rows():
     gdn = _gdn()
     parts = [qkv_partition_rows(gdn, 2, r) for r in range(2)]
     assert torch.equal(torch.cat(parts).sort().values, torch.arange(2 * NK * DK + NV * DV))
-    assert parts[1][:DK].tolist() == list(range(DK, 2 * DK))  # rank 1's q: key head 1
-    assert parts[1][DK: 2 * DK].tolist() == list(range(NK * DK + DK, NK * DK + 2 * DK))  # its k
+    kd = NK * DK // 2  # per rank
+    assert parts[1][:kd].tolist() == list(range(kd, 2 * kd))  # rank 1's q: the second half of the key heads
+    assert parts[1][kd: 2 * kd].tolist() == list(range(NK * DK + kd, NK * DK + 2 * kd))  # its k
+    assert parts[1][2 * kd:].tolist() == list(range(2 * NK * DK + NV * DV // 2, 2 * NK * DK + NV * DV))  # v
     with pytest.raises(ValueError, match="tp=3"):
         qkv_partition_rows(gdn, 3, 0)
+
+
+@pytest.mark.slow
+def test_tp2_sp_with_cp2_matches_one_rank():
+    run_distributed(_four_rank_checks, 4)
