@@ -69,6 +69,7 @@ def _check(rank: int, world_size: int, root: Path) -> None:
     from tensordict import TensorDict
 
     from mcore_engine import MegatronEngine
+    from mcore_engine.hf.checkpoint_io import HFCheckpointReader
     from mcore_engine.hf.mapping import unwrap_chunk
     from mcore_engine.parallel.platform import destroy_distributed
     from mcore_engine.weight_sync import unflatten_bucket
@@ -79,12 +80,23 @@ def _check(rank: int, world_size: int, root: Path) -> None:
                         "loss_mask": torch.nested.nested_tensor([torch.ones_like(r) for r in ids],
                                                                 layout=torch.jagged)},
                        batch_size=[len(ids)])
-    for folder, (_, _, layouts) in FOLDERS.items():
+    experts_read: list[int] = []  # experts read from fused 3-D tensors: HFCheckpointReader.read_index
+    original_read_index = HFCheckpointReader.read_index
+
+    def recording_read_index(self, name, shape, index):
+        experts_read.append(index[0])
+        return original_read_index(self, name, shape, index)
+
+    HFCheckpointReader.read_index = recording_read_index
+    for folder, (_, fused, layouts) in FOLDERS.items():
         source = _load(root / folder)
         for tp, ep, pp in layouts:
             what = f"{folder} tp={tp} ep={ep} pp={pp} rank={rank}"
+            experts_read.clear()
             engine = MegatronEngine(_engine_config(root / folder, tp, ep, pp))
             engine.initialize()
+            if fused:  # each rank read only its own experts' slices (EP) of the fused tensors
+                assert set(experts_read) == ({0, 1, 2, 3} if ep == 1 else {2 * rank, 2 * rank + 1}), what
             out = engine.infer_batch(batch)
             for i, (r, logits) in enumerate(zip(ids, ref["logits"][folder], strict=True)):
                 want = logits[:-1].log_softmax(-1).gather(-1, r[1:, None])[:, 0]
@@ -114,6 +126,7 @@ def _check(rank: int, world_size: int, root: Path) -> None:
             engine.export_hf(root / f"export_{folder}_tp{tp}_ep{ep}_pp{pp}")
             del engine
             destroy_distributed()
+    HFCheckpointReader.read_index = original_read_index
 
 
 @pytest.mark.slow  # seven engine builds on 2 ranks
