@@ -29,7 +29,8 @@ from tests.hf import qwen3_5_models as M
 def folders(tmp_path_factory):
     """One save_pretrained folder per kind, plus a Hub-layout (fused experts) Qwen3.5-MoE VL folder."""
     root = tmp_path_factory.mktemp("qwen3_5")
-    out = {kind: M.save_tiny_model(kind, root / kind, seed=i) for i, kind in enumerate(M.KINDS)}
+    out = {kind: M.save_tiny_model(kind, root / kind, seed=i, mtp=kind in ("qwen3_next", "qwen3_5_vl"))
+           for i, kind in enumerate(M.KINDS)}
     out["qwen3_5_moe_vl_fused"] = M.save_tiny_model("qwen3_5_moe_vl", root / "fused", seed=9,
                                                     fused_experts=True)
     return out
@@ -139,13 +140,16 @@ def test_saved_names_all_placed(kind, folders, caplog):
         assert set(shapes) == set(names)  # every tensor loaded, every parameter found
         assert ("lm_head.weight" in raw.names()) != (kind == "qwen3_5")  # tied folders have none
         vision = [n for n in raw.names() if n.startswith("model.visual.")]
-        assert bool(vision) == ("_vl" in kind)
-        said = [r for r in caplog.records if "kept out of the engine" in r.getMessage()]
-        assert len(said) == (1 if vision else 0)
+        mtp = [n for n in raw.names() if n.startswith("mtp.")]
+        assert bool(vision) == ("_vl" in kind) and bool(mtp) == (kind in ("qwen3_next", "qwen3_5_vl"))
+        said = [r.getMessage() for r in caplog.records if "kept out of the engine" in r.getMessage()]
+        assert len(said) == (1 if vision or mtp else 0)
+        assert not said or said[0].startswith(f"hf_path: {len(vision) + len(mtp)} tensors")
     fmt = folder_format(path)
     assert fmt.prefix == ("_vl" in kind) and fmt.fused_experts == kind.endswith("fused")
     # the sync / export stream has exactly the folder's language-model names
-    assert set(hf_stream_shapes(cfg)) == {n for n in raw_names(path) if not n.startswith("model.visual.")}
+    kept_out = ("model.visual.", "mtp.")
+    assert set(hf_stream_shapes(cfg)) == {n for n in raw_names(path) if not n.startswith(kept_out)}
     units = model_units(cfg)
     gdn = [u for u in units if ".in_proj_qkv." in u]
     assert [u.split(".")[2] for u in gdn] == ["0", "1", "2"]
