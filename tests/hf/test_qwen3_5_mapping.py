@@ -342,3 +342,24 @@ def test_folder_disagreeing_with_its_config_is_refused(folders, tmp_path, edit, 
 def test_hf_family_of_multimodal():
     assert hf_family_of(M.hf_config_dict("qwen3_5_vl")).model_type == "qwen3_5_text"
     assert hf_family_of({"model_type": "qwen3_5_moe"}).model_type == "qwen3_5_moe_text"
+
+
+def test_engine_config_must_match_the_folder():
+    from mcore_engine.hf.load import check_config_matches
+
+    folder = from_hf_config(M.hf_config_dict("qwen3_5_moe"))
+    gdn = folder.linear_attention
+    check_config_matches(dataclasses.replace(folder, linear_attention=dataclasses.replace(gdn, chunk_size=8)),
+                         folder)  # the chunk size is the engine's choice
+    for change, field in (({"conv_kernel_dim": 3}, "linear_attention.conv_kernel_dim"),
+                          ({"layer_types": ["linear_attention"] * 2 + ["full_attention"] * 2},
+                           "linear_attention.layer_types"),
+                          ({"num_value_heads": 2}, "linear_attention.num_value_heads")):
+        engine = dataclasses.replace(folder, linear_attention=dataclasses.replace(gdn, **change))
+        with pytest.raises(ValueError, match=f"model.{field}"):
+            check_config_matches(engine, folder)
+    for change, field in (({"linear_attention": None}, "linear_attention"),
+                          ({"attention_output_gate": False}, "attention_output_gate"),
+                          ({"zero_centered_norm": False}, "zero_centered_norm")):
+        with pytest.raises(ValueError, match=f"model.{field}"):
+            check_config_matches(dataclasses.replace(folder, **change), folder)
