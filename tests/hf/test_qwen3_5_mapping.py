@@ -90,6 +90,14 @@ def test_qwen3_next_keeps_its_family_and_defaults():
     assert to_hf_config(from_hf_config(M.hf_config_dict("qwen3_next")))["model_type"] == "qwen3_next"
 
 
+def test_multimodal_ties_by_the_outer_flag():
+    d = M.hf_config_dict("qwen3_5_vl")
+    d["tie_word_embeddings"] = True  # text_config keeps its own False, as Hub folders may
+    cfg = from_hf_config(d)
+    assert cfg.tie_word_embeddings
+    assert to_hf_config(cfg, base=d) == {**d, "dtype": "float32"}
+
+
 def test_full_attention_interval_without_layer_types():
     d = M.hf_config_dict("qwen3_5")
     d.pop("layer_types")
