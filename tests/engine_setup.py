@@ -141,8 +141,9 @@ def _global_key(module, key: str) -> str:
     return ".".join(parts)
 
 
-def _shard(full: torch.Tensor, key: str, param) -> torch.Tensor:
-    """This rank's TP slice of ``full`` (an expert's weights: its expert-TP slice)."""
+def _shard(full: torch.Tensor, key: str, param, gdn=None) -> torch.Tensor:
+    """This rank's TP slice of ``full`` (an expert's weights: its expert-TP slice; a GDN layer's
+    ``in_proj_qkv`` / ``conv1d``: the slice of each of its q, k, v blocks, ``gdn`` its config)."""
     from megatron.core import parallel_state
 
     if not getattr(param, "tensor_model_parallel", False):
@@ -156,12 +157,16 @@ def _shard(full: torch.Tensor, key: str, param) -> torch.Tensor:
             else parallel_state.get_tensor_model_parallel_rank())
     if key.endswith("linear_fc1.weight"):  # SwiGLU: [gate; up] -> [gate_r; up_r]
         return torch.cat([half.chunk(size, 0)[rank] for half in full.chunk(2, 0)])
+    if key.endswith(("in_proj_qkv.weight", "conv1d.weight")):  # [q; k; v] -> [q_r; k_r; v_r]
+        blocks = full.split([gdn.key_dim, gdn.key_dim, gdn.value_dim])
+        return torch.cat([block.chunk(size, 0)[rank] for block in blocks])
     return full.chunk(size, param.partition_dim)[rank]
 
 
 def local_reference(engine, full: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     """``full`` cut to this rank's layout: one dict per model chunk, keyed like its state dict."""
-    return [{key: _shard(full[_global_key(chunk.module, key)], key, p)
+    gdn = engine.config.model.linear_attention
+    return [{key: _shard(full[_global_key(chunk.module, key)], key, p, gdn)
              for key, p in chunk.module.named_parameters()} for chunk in engine.model]
 
 

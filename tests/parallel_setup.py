@@ -17,15 +17,20 @@ NUM_SEQS = 6
 FLAGS = dict(calculate_entropy=True, temperature=0.8)
 MOE = dict(num_experts=4, router_topk=2, ffn_hidden_size=32, aux_loss_coeff=0.01, z_loss_coeff=1e-3,
            layer_freq=[0, 1, 1, 1])
+# Qwen3.5's hybrid: GDN layers 0-2, gated full attention at 3; chunks of 8 tokens (sequences 3..17 long)
+GDN = dict(num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=16, chunk_size=8)
+HYBRID = dict(qk_layernorm=True, add_qkv_bias=False, kv_channels=16, attention_output_gate=True,
+              zero_centered_norm=True, rotary_percent=0.25)
 
 
 def config(model: str, *, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1,
            etp: int | None = None, sp: bool = False, cp: int = 1, data_format: str = "thd",
            fused_lm_head: bool = False, precision: str = "fp32", dispatcher: str = "alltoall",
            micro_batch_size: int = 2):
-    """The tiny GPT of ``tests.engine_setup`` as ``model`` ``"dense"``, ``"moe"`` (with QK-norm) or
-    ``"value"``, with the production ``adam_eps``."""
-    from mcore_engine.config import OptimizerConfig
+    """The tiny GPT of ``tests.engine_setup`` as ``model`` ``"dense"``, ``"moe"`` (with QK-norm),
+    ``"value"``, ``"hybrid"`` (Qwen3.5: 3 GDN layers, 1 gated attention) or ``"hybrid-moe"`` (its MoE
+    with a gated shared expert), with the production ``adam_eps``."""
+    from mcore_engine.config import GDNConfig, OptimizerConfig
     from mcore_engine.config.moe import MoEConfig
 
     cfg = tiny_config(tp=tp, pp=pp, vpp=vpp, data_format=data_format, micro_batch_size=micro_batch_size,
@@ -36,9 +41,33 @@ def config(model: str, *, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: 
         m = dataclasses.replace(m, qk_layernorm=True, moe=MoEConfig(**MOE, token_dispatcher=dispatcher))
     elif model == "value":
         m = dataclasses.replace(m, head="value")
+    elif model.startswith("hybrid"):
+        moe = None if model == "hybrid" else MoEConfig(
+            **{**MOE, "layer_freq": 1}, token_dispatcher=dispatcher, shared_expert_ffn_hidden_size=24,
+            shared_expert_gate=True)
+        m = dataclasses.replace(m, **HYBRID, linear_attention=GDNConfig(**GDN), moe=moe)
     parallel = dataclasses.replace(cfg.parallel, sequence_parallel=sp, expert_model_parallel_size=ep,
                                    expert_tensor_parallel_size=etp, context_parallel_size=cp)
     return dataclasses.replace(cfg, model=m, parallel=parallel)
+
+
+def trained_like(engine, seed: int = 0) -> None:
+    """Give a hybrid model's fresh weights a trained model's regime: every GDN layer's ``A_log`` to
+    ``log(uniform(0.05, 1))`` (per-token decays ``exp(g)`` of about 0.3-0.97), every zero-centred norm
+    weight to ``N(0, 0.1)``. At the initialisation's ``A = uniform(1, 16)`` the state forgets nearly
+    everything each token, and ``A_log`` / ``dt_bias`` get gradients of ~1e-6 made of cancelling
+    terms that fp32 rounding alone moves by 1e-4 - 1e-3 relative (measured: chunk size 8 vs 16 on one
+    rank; < 1e-6 here). Norm weights at 0 end two Adam steps at about +-2 lr, where bf16 noise flips
+    signs: no layout comparison can see anything there."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for chunk in engine.model:
+            for name, p in chunk.module.named_parameters():
+                if name.endswith("A_log"):
+                    p.copy_(torch.empty(p.shape).uniform_(0.05, 1.0, generator=g).log())
+                elif "layernorm" in name and engine.config.model.zero_centered_norm:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    engine.optimizer.reload_model_params()
 
 
 def batches(lengths: list[list[int]] | None = None, **extra) -> list:
@@ -49,6 +78,7 @@ def batches(lengths: list[list[int]] | None = None, **extra) -> list:
 
 
 OUTPUT_KEYS = {"dense": ("log_probs", "entropy"), "moe": ("log_probs", "entropy"), "value": ("values",),
+               "hybrid": ("log_probs", "entropy"), "hybrid-moe": ("log_probs", "entropy"),
                "distill": ("log_probs", "distillation_losses", "student_mass")}
 
 
@@ -73,7 +103,7 @@ def run_steps(engine, model: str, select: bool = False, data: list | None = None
             batch.set_non_tensor(key, value)
     infer = engine.infer_batch(data[0])
     got["infer"] = {k: flat_values(infer[k]) for k in keys}
-    if model == "moe":
+    if model.endswith("moe"):
         got["routed_experts"] = flat_values(infer["routed_experts"])
     for batch in data:
         out = engine.train_batch(batch, loss_fn)

@@ -4,7 +4,8 @@ Megatron-Core's ``WrappedTorchNorm`` refuses ``sequence_parallel``. Under it a n
 ``[s / tp, b, H]`` slice, so its weight gradient is a partial sum, which ``finalize_model_grads``
 sums over TP for parameters marked ``sequence_parallel``: :class:`TorchNorm` is ``torch.nn.LayerNorm``
 / ``RMSNorm`` with that mark, and :func:`with_torch_norms` puts it wherever a spec names
-``WrappedTorchNorm``.
+``WrappedTorchNorm``. With ``layernorm_zero_centered_gamma`` (Qwen3.5) an RMSNorm is
+:class:`ZeroCenteredRMSNorm`: ``rmsnorm(x) * (1 + w)`` in fp32, ``w`` stored and initialised to 0.
 """
 
 from __future__ import annotations
@@ -17,9 +18,29 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-__all__ = ["TorchNorm", "with_torch_norms"]
+__all__ = ["TorchNorm", "ZeroCenteredRMSNorm", "with_torch_norms"]
 
 _NORMS = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """``y = x * rsqrt(mean(x^2) + eps) * (1 + w)`` over the last dimension, computed in fp32 (at least) and
+    returned in ``x``'s dtype (``transformers``' Qwen3-Next / Qwen3.5 ``RMSNorm``). Saves ``x`` for
+    backward (autograd)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(x.dtype, torch.float32)  # fp32, or float64 for references
+        xf = x.to(dtype)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.to(dtype))).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, zero-centred"
 
 
 class TorchNorm:
@@ -32,11 +53,15 @@ class TorchNorm:
         if config.normalization not in _NORMS:
             raise ValueError(f"normalization must be one of {sorted(_NORMS)} without Transformer Engine, "
                              f"got {config.normalization!r}")
-        if config.layernorm_zero_centered_gamma or config.persist_layer_norm \
+        zero_centered = config.layernorm_zero_centered_gamma
+        if (zero_centered and config.normalization != "RMSNorm") or config.persist_layer_norm \
                 or config.memory_efficient_layer_norm:
-            raise ValueError("zero-centred gamma, persist_layer_norm and memory_efficient_layer_norm need "
-                             "Transformer Engine / Apex norms")
-        norm = _NORMS[config.normalization](normalized_shape=hidden_size, eps=eps)
+            raise ValueError("zero-centred LayerNorm, persist_layer_norm and memory_efficient_layer_norm "
+                             "need Transformer Engine / Apex norms")
+        if zero_centered:
+            norm = ZeroCenteredRMSNorm(hidden_size, eps=eps)
+        else:
+            norm = _NORMS[config.normalization](normalized_shape=hidden_size, eps=eps)
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm

@@ -1,8 +1,11 @@
 """The decoder's layer spec: Transformer Engine's when it imports, else Megatron's local spec with
 the project's own modules (:mod:`mcore_engine.layers`): torch norms, the core attention of
-``model.core_attention`` and, with MLA, the TP-exact attention and its latent norms."""
+``model.core_attention``, with MLA the TP-exact attention and its latent norms, and in a hybrid
+decoder (``model.linear_attention``) the Gated DeltaNet layers where its layer pattern says."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
@@ -10,11 +13,12 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from mcore_engine.config import EngineConfig
 from mcore_engine.layers.attention import SDPACoreAttention
 from mcore_engine.layers.mla import LatentNorm, MLASelfAttention
-from mcore_engine.layers.norm import with_torch_norms
+from mcore_engine.layers.norm import TorchNorm, with_torch_norms
 from mcore_engine.layers.packed_attention import PackedDotProductAttention
 
 __all__ = ["decoder_spec", "has_te", "qk_layernorm"]
@@ -41,10 +45,11 @@ def qk_layernorm(cfg: EngineConfig) -> bool:
 def decoder_spec(cfg: EngineConfig, config: TransformerConfig, vp_stage: int | None):
     """The layer spec (Transformer Engine, dense) or this stage's block spec: the local layer spec
     repeated (dense) or Megatron's ``get_gpt_decoder_block_spec`` (MoE, by ``moe.layer_freq``), with
-    the local modules of the module docstring."""
+    the local modules of the module docstring; a hybrid decoder's GDN layers replace their mixer."""
     te = has_te()
+    hybrid = cfg.model.linear_attention is not None
     if cfg.model.moe is None:
-        if te:
+        if te and not hybrid:
             return _layer_spec(cfg)
         block = TransformerBlockSubmodules(
             layer_specs=[_layer_spec(cfg)] * get_num_layers_to_build(config, vp_stage),
@@ -54,9 +59,15 @@ def decoder_spec(cfg: EngineConfig, config: TransformerConfig, vp_stage: int | N
 
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=te,
                                            normalization=cfg.model.normalization, vp_stage=vp_stage)
+        if te and not hybrid:
+            return block
+    if hybrid:
+        block.layer_specs = _with_gdn_layers(cfg, config, vp_stage, block.layer_specs)
         if te:
             return block
     for spec in {id(s): s for s in block.layer_specs}.values():
+        if "gdn" in spec.submodules.self_attention.params:
+            continue  # a Gated DeltaNet layer
         attention = spec.submodules.self_attention.submodules
         attention.core_attention = _core_attention(cfg)
         if cfg.model.mla is not None:
@@ -65,6 +76,28 @@ def decoder_spec(cfg: EngineConfig, config: TransformerConfig, vp_stage: int | N
             norm = IdentityOp if cfg.model.mla.q_lora_rank is None else LatentNorm
             attention.q_layernorm = attention.kv_layernorm = norm
     return with_torch_norms(block)
+
+
+def _gdn_module() -> type:
+    from mcore_engine.layers.gated_delta_net import GatedDeltaNet
+
+    return GatedDeltaNet
+
+
+def _with_gdn_layers(cfg: EngineConfig, config: TransformerConfig, vp_stage: int | None,
+                     layer_specs: list[ModuleSpec]) -> list[ModuleSpec]:
+    """This stage's layer specs with a Gated DeltaNet mixer (and its own input norm: the attention
+    spec may fuse it into ``linear_qkv``) at the global layers ``model.linear_attention`` marks."""
+    pattern = cfg.model.linear_attention.layer_pattern(cfg.model.num_layers)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    mixer = ModuleSpec(module=_gdn_module(), params={"gdn": cfg.model.linear_attention})
+    out = []
+    for i, spec in enumerate(layer_specs):
+        if pattern[offset + i]:
+            sub = dataclasses.replace(spec.submodules, input_layernorm=TorchNorm, self_attention=mixer)
+            spec = ModuleSpec(module=spec.module, params=dict(spec.params), submodules=sub)
+        out.append(spec)
+    return out
 
 
 def _core_attention(cfg: EngineConfig) -> type:

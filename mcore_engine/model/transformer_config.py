@@ -41,6 +41,8 @@ def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
         add_bias_linear=False,
         add_qkv_bias=m.add_qkv_bias,
         qk_layernorm=qk_layernorm(cfg),
+        attention_output_gate=m.attention_output_gate,
+        layernorm_zero_centered_gamma=m.zero_centered_norm,
         init_method_std=m.init_method_std,
         hidden_dropout=0.0,
         attention_dropout=0.0,
