@@ -22,8 +22,6 @@ from mcore_engine.hf.hf_config import from_hf_config, read_hf_config
 from tests.hf import qwen3_5_models as M
 from tests.utils import assert_rel_close, run_distributed
 
-pytest.importorskip("mcore_engine.layers.gated_delta_net")  # the engine's GDN layer (helper "gdn")
-
 TOL = 1e-4
 LENGTHS = (13, 21, 1)
 # folder -> (kind, fused experts, layouts (tp, ep, pp)); the vision-language and Qwen3-Next folders
