@@ -29,7 +29,7 @@ import torch
 
 from mcore_engine.hf.checkpoint_io import HFCheckpointReader
 
-__all__ = ["FolderFormat", "FolderReader", "folder_format", "folder_stream"]
+__all__ = ["FolderFormat", "FolderReader", "folder_format", "folder_stream", "kept_out_names"]
 
 _LOG = logging.getLogger(__name__)
 _MM_PREFIX = "model.language_model."

@@ -313,13 +313,16 @@ def to_hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
     if family.hybrid:
         out.update(gdn_to_hf(cfg, family, base))
         out["rope_parameters"] = {**(base or {}).get("rope_parameters", {}), **out["rope_parameters"]}
-        if "partial_rotary_factor" not in (base or {}):
-            out.pop("partial_rotary_factor")  # transformers keeps it in rope_parameters
+        for key in ("partial_rotary_factor", "rope_theta"):
+            if key not in (base or {}):
+                out.pop(key)  # transformers keeps them in rope_parameters
     if outer is not None:
-        for key in ("architectures", "torch_dtype", "dtype"):  # the outer config's; text_config as was
+        outer_keys = ("architectures", "torch_dtype", "dtype") + (
+            ("tie_word_embeddings",) if "tie_word_embeddings" in outer else ())
+        for key in outer_keys:  # the outer config's (transformers ties by the outer flag); text_config as was
             out.pop(key)
-            if key in base:
-                out[key] = base[key]
+            if key in outer["text_config"]:
+                out[key] = outer["text_config"][key]
         return {**outer, "text_config": {**out, "model_type": outer["text_config"].get("model_type", name)},
                 "tie_word_embeddings": cfg.tie_word_embeddings, "dtype": str(dtype).removeprefix("torch.")}
     return out

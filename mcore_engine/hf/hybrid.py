@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from mcore_engine.config import ModelConfig
     from mcore_engine.hf.families import Family
 
-__all__ = ["GDN_KINDS", "PART_KINDS", "assemble_parts", "gdn_from_hf", "gdn_hf_shapes", "gdn_to_hf",
-           "gdn_units", "row_map"]
+__all__ = ["GDN_KINDS", "GDN_SUFFIXES", "PART_KINDS", "assemble_parts", "gdn_from_hf", "gdn_hf_shapes",
+           "gdn_to_hf", "gdn_units", "row_map"]
 
 _SPLIT = {
     "self_attention.in_proj_qkv.weight": ("gdn_qkv", "linear_attn.in_proj_qkv.weight"),

@@ -7,7 +7,8 @@ tensor-parallel layout (``kind``):
 - ``"replicated"``: norms, full on every rank.  ``"row"``: ``linear_proj``, ``linear_fc2``, split on dim 1.
 - ``"vocab"``: embedding / output layer ``[V_pad, h]``, split on dim 0; rows ``>= vocab_size`` are
   padding (zero on import, dropped on export).
-- ``"qkv"``: ``[ng * (q_per_group + 2) * d, h]``, per group ``[q, k, v]`` rows, split on dim 0.
+- ``"qkv"``: ``[ng * (q_per_group + 2) * d, h]``, per group ``[q, k, v]`` rows, split on dim 0 (with
+  ``attention_output_gate``: ``[q, gate, k, v]``, ``layout``).
 - ``"gate_up"``: SwiGLU ``linear_fc1``; rank ``r`` holds ``cat([gate[r], up[r]])``.
 - ``"column"``: one Hugging Face tensor split on dim 0 (MLA's projections; a parameter not marked
   ``tensor_model_parallel``, as Transformer Engine's replicated down projections, is replicated).
@@ -15,8 +16,12 @@ tensor-parallel layout (``kind``):
 Local-spec and Transformer Engine norm names map to the same units. Layer names use the global layer
 index, expert names the global expert index; an expert's
 ``linear_fc1`` / ``linear_fc2`` split over the expert-tensor-parallel group (``TensorRule.expert``).
-MLA's projections map one to one (same row layouts; ``rope_interleave=True``). On disk each expert
-is one tensor per projection, as ``save_pretrained`` writes them. ``config.json``: ``hf_config``.
+MLA's projections map one to one (same row layouts; ``rope_interleave=True``). A hybrid model's
+(``cfg.linear_attention``) layers have the units of their type: Gated DeltaNet layers those of
+``hybrid`` (kinds ``"gdn_qkv"`` and Qwen3-Next's ``"next_*"``), the others the attention units; the
+family (Qwen3.5 or Qwen3-Next names) is the source folder's (:func:`source_family`). Here each expert
+is one tensor per projection, as ``save_pretrained`` writes them, and names are ``model.*``; a
+folder's own prefix and fused experts are ``folder``'s. ``config.json``: ``hf_config``.
 """
 
 from __future__ import annotations

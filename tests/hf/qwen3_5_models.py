@@ -72,9 +72,10 @@ def model_class(kind: str):
 
 
 def save_tiny_model(kind: str, path: Path, seed: int = 0, dtype: torch.dtype = torch.float32,
-                    fused_experts: bool = False) -> Path:
+                    fused_experts: bool = False, mtp: bool = False) -> Path:
     """Random weights (norms and ``A_log`` / ``dt_bias`` too, never zero) saved with ``save_pretrained``;
-    ``fused_experts``: then rewritten with 3-D fused experts as the Hub's Qwen3.5-MoE folders hold them."""
+    ``fused_experts``: then rewritten with 3-D fused experts as the Hub's Qwen3.5-MoE folders hold them;
+    ``mtp``: with ``mtp.*`` tensors (:func:`add_mtp_tensors`)."""
     torch.manual_seed(seed)
     model = model_class(kind)(hf_config(kind)).to(dtype)
     with torch.no_grad():
@@ -84,7 +85,28 @@ def save_tiny_model(kind: str, path: Path, seed: int = 0, dtype: torch.dtype = t
     model.save_pretrained(path)
     if fused_experts:
         fuse_expert_files(path)
+    if mtp:
+        add_mtp_tensors(path, seed)
     return path
+
+
+def add_mtp_tensors(path: Path, seed: int = 0) -> None:
+    """Add a Hub folder's multi-token-prediction tensors (``mtp.*``, a few of them, random) and its
+    ``mtp_num_hidden_layers``: ``transformers`` ignores them, the engine keeps them out."""
+    from safetensors.torch import load_file, save_file
+
+    file = Path(path) / "model.safetensors"
+    tensors = load_file(str(file))
+    g = torch.Generator().manual_seed(seed)
+    h = _TEXT["hidden_size"]
+    tensors.update({"mtp.fc.weight": torch.randn(h, 2 * h, generator=g),
+                    "mtp.pre_fc_norm_embedding.weight": torch.randn(h, generator=g),
+                    "mtp.layers.0.input_layernorm.weight": torch.randn(h, generator=g),
+                    "mtp.norm.weight": torch.randn(h, generator=g)})
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    config = json.loads((Path(path) / "config.json").read_text())
+    (config.get("text_config") or config)["mtp_num_hidden_layers"] = 1
+    (Path(path) / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def fuse_expert_files(path: Path) -> None:

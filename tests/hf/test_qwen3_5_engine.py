@@ -22,15 +22,15 @@ from mcore_engine.hf.hf_config import from_hf_config, read_hf_config
 from tests.hf import qwen3_5_models as M
 from tests.utils import assert_rel_close, run_distributed
 
-pytest.importorskip("mcore_engine.layers.gated_delta_net")  # the engine's GDN layer (helper "gdn")
-
 TOL = 1e-4
 LENGTHS = (13, 21, 1)
-# folder -> (kind, fused experts, layouts (tp, ep, pp))
+# folder -> (kind, fused experts, layouts (tp, ep, pp)); the vision-language and Qwen3-Next folders
+# carry mtp.* tensors as the Hub's do
 FOLDERS = {"qwen3_5": ("qwen3_5", False, [(2, 1, 1)]), "qwen3_5_moe": ("qwen3_5_moe", False, [(2, 1, 1)]),
            "qwen3_next": ("qwen3_next", False, [(2, 1, 1), (1, 1, 2)]),
            "qwen3_5_vl": ("qwen3_5_vl", False, [(2, 1, 1)]),
            "qwen3_5_moe_vl": ("qwen3_5_moe_vl", True, [(2, 1, 1), (1, 2, 1)])}
+WITH_MTP = ("qwen3_next", "qwen3_5_vl", "qwen3_5_moe_vl")
 
 
 def _load(path: Path) -> dict[str, torch.Tensor]:
@@ -49,7 +49,7 @@ def saved(tmp_path_factory) -> Path:
     ids = [torch.randint(0, M.VOCAB, (n,), generator=g) for n in LENGTHS]
     logits = {}
     for i, (folder, (kind, fused, _)) in enumerate(FOLDERS.items()):
-        M.save_tiny_model(kind, root / folder, seed=30 + i, fused_experts=fused)
+        M.save_tiny_model(kind, root / folder, seed=30 + i, fused_experts=fused, mtp=folder in WITH_MTP)
         model = M.model_class(kind).from_pretrained(root / folder).eval()
         logits[folder] = _hf_logits(model, ids)
     torch.save({"ids": ids, "logits": logits}, root / "reference.pt")
@@ -69,6 +69,7 @@ def _check(rank: int, world_size: int, root: Path) -> None:
     from tensordict import TensorDict
 
     from mcore_engine import MegatronEngine
+    from mcore_engine.hf.checkpoint_io import HFCheckpointReader
     from mcore_engine.hf.mapping import unwrap_chunk
     from mcore_engine.parallel.platform import destroy_distributed
     from mcore_engine.weight_sync import unflatten_bucket
@@ -79,12 +80,23 @@ def _check(rank: int, world_size: int, root: Path) -> None:
                         "loss_mask": torch.nested.nested_tensor([torch.ones_like(r) for r in ids],
                                                                 layout=torch.jagged)},
                        batch_size=[len(ids)])
-    for folder, (_, _, layouts) in FOLDERS.items():
+    experts_read: list[int] = []  # experts read from fused 3-D tensors: HFCheckpointReader.read_index
+    original_read_index = HFCheckpointReader.read_index
+
+    def recording_read_index(self, name, shape, index):
+        experts_read.append(index[0])
+        return original_read_index(self, name, shape, index)
+
+    HFCheckpointReader.read_index = recording_read_index
+    for folder, (_, fused, layouts) in FOLDERS.items():
         source = _load(root / folder)
         for tp, ep, pp in layouts:
             what = f"{folder} tp={tp} ep={ep} pp={pp} rank={rank}"
+            experts_read.clear()
             engine = MegatronEngine(_engine_config(root / folder, tp, ep, pp))
             engine.initialize()
+            if fused:  # each rank read only its own experts' slices (EP) of the fused tensors
+                assert set(experts_read) == ({0, 1, 2, 3} if ep == 1 else {2 * rank, 2 * rank + 1}), what
             out = engine.infer_batch(batch)
             for i, (r, logits) in enumerate(zip(ids, ref["logits"][folder], strict=True)):
                 want = logits[:-1].log_softmax(-1).gather(-1, r[1:, None])[:, 0]
@@ -102,7 +114,7 @@ def _check(rank: int, world_size: int, root: Path) -> None:
                 assert_rel_close(torch.cat(parts, -1)[0, :, :M.VOCAB], ref["logits"][folder][0], TOL,
                                  f"logits {what}")
             streamed = {n: t.clone() for n, t in engine.per_tensor_generator()}
-            language = {n: t for n, t in source.items() if not n.startswith("model.visual.")}
+            language = {n: t for n, t in source.items() if not n.startswith(("model.visual.", "mtp."))}
             assert sorted(streamed) == sorted(language), what
             for n, t in language.items():
                 assert streamed[n].dtype == t.dtype and torch.equal(streamed[n], t), f"{n} {what}"
@@ -114,6 +126,7 @@ def _check(rank: int, world_size: int, root: Path) -> None:
             engine.export_hf(root / f"export_{folder}_tp{tp}_ep{ep}_pp{pp}")
             del engine
             destroy_distributed()
+    HFCheckpointReader.read_index = original_read_index
 
 
 @pytest.mark.slow  # seven engine builds on 2 ranks

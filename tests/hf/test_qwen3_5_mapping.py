@@ -29,7 +29,8 @@ from tests.hf import qwen3_5_models as M
 def folders(tmp_path_factory):
     """One save_pretrained folder per kind, plus a Hub-layout (fused experts) Qwen3.5-MoE VL folder."""
     root = tmp_path_factory.mktemp("qwen3_5")
-    out = {kind: M.save_tiny_model(kind, root / kind, seed=i) for i, kind in enumerate(M.KINDS)}
+    out = {kind: M.save_tiny_model(kind, root / kind, seed=i, mtp=kind in ("qwen3_next", "qwen3_5_vl"))
+           for i, kind in enumerate(M.KINDS)}
     out["qwen3_5_moe_vl_fused"] = M.save_tiny_model("qwen3_5_moe_vl", root / "fused", seed=9,
                                                     fused_experts=True)
     return out
@@ -89,6 +90,14 @@ def test_qwen3_next_keeps_its_family_and_defaults():
     assert to_hf_config(from_hf_config(M.hf_config_dict("qwen3_next")))["model_type"] == "qwen3_next"
 
 
+def test_multimodal_ties_by_the_outer_flag():
+    d = M.hf_config_dict("qwen3_5_vl")
+    d["tie_word_embeddings"] = True  # text_config keeps its own False, as Hub folders may
+    cfg = from_hf_config(d)
+    assert cfg.tie_word_embeddings
+    assert to_hf_config(cfg, base=d) == {**d, "dtype": "float32"}
+
+
 def test_full_attention_interval_without_layer_types():
     d = M.hf_config_dict("qwen3_5")
     d.pop("layer_types")
@@ -139,13 +148,16 @@ def test_saved_names_all_placed(kind, folders, caplog):
         assert set(shapes) == set(names)  # every tensor loaded, every parameter found
         assert ("lm_head.weight" in raw.names()) != (kind == "qwen3_5")  # tied folders have none
         vision = [n for n in raw.names() if n.startswith("model.visual.")]
-        assert bool(vision) == ("_vl" in kind)
-        said = [r for r in caplog.records if "kept out of the engine" in r.getMessage()]
-        assert len(said) == (1 if vision else 0)
+        mtp = [n for n in raw.names() if n.startswith("mtp.")]
+        assert bool(vision) == ("_vl" in kind) and bool(mtp) == (kind in ("qwen3_next", "qwen3_5_vl"))
+        said = [r.getMessage() for r in caplog.records if "kept out of the engine" in r.getMessage()]
+        assert len(said) == (1 if vision or mtp else 0)
+        assert not said or said[0].startswith(f"hf_path: {len(vision) + len(mtp)} tensors")
     fmt = folder_format(path)
     assert fmt.prefix == ("_vl" in kind) and fmt.fused_experts == kind.endswith("fused")
     # the sync / export stream has exactly the folder's language-model names
-    assert set(hf_stream_shapes(cfg)) == {n for n in raw_names(path) if not n.startswith("model.visual.")}
+    kept_out = ("model.visual.", "mtp.")
+    assert set(hf_stream_shapes(cfg)) == {n for n in raw_names(path) if not n.startswith(kept_out)}
     units = model_units(cfg)
     gdn = [u for u in units if ".in_proj_qkv." in u]
     assert [u.split(".")[2] for u in gdn] == ["0", "1", "2"]
@@ -338,3 +350,24 @@ def test_folder_disagreeing_with_its_config_is_refused(folders, tmp_path, edit, 
 def test_hf_family_of_multimodal():
     assert hf_family_of(M.hf_config_dict("qwen3_5_vl")).model_type == "qwen3_5_text"
     assert hf_family_of({"model_type": "qwen3_5_moe"}).model_type == "qwen3_5_moe_text"
+
+
+def test_engine_config_must_match_the_folder():
+    from mcore_engine.hf.load import check_config_matches
+
+    folder = from_hf_config(M.hf_config_dict("qwen3_5_moe"))
+    gdn = folder.linear_attention
+    check_config_matches(dataclasses.replace(folder, linear_attention=dataclasses.replace(gdn, chunk_size=8)),
+                         folder)  # the chunk size is the engine's choice
+    for change, field in (({"conv_kernel_dim": 3}, "linear_attention.conv_kernel_dim"),
+                          ({"layer_types": ["linear_attention"] * 2 + ["full_attention"] * 2},
+                           "linear_attention.layer_types"),
+                          ({"num_value_heads": 2}, "linear_attention.num_value_heads")):
+        engine = dataclasses.replace(folder, linear_attention=dataclasses.replace(gdn, **change))
+        with pytest.raises(ValueError, match=f"model.{field}"):
+            check_config_matches(engine, folder)
+    for change, field in (({"linear_attention": None}, "linear_attention"),
+                          ({"attention_output_gate": False}, "attention_output_gate"),
+                          ({"zero_centered_norm": False}, "zero_centered_norm")):
+        with pytest.raises(ValueError, match=f"model.{field}"):
+            check_config_matches(dataclasses.replace(folder, **change), folder)
