@@ -107,13 +107,14 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_path: str | os.P
     hf_config = read_hf_config(hf_path)
     check_config_matches(model_cfg, from_hf_config(hf_config, head=model_cfg.head))
     shapes = hf_shapes(model_cfg)
-    if model_cfg.linear_attention is not None and model_cfg.mtp_num_layers:
-        raise ValueError("model.mtp_num_layers: the hybrid (Qwen3.5 / Qwen3-Next) families' mtp.* weights "
-                         "are not loaded here; build with mtp_num_layers=0")
+    if model_cfg.linear_attention is not None and model_cfg.mtp_num_layers > 1:
+        raise ValueError("model.mtp_num_layers: the hybrid (Qwen3.5 / Qwen3-Next) folders have one MTP "
+                         f"module (mtp.*), got {model_cfg.mtp_num_layers}")
 
     # by the engine's names: a vision-language folder's model.language_model.* prefix and fused experts
-    # translated, its vision tower and mtp.* kept out (hf.folder)
-    with HFCheckpointReader(hf_path) as raw, FolderReader(raw) as reader:
+    # translated, its vision tower (and mtp.* unless model.mtp_num_layers) kept out (hf.folder)
+    load_mtp = model_cfg.mtp_num_layers > 0
+    with HFCheckpointReader(hf_path) as raw, FolderReader(raw, load_mtp=load_mtp) as reader:
         check_hf_names(reader.names(), model_cfg)
         # a value head keeps its fresh (seeded) initialisation when the folder is a causal LM, and a
         # zero bias when a *ForTokenClassification folder has none
