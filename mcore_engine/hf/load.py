@@ -1,5 +1,6 @@
 """Import a Hugging Face Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / Mixtral / DeepSeek-V3 / GLM-4.5
-folder into this rank's GPTModel chunks (router expert biases, which are buffers, included).
+/ Qwen3.5 / Qwen3.5-MoE / Qwen3-Next folder into this rank's GPTModel chunks (router expert biases,
+which are buffers, included); a vision-language folder's language model only (``hf.folder``).
 
 No collectives: each rank reads only its shards' rows / columns, of routed experts only its
 expert-parallel rank's experts and its expert-tensor-parallel slice (memory: its shards plus one
