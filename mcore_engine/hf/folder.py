@@ -99,7 +99,6 @@ class FolderReader:
         self.reader = reader
         self.format = _format_of(reader.names())
         self._names: list[str] = []
-        self._fused_shapes: dict[str, tuple[int, ...]] = {}
         kept_out = []
         for folder_name in reader.names():
             name = self.format.from_folder(folder_name, load_mtp)
@@ -114,7 +113,7 @@ class FolderReader:
             projs = ("gate_proj", "up_proj") if fused[2] == "gate_up_proj" else ("down_proj",)
             self._names += [f"{fused[1]}.{e}.{p}.weight" for e in range(shape[0]) for p in projs]
         if kept_out:
-            towers = sorted({n.split(".")[0] if n.startswith("mtp.") else "model.visual" for n in kept_out})
+            towers = sorted({"mtp" if n.startswith("mtp.") else ".".join(n.split(".")[:2]) for n in kept_out})
             _LOG.info("hf_path: %d tensors (%s) kept out of the engine: only the language model is loaded",
                       len(kept_out), ", ".join(f"{t}.*" for t in towers))
 
