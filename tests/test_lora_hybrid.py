@@ -11,7 +11,8 @@ One launch of two gloo ranks: the engine loads the PEFT folder (``adapter_path``
 TP=1 (DP=2) and TP=2 + SP: log-probs equal PEFT's, ``adapters_disabled`` the base's, the adapters
 after two steps PEFT + AdamW's (1e-4; the GDN rule is chunked differently), the base bit-identical. At
 TP=2 the trained adapters go out as a PEFT folder (read back by ``PeftModel.from_pretrained``: the
-engine's log-probs) and into an adapters-only checkpoint that a TP=1 engine resumes (the next step
+engine's log-probs), merged into a Hugging Face folder (``export_hf``, read by ``transformers``: the
+same) and into an adapters-only checkpoint that a TP=1 engine resumes (the next step
 equal to TP=2's).
 """
 
@@ -166,6 +167,7 @@ def _layouts(rank: int, world_size: int, root: Path) -> None:
                    for n, p in c.module.named_parameters() if "lora_" not in n), f"{name}: base changed"
         if tp == 2:
             engine.export_adapter(root / "exported")
+            engine.export_hf(root / "merged")
             lp = _flat(engine.infer_batch(batch)["log_probs"])
             if rank == 0:
                 torch.save(lp, root / "exported-lp.pt")
@@ -193,9 +195,12 @@ def test_lora_hybrid_matches_peft(references):
     assert sorted(config["target_modules"]) == sorted(TARGETS)
     base = M.model_class("qwen3_5").from_pretrained(references / "base", dtype=torch.float32).eval()
     peft = PeftModel.from_pretrained(base, references / "exported").eval()
+    want = torch.load(references / "exported-lp.pt")
     with torch.no_grad():
-        assert_rel_close(_hf_log_probs(peft, batch), torch.load(references / "exported-lp.pt"), TOL,
-                         "export_adapter -> PeftModel.from_pretrained")
+        assert_rel_close(_hf_log_probs(peft, batch), want, TOL, "export_adapter -> PeftModel.from_pretrained")
+    merged = M.model_class("qwen3_5").from_pretrained(references / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert_rel_close(_hf_log_probs(merged, batch), want, TOL, "export_hf (merged) -> transformers")
 
 
 def test_lora_hybrid_targets_and_refusals(tmp_path):
