@@ -8,7 +8,7 @@ gated attention's ``q_proj`` (B's rows per head ``[q_h; gate_h]``) / ``k_proj`` 
 ``torch.optim.AdamW`` on the adapters (fp32).
 
 One launch of two gloo ranks: the engine loads the PEFT folder (``adapter_path``, ``all-linear``) at
-TP=1 (DP=2) and TP=2 + SP: log-probs equal PEFT's, ``adapters_disabled`` the base's, the adapters
+TP=1 (DP=2), TP=2 + SP and PP=2: log-probs equal PEFT's, ``adapters_disabled`` the base's, the adapters
 after two steps PEFT + AdamW's (1e-4; the GDN rule is chunked differently), the base bit-identical. At
 TP=2 the trained adapters go out as a PEFT folder (read back by ``PeftModel.from_pretrained``: the
 engine's log-probs), merged into a Hugging Face folder (``export_hf``, read by ``transformers``: the
@@ -36,7 +36,8 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 RANK, ALPHA, LR, WD = 4, 8.0, 1e-2, 0.01
 LENGTHS = [13, 21, 5, 9]
 TOL = 1e-4
-LAYOUTS = [("tp1-dp2", 1, False), ("tp2-sp", 2, True)]
+# name, tp, sequence parallel, pp
+LAYOUTS = [("tp1-dp2", 1, False, 1), ("tp2-sp", 2, True, 1), ("pp2", 1, False, 2)]
 
 
 def _batch(seed: int = 3) -> TensorDict:
@@ -109,7 +110,7 @@ def references(tmp_path_factory) -> Path:
     return root
 
 
-def _config(root: Path, tp: int, sp: bool, adapter: bool = True):
+def _config(root: Path, tp: int, sp: bool, adapter: bool = True, pp: int = 1):
     from mcore_engine.config import EngineConfig, OptimizerConfig, ParallelConfig
     from mcore_engine.config.lora import LoRAConfig
     from mcore_engine.hf import from_hf_config, read_hf_config
@@ -119,7 +120,8 @@ def _config(root: Path, tp: int, sp: bool, adapter: bool = True):
                       adapter_path=str(root / "adapter") if adapter else None)
     model = dataclasses.replace(model, lora=lora,
                                 linear_attention=dataclasses.replace(model.linear_attention, chunk_size=8))
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp,
+                              pipeline_model_parallel_size=pp)
     return EngineConfig(model=model, parallel=parallel,
                         optimizer=OptimizerConfig(lr=LR, min_lr=0.0, weight_decay=WD, clip_grad=0.0,
                                                   lr_warmup_steps=0, lr_decay_style="constant"))
@@ -144,11 +146,12 @@ def _layouts(rank: int, world_size: int, root: Path) -> None:
 
     ref = torch.load(root / "refs.pt", weights_only=False)
     batch = _batch()
-    for name, tp, sp in LAYOUTS:
-        engine = _engine(_config(root, tp, sp))
+    for name, tp, sp, pp in LAYOUTS:
+        engine = _engine(_config(root, tp, sp, pp=pp))
         lora = {n for c in engine.model for n, _ in c.module.named_parameters() if "lora_" in n}
         assert any(".self_attention.in_proj_qkv.lora_B." in n for n in lora), name
-        assert any(".self_attention.linear_qkv.lora_B.q" in n for n in lora), name
+        # PP=2: stage 0 holds GDN layers 0, 1 only, stage 1 GDN layer 2 and the attention layer 3
+        assert any(".self_attention.linear_qkv.lora_B.q" in n for n in lora) == (pp == 1 or rank == 1), name
         base = {n: p.detach().clone() for c in engine.model for n, p in c.module.named_parameters()
                 if "lora_" not in n}
         assert_rel_close(_flat(engine.infer_batch(batch)["log_probs"]), ref["lp0"], TOL, f"{name}: PEFT")
