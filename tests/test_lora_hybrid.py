@@ -8,7 +8,7 @@ gated attention's ``q_proj`` (B's rows per head ``[q_h; gate_h]``) / ``k_proj`` 
 ``torch.optim.AdamW`` on the adapters (fp32).
 
 One launch of two gloo ranks: the engine loads the PEFT folder (``adapter_path``, ``all-linear``) at
-TP=1 (DP=2), TP=2 + SP and PP=2: log-probs equal PEFT's, ``adapters_disabled`` the base's, the adapters
+TP=1 (DP=2), TP=2 + SP, PP=2 and CP=2: log-probs equal PEFT's, ``adapters_disabled`` the base's, the adapters
 after two steps PEFT + AdamW's (1e-4; the GDN rule is chunked differently), the base bit-identical. At
 TP=2 the trained adapters go out as a PEFT folder (read back by ``PeftModel.from_pretrained``: the
 engine's log-probs), merged into a Hugging Face folder (``export_hf``, read by ``transformers``: the
@@ -36,8 +36,9 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 RANK, ALPHA, LR, WD = 4, 8.0, 1e-2, 0.01
 LENGTHS = [13, 21, 5, 9]
 TOL = 1e-4
-# name, tp, sequence parallel, pp
-LAYOUTS = [("tp1-dp2", 1, False, 1), ("tp2-sp", 2, True, 1), ("pp2", 1, False, 2)]
+# name, tp, sequence parallel, pp, cp
+LAYOUTS = [("tp1-dp2", 1, False, 1, 1), ("tp2-sp", 2, True, 1, 1), ("pp2", 1, False, 2, 1),
+           ("cp2", 1, False, 1, 2)]
 
 
 def _batch(seed: int = 3) -> TensorDict:
@@ -110,7 +111,7 @@ def references(tmp_path_factory) -> Path:
     return root
 
 
-def _config(root: Path, tp: int, sp: bool, adapter: bool = True, pp: int = 1):
+def _config(root: Path, tp: int, sp: bool, adapter: bool = True, pp: int = 1, cp: int = 1):
     from mcore_engine.config import EngineConfig, OptimizerConfig, ParallelConfig
     from mcore_engine.config.lora import LoRAConfig
     from mcore_engine.hf import from_hf_config, read_hf_config
@@ -121,7 +122,7 @@ def _config(root: Path, tp: int, sp: bool, adapter: bool = True, pp: int = 1):
     model = dataclasses.replace(model, lora=lora,
                                 linear_attention=dataclasses.replace(model.linear_attention, chunk_size=8))
     parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp,
-                              pipeline_model_parallel_size=pp)
+                              pipeline_model_parallel_size=pp, context_parallel_size=cp)
     return EngineConfig(model=model, parallel=parallel,
                         optimizer=OptimizerConfig(lr=LR, min_lr=0.0, weight_decay=WD, clip_grad=0.0,
                                                   lr_warmup_steps=0, lr_decay_style="constant"))
@@ -146,8 +147,8 @@ def _layouts(rank: int, world_size: int, root: Path) -> None:
 
     ref = torch.load(root / "refs.pt", weights_only=False)
     batch = _batch()
-    for name, tp, sp, pp in LAYOUTS:
-        engine = _engine(_config(root, tp, sp, pp=pp))
+    for name, tp, sp, pp, cp in LAYOUTS:
+        engine = _engine(_config(root, tp, sp, pp=pp, cp=cp))
         lora = {n for c in engine.model for n, _ in c.module.named_parameters() if "lora_" in n}
         assert any(".self_attention.in_proj_qkv.lora_B." in n for n in lora), name
         # PP=2: stage 0 holds GDN layers 0, 1 only, stage 1 GDN layer 2 and the attention layer 3
@@ -228,6 +229,14 @@ def test_lora_hybrid_targets_and_refusals(tmp_path):
     hybrid = ModelConfig(**common, linear_attention=gdn, attention_output_gate=True,
                          lora=dict(rank=2, target_modules=["in_proj_z"]))
     assert hybrid.lora.targets(hybrid.swiglu, True) == {"in_proj_z": {"in_proj_z"}}
+    # Qwen3.5-MoE: attention and GDN linears, the experts refused as on every MoE model
+    M.save_tiny_model("qwen3_5_moe", tmp_path / "moe")
+    moe = from_hf_config(read_hf_config(tmp_path / "moe"), hf_path=str(tmp_path / "moe"))
+    with pytest.raises(ValueError, match="MoE"):
+        dataclasses.replace(moe, lora=LoRAConfig(rank=2, target_modules="all-linear"))
+    fine = dataclasses.replace(moe, lora=LoRAConfig(rank=2, target_modules=["q_proj", "o_proj", *GDN]))
+    check_gdn_family(fine)
+    assert fine.lora.hf_target_modules(fine.swiglu, True) == sorted(["q_proj", "o_proj", *GDN])
     # Qwen3-Next (fused in_proj_qkvz / in_proj_ba) and a vision-language folder: refused by name
     for kind in ("qwen3_next", "qwen3_5_vl"):
         M.save_tiny_model(kind, tmp_path / kind)
