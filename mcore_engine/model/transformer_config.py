@@ -17,8 +17,8 @@ __all__ = ["build_transformer_config"]
 
 def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
     """Megatron-Core ``TransformerConfig`` for ``cfg`` (no dropout, no bias but QKV's, RoPE, the
-    recompute fields); an ``MLATransformerConfig`` with ``model.mla`` (its latent norms are the
-    config's ``qk_layernorm``).
+    recompute fields; a hybrid decoder's checkpoint keyed per layer); an ``MLATransformerConfig``
+    with ``model.mla`` (its latent norms are the config's ``qk_layernorm``).
     """
     m, p = cfg.model, cfg.parallel
     on_gpu = torch.cuda.is_available()
@@ -79,6 +79,9 @@ def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        # checkpoint keys per layer (``decoder.layers.<global i>.``), not one key stacked over the
+        # layers: a hybrid's GDN and attention layers hold different tensors
+        hetereogenous_dist_checkpoint=m.linear_attention is not None,
     )
 
 
