@@ -9,15 +9,18 @@ attention layer only) gives the outputs, loss and every gradient of no recompute
 hybrid MoE's recorded routing replayed reproduces the outputs, loss and gradients bit for bit.
 
 Launch 2 (two gloo ranks), from the reference's initial weights, the batch rows split over DP:
-- DP=2 with the distributed optimizer, TP=2, PP=2: the weight stream (``per_tensor_generator`` and
-  the bucketed one) equals one rank's bit for bit; two steps equal the reference (loss, grad norm,
-  outputs 1e-5, weights ``tests.compare``); a checkpoint after step 1.
-- the checkpoints reshard: TP=2 and PP=2 load at TP=1 / PP=1 (DP=2, full recompute on the PP one),
-  DP=2 with the distributed optimizer loads at TP=2 with the distributed optimizer: the stream after
-  the load equals the saver's bit for bit, the next step equals the reference's step 2.
+- DP=2 with the distributed optimizer, TP=2, PP=2, PP=2 x VPP=2: the weight stream
+  (``per_tensor_generator`` and the bucketed one) equals one rank's bit for bit; two steps equal the
+  reference (loss, grad norm, outputs 1e-5, weights ``tests.compare``); a checkpoint after step 1.
+- the checkpoints reshard: TP=2, PP=2 and PP=2 x VPP=2 load at TP=1 / PP=1 (DP=2, full recompute on
+  the PP one), DP=2 with the distributed optimizer loads at TP=2 with the distributed optimizer: the
+  stream after the load equals the saver's bit for bit, the next step equals the reference's step 2;
+  a hybrid of other layer types refuses the checkpoint (``ValueError`` naming
+  ``model.linear_attention``), unchanged.
 - TP=2: offload / onload between the steps (a colocated cycle): every storage released, parameters,
   main weights and Adam state bit-identical after the onload, the next step equal to the reference.
-- the hybrid MoE at EP=2: router replay reproduces the outputs, loss and gradients bit for bit.
+- the hybrid MoE at EP=2: router replay reproduces the outputs, loss and gradients bit for bit; after
+  a step its checkpoint loads at EP=1 (the stream bit for bit).
 
 No launch: config fields the engine cannot honour on a hybrid raise ``ValueError`` naming them.
 """
@@ -199,10 +202,12 @@ def _one_rank(rank: int, world_size: int, path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------- launch 2
-SOURCES = {"dp2-distopt": dict(distopt=True), "tp2": dict(tp=2), "pp2": dict(pp=2)}
+SOURCES = {"dp2-distopt": dict(distopt=True), "tp2": dict(tp=2), "pp2": dict(pp=2),
+           "pp2-vpp2": dict(pp=2, vpp=2, micro_batch_size=1)}
 # loader <- saved source; the loader's layout
 LOADS = {"tp2 -> tp1": ("tp2", dict()),
          "pp2 -> pp1 (full recompute)": ("pp2", FULL),
+         "pp2-vpp2 -> pp1": ("pp2-vpp2", dict()),
          "dp2-distopt -> tp2-distopt": ("dp2-distopt", dict(tp=2, distopt=True))}
 
 
@@ -254,10 +259,32 @@ def _two_ranks(rank: int, world_size: int, path: str) -> None:
         del engine
         destroy_distributed()
 
+    cfg = _config()  # the attention layer first: layers 0 and 3 hold other tensors
+    types = ["full_attention", "linear_attention", "linear_attention", "linear_attention"]
+    gdn = dataclasses.replace(cfg.model.linear_attention, layer_types=types)
+    model = dataclasses.replace(cfg.model, linear_attention=gdn)
+    engine = MegatronEngine(dataclasses.replace(cfg, model=model))
+    engine.initialize()
+    before = engine_snapshot(engine, counters=True)
+    with pytest.raises(ValueError, match="model.linear_attention"):
+        engine.load_checkpoint(os.path.join(folder, "tp2"))
+    assert_identical(engine_snapshot(engine, counters=True), before, "refused checkpoint: engine changed")
+    del engine
+    destroy_distributed()
+
     engine = MegatronEngine(_config("hybrid-moe", ep=2))
     engine.initialize()
     load_full_state(engine, ref["moe0"])
     check_router_replay("hybrid-moe ep2", engine, _rows(data[0])[0])
+    _step(engine, data[0])
+    engine.save_checkpoint(os.path.join(folder, "moe-ep2"))
+    want = _stream(engine)
+    del engine
+    destroy_distributed()
+    engine = MegatronEngine(_config("hybrid-moe"))  # EP=1 x DP=2
+    engine.initialize()
+    engine.load_checkpoint(os.path.join(folder, "moe-ep2"))
+    _same_stream(engine, want, "hybrid-moe ep2 -> ep1: weights after the load")
     del engine
     destroy_distributed()
 
