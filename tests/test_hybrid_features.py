@@ -12,11 +12,11 @@ Launch 2 (two gloo ranks), from the reference's initial weights, the batch rows 
 - DP=2 with the distributed optimizer, TP=2, PP=2, PP=2 x VPP=2: the weight stream
   (``per_tensor_generator`` and the bucketed one) equals one rank's bit for bit; two steps equal the
   reference (loss, grad norm, outputs 1e-5, weights ``tests.compare``); a checkpoint after step 1.
-- the checkpoints reshard: TP=2, PP=2 and PP=2 x VPP=2 load at TP=1 / PP=1 (DP=2, full recompute on
-  the PP one), DP=2 with the distributed optimizer loads at TP=2 with the distributed optimizer: the
-  stream after the load equals the saver's bit for bit, the next step equals the reference's step 2;
-  a hybrid of other layer types refuses the checkpoint (``ValueError`` naming
-  ``model.linear_attention``), unchanged.
+- the checkpoints reshard: TP=2, PP=2 and PP=2 x VPP=2 load at TP=1 / PP=1 (DP=2; full recompute on
+  the PP one, GDN chunks of 4 tokens instead of 8 on the VPP one: a compute choice, not state), DP=2
+  with the distributed optimizer loads at TP=2 with the distributed optimizer: the stream after the
+  load equals the saver's bit for bit, the next step equals the reference's step 2; a hybrid of other
+  layer types refuses the checkpoint (``ValueError`` naming ``model.linear_attention``), unchanged.
 - TP=2: offload / onload between the steps (a colocated cycle): every storage released, parameters,
   main weights and Adam state bit-identical after the onload, the next step equal to the reference.
 - the hybrid MoE at EP=2: router replay reproduces the outputs, loss and gradients bit for bit; after
@@ -49,11 +49,15 @@ KEYS = ("log_probs", "entropy")
 
 
 def _config(model: str = "hybrid", *, distopt: bool = False, **kwargs):
-    """``tests.parallel_setup.config`` with the distributed optimizer on (``distopt``) and any
-    ``EngineConfig`` recompute field."""
+    """``tests.parallel_setup.config`` with the distributed optimizer on (``distopt``), any
+    ``EngineConfig`` recompute field and the GDN ``chunk_size``."""
     recompute = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith("recompute_")}
+    chunk_size = kwargs.pop("chunk_size", None)
     cfg = config(model, **kwargs)
     optimizer = dataclasses.replace(cfg.optimizer, use_distributed_optimizer=distopt)
+    if chunk_size is not None:
+        gdn = dataclasses.replace(cfg.model.linear_attention, chunk_size=chunk_size)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, linear_attention=gdn))
     return dataclasses.replace(cfg, optimizer=optimizer, **recompute)
 
 
@@ -207,7 +211,7 @@ SOURCES = {"dp2-distopt": dict(distopt=True), "tp2": dict(tp=2), "pp2": dict(pp=
 # loader <- saved source; the loader's layout
 LOADS = {"tp2 -> tp1": ("tp2", dict()),
          "pp2 -> pp1 (full recompute)": ("pp2", FULL),
-         "pp2-vpp2 -> pp1": ("pp2-vpp2", dict()),
+         "pp2-vpp2 -> pp1 (GDN chunks of 4)": ("pp2-vpp2", dict(chunk_size=4)),
          "dp2-distopt -> tp2-distopt": ("dp2-distopt", dict(tp=2, distopt=True))}
 
 
