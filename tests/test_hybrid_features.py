@@ -9,9 +9,10 @@ attention layer only) gives the outputs, loss and every gradient of no recompute
 hybrid MoE's recorded routing replayed reproduces the outputs, loss and gradients bit for bit.
 
 Launch 2 (two gloo ranks), from the reference's initial weights, the batch rows split over DP:
-- DP=2 with the distributed optimizer, TP=2, PP=2, PP=2 x VPP=2: the weight stream
-  (``per_tensor_generator`` and the bucketed one) equals one rank's bit for bit; two steps equal the
-  reference (loss, grad norm, outputs 1e-5, weights ``tests.compare``); a checkpoint after step 1.
+- DP=2 with the distributed optimizer, TP=2, PP=2, PP=2 x VPP=2, TP=2 + SP with full recompute,
+  CP=2 with block recompute: the weight stream (``per_tensor_generator`` and the bucketed one)
+  equals one rank's bit for bit; two steps equal the reference (loss, grad norm, outputs 1e-5,
+  weights ``tests.compare``); a checkpoint after step 1.
 - the checkpoints reshard: TP=2, PP=2 and PP=2 x VPP=2 load at TP=1 / PP=1 (DP=2; full recompute on
   the PP one, GDN chunks of 4 tokens instead of 8 on the VPP one: a compute choice, not state), DP=2
   with the distributed optimizer loads at TP=2 with the distributed optimizer: the stream after the
@@ -207,7 +208,10 @@ def _one_rank(rank: int, world_size: int, path: str) -> None:
 
 # ---------------------------------------------------------------------------------------- launch 2
 SOURCES = {"dp2-distopt": dict(distopt=True), "tp2": dict(tp=2), "pp2": dict(pp=2),
-           "pp2-vpp2": dict(pp=2, vpp=2, micro_batch_size=1)}
+           "pp2-vpp2": dict(pp=2, vpp=2, micro_batch_size=1),
+           # recompute with the GDN layer's collectives: SP gathers, CP head all-to-alls re-run
+           "tp2-sp (full recompute)": dict(tp=2, sp=True, **FULL),
+           "cp2 (block recompute)": dict(cp=2, **FULL, recompute_method="block", recompute_num_layers=2)}
 # loader <- saved source; the loader's layout
 LOADS = {"tp2 -> tp1": ("tp2", dict()),
          "pp2 -> pp1 (full recompute)": ("pp2", FULL),
