@@ -17,8 +17,8 @@ __all__ = ["build_transformer_config"]
 
 def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
     """Megatron-Core ``TransformerConfig`` for ``cfg`` (no dropout, no bias but QKV's, RoPE, the
-    recompute fields); an ``MLATransformerConfig`` with ``model.mla`` (its latent norms are the
-    config's ``qk_layernorm``).
+    recompute fields; a hybrid decoder's checkpoint keyed per layer); an ``MLATransformerConfig``
+    with ``model.mla`` (its latent norms are the config's ``qk_layernorm``).
     """
     m, p = cfg.model, cfg.parallel
     on_gpu = torch.cuda.is_available()
