@@ -41,6 +41,7 @@ from tests.integrations.verl_trainer_setup import (  # noqa: E402
     make_dataset,
     make_model,
     make_moe_model,
+    make_qwen3_5_model,
     make_tokenizer,
     tokenizer_dir,
     trainer_command,
@@ -60,6 +61,8 @@ def run_trainer(work: str, **kw) -> dict:
     if kw.pop("moe", False):  # a Qwen3-MoE student; the rollout server routes by ROUTING_ENV's policy
         make_moe_model(student, seed=0)
         env[ROUTING_ENV] = kw.pop("rollout_routing", "native")
+    elif kw.pop("qwen3_5", False):  # a hybrid Qwen3.5 student (Gated DeltaNet + gated attention)
+        make_qwen3_5_model(student, seed=0)
     else:
         make_model(student, seed=0)
     make_tokenizer(tokenizer_dir(work))
@@ -331,3 +334,30 @@ def test_verl_main_ppo_grpo_moe_r3(tmp_path):
     print({key: [steps[s][key] for s in sorted(steps)] for key in (
         "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean", "actor/ppo_kl",
         "actor/kl_loss")}, counts)
+
+
+@pytest.mark.slow
+def test_verl_main_ppo_grpo_qwen3_5(tmp_path):
+    """GRPO (n=4, KL loss, so a reference policy) on a tiny hybrid Qwen3.5 (``Qwen3_5ForCausalLM``:
+    three Gated DeltaNet layers, then a gated attention layer) with the packaged config and nothing
+    else, actor and reference at TP=2 + SP on two ranks; the rollout is ``transformers`` decoding
+    token by token with its cache (the GDN layers on the recurrent rule), the engine computes the
+    old log-probs with the chunked rule on whole packed sequences: verl's own
+    ``rollout_probs_diff_max`` is the train / decode gap (fp32). The weight sync speaks the folder's
+    own names (``linear_attn.in_proj_qkv`` ...), first equal to the folder, the last to the export."""
+    run = run_trainer(str(tmp_path), qwen3_5=True, tp=2)
+    steps = run["steps"]
+    finite_metrics(steps)
+    check_engines(run, {("language_model", False), ("language_model", True)}, tp=2)
+    check_weight_sync(run)
+    for step, m in steps.items():
+        assert m["training/rollout_probs_diff_valid"] == 1, step
+        assert m["training/rollout_probs_diff_max"] < 1e-4, (step, m["training/rollout_probs_diff_max"])
+        assert abs(m["actor/ppo_kl"]) < 1e-6 and m["actor/pg_clipfrac"] == 0, step  # first pass == old
+        assert m["critic/score/max"] > m["critic/score/min"], "rule-based rewards must vary"
+        assert m["actor/grad_norm"] > 0 and m["critic/advantages/max"] > 0 > m["critic/advantages/min"]
+    assert steps[1]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # ref == actor before the first update
+    assert steps[2]["actor/kl_loss"] > 0  # the actor moved away from the reference
+    print({key: [steps[s][key] for s in sorted(steps)] for key in (
+        "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean", "actor/ppo_kl",
+        "actor/kl_loss", "actor/grad_norm", "timing_s/step")})
