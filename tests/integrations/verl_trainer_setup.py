@@ -83,8 +83,8 @@ def make_qwen3_5_model(path: str, seed: int) -> None:
     """A tiny random Qwen3.5 causal LM (``Qwen3_5ForCausalLM``, model type ``qwen3_5_text``): 4 layers,
     three Gated DeltaNet (2 key / 4 value heads of 16, conv kernel 4) then one gated full attention
     (4 query / 2 key-value heads of 16, partial rotary 0.25), hidden 64, untied lm-head. Decays as
-    a trained model's, not the init's (``A_log = log(uniform(0.05, 1))``), and the zero-centred
-    norms (and the GDN's gated norm) off their init by ``N(0, 0.1)``."""
+    a trained model's, not the init's (``A_log = log(uniform(0.05, 1))``), the zero-centred norms
+    (and the GDN's gated norm) off their init by ``N(0, 0.1)``, the pad token's embedding not zero."""
     from transformers import GenerationConfig, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
@@ -103,6 +103,11 @@ def make_qwen3_5_model(path: str, seed: int) -> None:
                 p.copy_(torch.empty_like(p).uniform_(0.05, 1.0).log())
             elif "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+        # transformers zeroes the pad token's embedding row (padding_idx) at init and never trains it;
+        # the rollout samples that token (~1 in 250) and Megatron's embedding, which has no
+        # padding_idx, then back-propagates through the input RMSNorm of a zero vector (x 1/sqrt(eps)):
+        # a grad norm of ~550 that the clip turns into a lost step. Trained rows are not zero.
+        model.model.embed_tokens.weight[cfg.pad_token_id].normal_(0.0, cfg.initializer_range)
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model.save_pretrained(path)
 
