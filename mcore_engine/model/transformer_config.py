@@ -82,9 +82,6 @@ def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        # checkpoint keys per layer (``decoder.layers.<global i>.``), not one key stacked over the
-        # layers: a hybrid's GDN and attention layers hold different tensors
-        hetereogenous_dist_checkpoint=m.linear_attention is not None,
     )
 
 
