@@ -20,7 +20,7 @@ MARKER = "mcore_engine.json"
 
 IGNORED_CONFIG: dict[str, frozenset[str]] = {
     "model": frozenset({"hf_path", "fused_lm_head", "init_method_std", "max_sequence_length",
-                        "core_attention", "linear_attention.chunk_size"}),
+                        "core_attention", "linear_attention.chunk_size", "linear_attention.recompute"}),
     "parallel": frozenset({"tensor_model_parallel_size", "pipeline_model_parallel_size",
                            "virtual_pipeline_model_parallel_size", "sequence_parallel", "batch_p2p_comm",
                            "expert_model_parallel_size", "expert_tensor_parallel_size",
