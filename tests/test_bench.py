@@ -132,3 +132,61 @@ def test_selected_rows_table_targets():
     assert rows[1][6] == "0.20" and rows[1][11] == "0e+00"
     with pytest.raises(SystemExit):
         bench.parse_args(["--selected", "--fractions", "0", "--device", "cpu"])
+
+
+def test_hybrid_tables_ratios_against_attention():
+    import bench_hybrid
+
+    def cost(kind, n, cpu, peak, saved):
+        return {"kind": kind, "tokens": n, "cpu_s": cpu, "wall_s": cpu + 1, "peak_mb": peak,
+                "saved_mb": saved, "params": 2_500_000}
+
+    results = {("attention", 1024): cost("attention", 1024, 2.0, 100.0, 80.0),
+               ("hybrid", 1024): cost("hybrid", 1024, 4.0, 50.0, 20.0),
+               ("attention", 4096): cost("attention", 4096, 16.0, 400.0, 320.0),
+               ("hybrid", 4096): cost("hybrid", 4096, 8.0, 200.0, 80.0)}
+    rows = bench_hybrid.cost_rows(results, [1024, 4096])
+    assert [r[:2] for r in rows] == [["1024", "attention"], ["1024", "hybrid"], ["4096", "attention"],
+                                     ["4096", "hybrid"]]
+    assert all(len(r) == len(bench_hybrid.COST_COLUMNS) for r in rows)
+    # tokens/s from CPU time, x attention, ms / 1k tokens, peak, x, saved, x
+    assert rows[1][5:] == ["256", "0.50", "4000", "50.0", "0.50", "20.0", "0.25"]
+    assert rows[3][5:] == ["512", "2.00", "2000", "200.0", "0.50", "80.0", "0.25"]
+    assert rows[2][6] == rows[2][9] == rows[2][11] == "1.00"
+
+    gap = [{"precision": "bf16", "init_std": 0.02, "engine_decode": [3e-3, 4e-4], "hf_decode": [4e-3, 5e-4],
+            "engine_hf": [1e-3, 1e-4], "mean_log_p": -6.95, "entropy": 6.9, "vocab": 1024}]
+    assert bench_hybrid.gap_rows(gap) == [["bf16", "0.02", "3.0e-03", "4.0e-04", "4.0e-03", "5.0e-04",
+                                           "1.0e-03", "1.0e-04", "-6.95", "6.90 / 6.93"]]
+
+
+@pytest.mark.slow
+def test_bench_hybrid_quick_runs_and_prints_tables():
+    """``tools/bench_hybrid.py --quick``: both tables, every figure parses, and the engine's fp32
+    log-probs (chunked rule) match transformers' recurrent decode loop (the bf16 gap is only printed)."""
+    import bench_hybrid
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    script = os.path.join(REPO, "tools", "bench_hybrid.py")
+    proc = subprocess.run([sys.executable, script, "--quick", "--markdown"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("machine:") and "cores" in line for line in lines)
+    assert any(line.startswith("versions:") and "transformers" in line for line in lines)
+    tables, previous = [], ""
+    for line in lines:
+        if line.startswith("| "):
+            if not previous.startswith("|"):
+                tables.append([])
+            tables[-1].append([c.strip() for c in line.strip("|").split("|")])
+        previous = line
+    cost, gap = tables
+    assert cost[0] == bench_hybrid.COST_COLUMNS and gap[0] == bench_hybrid.GAP_COLUMNS
+    assert [r[:2] for r in cost[1:]] == [[n, k] for n in ("128", "256") for k in ("attention", "hybrid")]
+    for row in cost[1:]:
+        assert all(float(c) > 0 for c in row[3:9] + row[10:]) and float(row[9]) >= 0, row
+    assert [r[:2] for r in gap[1:]] == [["fp32", "0.02"], ["bf16", "0.02"]]
+    fp32, bf16 = gap[1], gap[2]
+    assert float(fp32[2]) < 1e-4 and float(fp32[4]) < 1e-4, f"fp32 train / decode gap: {fp32}"
+    assert 0 <= float(bf16[3]) <= float(bf16[2]) < 0.5, bf16
