@@ -1,5 +1,8 @@
 """How an RL framework embeds the engine: one PPO update on a TensorDict batch of variable-length
-sequences. Run: torchrun --standalone --nproc_per_node=2 examples/embed_engine.py"""
+sequences. Run: torchrun --standalone --nproc_per_node=2 examples/embed_engine.py [engine config]
+(default configs/tiny_cpu_tp2.yaml; configs/tiny_cpu_qwen3_5.yaml: the Qwen3.5-style hybrid)"""
+
+import sys
 
 import torch
 from tensordict import TensorDict
@@ -7,7 +10,8 @@ from tensordict import TensorDict
 from mcore_engine import EngineConfig, MegatronEngine
 from mcore_engine.losses import distillation_ppo_loss
 
-engine = MegatronEngine(EngineConfig.from_yaml("configs/tiny_cpu_tp2.yaml"))  # TP=2, vocab 250
+config = sys.argv[1] if len(sys.argv) > 1 else "configs/tiny_cpu_tp2.yaml"
+engine = MegatronEngine(EngineConfig.from_yaml(config))               # TP=2, vocab 250
 engine.initialize()                                                  # torch.distributed, model, optimizer
 
 g = torch.Generator().manual_seed(0)                                 # same rollouts on both TP ranks

@@ -112,3 +112,36 @@ def test_hybrid_pack_equals_alone():
     """A sequence's outputs do not depend on its neighbours in the pack: the conv and recurrent state
     restart at every boundary (fp32, 1e-6)."""
     run_distributed(_pack_vs_alone, 1)
+
+
+def _mtp_on_hybrid(rank: int, world_size: int) -> None:
+    import dataclasses
+
+    from mcore_engine.engine import MegatronEngine
+    from mcore_engine.layers.gated_delta_net import GatedDeltaNet
+    from tests.engine_setup import policy_loss
+    from tests.parallel_setup import batches
+
+    cfg = config("hybrid")
+    types = ["full_attention"] + ["linear_attention"] * 3
+    gdn = dataclasses.replace(cfg.model.linear_attention, layer_types=types)
+    model = dataclasses.replace(cfg.model, linear_attention=gdn, mtp_num_layers=1,
+                                mtp_loss_scaling_factor=0.3)
+    cfg = dataclasses.replace(cfg, model=model)
+    engine = MegatronEngine(cfg)
+    engine.initialize()
+    (chunk,) = engine.model
+    model = chunk.module
+    types = [type(layer.self_attention) is GatedDeltaNet for layer in model.decoder.layers]
+    assert types == [False, True, True, True], types
+    mtp_layer = model.mtp.layers[0].transformer_layer
+    assert type(mtp_layer.self_attention) is not GatedDeltaNet and mtp_layer.config.attention_output_gate
+    out = engine.train_batch(batches()[0], policy_loss)
+    metrics = out.get_non_tensor("metrics")
+    assert metrics["mtp_loss"] > 0 and metrics["update_skipped"] == 0.0, metrics
+
+
+def test_hybrid_mtp_layer_is_full_attention():
+    """Qwen3.5's MTP module is a gated full-attention layer even where the decoder (or this stage)
+    ends in a GDN layer, and its loss trains."""
+    run_distributed(_mtp_on_hybrid, 1)

@@ -11,7 +11,8 @@ One GDN layer, per token ``x [h]``, ``nk`` key heads of ``dk`` channels, ``nv`` 
     o_t = S_t^T q_t;  out = W_o (w * rmsnorm(o) * silu(W_z x))
 
 The state is reset at every sequence boundary. Memory per layer: the projections, ``[s, nv, dv]``
-outputs and one ``[chunk, chunk]`` block per head and chunk (``ops.gated_delta``).
+outputs, and (``recompute: false``) one ``[chunk, chunk]`` block per head and chunk
+(``ops.gated_delta``).
 """
 
 from __future__ import annotations
@@ -49,10 +50,15 @@ class GDNConfig(Block):
     ``full_attention_interval``."""
     chunk_size: int = 64
     """Tokens per chunk of the chunked delta rule (``ops.gated_delta``): ``[chunk, chunk]`` blocks."""
+    recompute: bool = True
+    """Recompute the conv and the chunked rule in the backward (kept: their inputs, about an attention
+    layer's q, k, v); ``False`` keeps the rule's intermediates (~19x its output) and skips one
+    forward of the rule."""
 
     def __post_init__(self) -> None:
         self._ints("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel_dim",
                    "full_attention_interval", "chunk_size")
+        self._bools("recompute")
         self._require(self.num_value_heads % self.num_key_heads == 0,
                       f"GDNConfig.num_value_heads ({self.num_value_heads}) must be a multiple of "
                       f"GDNConfig.num_key_heads ({self.num_key_heads})", "num_value_heads", "num_key_heads")

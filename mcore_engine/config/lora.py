@@ -4,7 +4,9 @@ PEFT's LoRA on a frozen base: ``y = W x + (alpha / rank) * B A dropout(x)`` per 
 ``target_modules`` takes Megatron's linear names, Hugging Face projection names or
 ``"all-linear"``; :meth:`LoRAConfig.targets` resolves them to the projections adapted in each of
 Megatron's four linears (the fused ``linear_qkv`` / ``linear_fc1`` carry PEFT's separate q / k / v
-and gate / up adapters).
+and gate / up adapters) and, on a hybrid (Qwen3.5) model, the Gated DeltaNet linears
+(``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` / ``out_proj``, one adapter each,
+named as in Hugging Face).
 """
 
 from __future__ import annotations
@@ -14,17 +16,22 @@ from typing import Any
 
 from mcore_engine.config.checks import Block, fail, is_number, require
 
-__all__ = ["HF_PROJECTIONS", "LINEAR_PROJECTIONS", "LoRAConfig", "linear_projections"]
+__all__ = ["GDN_LINEARS", "HF_PROJECTIONS", "LINEAR_PROJECTIONS", "LoRAConfig", "linear_projections"]
+
+DENSE_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+GDN_LINEARS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+"""The Gated DeltaNet layer's linears: Megatron name = Hugging Face name = projection (one adapter)."""
+FUSED_GDN = ("in_proj_qkvz", "in_proj_ba")  # Qwen3-Next's fused Hugging Face tensors: not supported
 
 # Megatron linear -> the Hugging Face projections it fuses (SwiGLU fc1: gate and up)
 LINEAR_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "linear_qkv": ("q", "k", "v"), "linear_proj": ("o",), "linear_fc1": ("gate", "up"),
-    "linear_fc2": ("down",)}
+    "linear_fc2": ("down",), **{name: (name,) for name in GDN_LINEARS}}
 # Hugging Face module name -> (Megatron linear, projection)
 HF_PROJECTIONS: dict[str, tuple[str, str]] = {
     "q_proj": ("linear_qkv", "q"), "k_proj": ("linear_qkv", "k"), "v_proj": ("linear_qkv", "v"),
     "o_proj": ("linear_proj", "o"), "gate_proj": ("linear_fc1", "gate"), "up_proj": ("linear_fc1", "up"),
-    "down_proj": ("linear_fc2", "down")}
+    "down_proj": ("linear_fc2", "down"), **{name: (name, name) for name in GDN_LINEARS}}
 PROJECTION_HF_NAMES = {proj: name for name, (_, proj) in HF_PROJECTIONS.items()}
 
 
@@ -48,7 +55,9 @@ class LoRAConfig(Block):
     """PEFT's ``lora_dropout`` on the adapters' input (training only)."""
     target_modules: str | list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Megatron names (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``), Hugging Face
-    names (``q_proj`` ... ``down_proj``) or ``"all-linear"``."""
+    names (``q_proj`` ... ``down_proj``; on a hybrid model also the Gated DeltaNet's ``in_proj_qkv``,
+    ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, ``out_proj``) or ``"all-linear"`` (every one of them
+    the model has)."""
     adapter_path: str | None = None
     """A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) applied on
     top of ``ModelConfig.hf_path``; None: fresh adapters (A random, B zero)."""
@@ -60,7 +69,7 @@ class LoRAConfig(Block):
                       f"LoRAConfig.dropout must be in [0, 1), got {self.dropout!r}", "dropout")
         if isinstance(self.target_modules, tuple):
             self.target_modules = list(self.target_modules)
-        self.targets()  # validates the names
+        self.targets(hybrid=True)  # validates the names (the GDN ones against the model in check())
         self._require(self.adapter_path is None or isinstance(self.adapter_path, str),
                       f"LoRAConfig.adapter_path must be None or a path, got {self.adapter_path!r}",
                       "adapter_path")
@@ -69,17 +78,27 @@ class LoRAConfig(Block):
     def scaling(self) -> float:
         return self.alpha / self.rank
 
-    def targets(self, swiglu: bool = True) -> dict[str, set[str]]:
+    def targets(self, swiglu: bool = True, hybrid: bool = False) -> dict[str, set[str]]:
         """Megatron linear -> the projections adapted in it (only linears with at least one).
-        Without SwiGLU ``linear_fc1`` is one projection, ``up``."""
+        Without SwiGLU ``linear_fc1`` is one projection, ``up``; ``hybrid`` (the model has Gated
+        DeltaNet layers): ``"all-linear"`` includes the GDN linears, else naming one is a ValueError."""
         names = self.target_modules
         if names == "all-linear":
-            names = list(LINEAR_PROJECTIONS)
+            names = list(DENSE_LINEARS) + (list(GDN_LINEARS) if hybrid else [])
         self._require(isinstance(names, list) and names and all(isinstance(n, str) for n in names),
                       "LoRAConfig.target_modules must be 'all-linear' or a non-empty list of module names, "
                       f"got {self.target_modules!r}", "target_modules")
         out: dict[str, set[str]] = {}
         for name in names:
+            if name in FUSED_GDN:
+                fail(f"LoRAConfig.target_modules: {name!r} (Qwen3-Next's fused Gated DeltaNet projection) "
+                     "is not supported; adapt the attention / MLP linears of a Qwen3-Next model, or use a "
+                     "Qwen3.5-layout model (in_proj_qkv / in_proj_z / in_proj_b / in_proj_a)",
+                     self.path("target_modules"))
+            if name in GDN_LINEARS and not hybrid:
+                fail(f"LoRAConfig.target_modules: {name!r} is a Gated DeltaNet linear; this model has no "
+                     "GDN layers (ModelConfig.linear_attention is None)", self.path("target_modules"),
+                     "model.linear_attention")
             if name in LINEAR_PROJECTIONS:
                 linear, projections = name, set(LINEAR_PROJECTIONS[name])
             elif name in HF_PROJECTIONS:
@@ -87,7 +106,8 @@ class LoRAConfig(Block):
                 projections = {projection}
             else:
                 fail(f"LoRAConfig.target_modules: unknown module {name!r}; expected one of "
-                     f"{[*LINEAR_PROJECTIONS, *HF_PROJECTIONS]} or 'all-linear'", self.path("target_modules"))
+                     f"{list(dict.fromkeys([*LINEAR_PROJECTIONS, *HF_PROJECTIONS]))} or 'all-linear'",
+                     self.path("target_modules"))
             out.setdefault(linear, set()).update(projections)
         if not swiglu and "linear_fc1" in out:
             require(out["linear_fc1"] != {"gate"}, "LoRAConfig.target_modules: gate_proj needs "
@@ -96,14 +116,14 @@ class LoRAConfig(Block):
             out["linear_fc1"] &= set(linear_projections("linear_fc1", swiglu))
         return out
 
-    def hf_target_modules(self, swiglu: bool = True) -> list[str]:
+    def hf_target_modules(self, swiglu: bool = True, hybrid: bool = False) -> list[str]:
         """The Hugging Face module names adapted (PEFT's ``target_modules``), sorted."""
-        return sorted(PROJECTION_HF_NAMES[p] for ps in self.targets(swiglu).values() for p in ps)
+        return sorted(PROJECTION_HF_NAMES[p] for ps in self.targets(swiglu, hybrid).values() for p in ps)
 
     def check(self, model: Any, parallel: Any) -> None:
         """Attention-only on MoE models (the MLP linears are experts), an lm head, a base for a
         loaded adapter."""
-        targets = self.targets(model.swiglu)
+        targets = self.targets(model.swiglu, model.linear_attention is not None)
         require(model.moe is None or not {"linear_fc1", "linear_fc2"} & set(targets),
                 "ModelConfig.lora.target_modules: the MLP linears of a MoE model are its experts' (not "
                 "supported: target the attention linears q_proj / k_proj / v_proj / o_proj)",

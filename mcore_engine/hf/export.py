@@ -171,11 +171,11 @@ def _iter_engine_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineCon
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
 
-def _copy_kept_out(src: Path, writer: ShardedSafetensorsWriter) -> None:
+def _copy_kept_out(src: Path, writer: ShardedSafetensorsWriter, mtp_exported: bool) -> None:
     """The source folder's tensors the engine does not hold (a vision tower, ``mtp.*``: ``hf.folder``),
     copied unchanged, so the folder stays a whole vision-language / MTP checkpoint. Memory: one tensor."""
     with HFCheckpointReader(src) as reader:
-        for name in kept_out_names(reader):
+        for name in kept_out_names(reader, load_mtp=mtp_exported):
             writer.add(name, reader.read(name, reader.shape(name)))
 
 
@@ -209,7 +209,7 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, out_di
             if writer is not None:
                 writer.add(name, tensor)
     if writer is not None and cfg.model.hf_path:
-        _copy_kept_out(Path(cfg.model.hf_path), writer)
+        _copy_kept_out(Path(cfg.model.hf_path), writer, cfg.model.mtp_num_layers > 0)
     if writer is not None:
         writer.close()
         hf_path = cfg.model.hf_path

@@ -34,8 +34,9 @@ __all__ = ["FolderFormat", "FolderReader", "folder_format", "folder_stream", "ke
 _LOG = logging.getLogger(__name__)
 _MM_PREFIX = "model.language_model."
 _KEPT_OUT = ("model.visual.", "mtp.")
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_EXPERT = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)"
+                     r"\.weight$")
+_FUSED = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,10 @@ class FolderFormat:
         """The folder's name of an engine (``model.*``) name."""
         return _MM_PREFIX + name[len("model."):] if self.prefix and name.startswith("model.") else name
 
-    def from_folder(self, name: str) -> str | None:
-        """The engine's name of a folder name; None for a tensor kept out (vision tower, MTP)."""
-        if name.startswith(_KEPT_OUT):
+    def from_folder(self, name: str, load_mtp: bool = False) -> str | None:
+        """The engine's name of a folder name; None for a tensor kept out (vision tower, MTP unless
+        ``load_mtp``)."""
+        if name.startswith(_KEPT_OUT) and not (load_mtp and name.startswith("mtp.")):
             return None
         if self.prefix:
             if name.startswith(_MM_PREFIX):
@@ -83,24 +85,23 @@ def folder_format(path: str | os.PathLike | None) -> FolderFormat:
     return _cached_format(str(path), tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files))
 
 
-def kept_out_names(reader: HFCheckpointReader) -> list[str]:
-    """The folder's tensors the engine does not hold (vision tower, MTP)."""
+def kept_out_names(reader: HFCheckpointReader, load_mtp: bool = False) -> list[str]:
+    """The folder's tensors the engine does not hold (vision tower, MTP unless ``load_mtp``)."""
     fmt = _format_of(reader.names())
-    return [n for n in reader.names() if fmt.from_folder(n) is None]
+    return [n for n in reader.names() if fmt.from_folder(n, load_mtp) is None]
 
 
 class FolderReader:
     """``HFCheckpointReader`` by the engine's names (``mapping.hf_shapes``'), whatever the folder's prefix
-    and expert layout; the tensors kept out are not listed."""
+    and expert layout; the tensors kept out are not listed (``mtp.*`` is, with ``load_mtp``)."""
 
-    def __init__(self, reader: HFCheckpointReader) -> None:
+    def __init__(self, reader: HFCheckpointReader, load_mtp: bool = False) -> None:
         self.reader = reader
         self.format = _format_of(reader.names())
         self._names: list[str] = []
-        self._fused_shapes: dict[str, tuple[int, ...]] = {}
         kept_out = []
         for folder_name in reader.names():
-            name = self.format.from_folder(folder_name)
+            name = self.format.from_folder(folder_name, load_mtp)
             if name is None:
                 kept_out.append(folder_name)
                 continue
@@ -112,7 +113,7 @@ class FolderReader:
             projs = ("gate_proj", "up_proj") if fused[2] == "gate_up_proj" else ("down_proj",)
             self._names += [f"{fused[1]}.{e}.{p}.weight" for e in range(shape[0]) for p in projs]
         if kept_out:
-            towers = sorted({n.split(".")[0] if n.startswith("mtp.") else "model.visual" for n in kept_out})
+            towers = sorted({"mtp" if n.startswith("mtp.") else ".".join(n.split(".")[:2]) for n in kept_out})
             _LOG.info("hf_path: %d tensors (%s) kept out of the engine: only the language model is loaded",
                       len(kept_out), ", ".join(f"{t}.*" for t in towers))
 

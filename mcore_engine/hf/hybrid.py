@@ -16,6 +16,14 @@ and ``in_proj_ba [2nv, h]`` per key head ``[b_h (r); a_h (r)]``: the engine's ``
 yields its part, ``"{name}#{kind}"``, and :func:`assemble_parts` writes the Hugging Face tensor back.
 Every such layout is one row map ``perm`` (:func:`row_map`): row ``j`` of the TP-gathered engine tensor
 is row ``perm[j]`` of the Hugging Face tensor.
+
+Multi-token prediction (``ModelConfig.mtp_num_layers = 1``; the folders' ``mtp_num_hidden_layers``, one
+module whose layer is a full-attention layer, as vLLM's Qwen3-Next / Qwen3.5 MTP reads it)::
+
+    mtp.layers.0.enorm / hnorm            <- mtp.pre_fc_norm_embedding / mtp.pre_fc_norm_hidden
+    mtp.layers.0.eh_proj [H, 2H]          <- mtp.fc  (input [embedding; hidden], both sides)
+    transformer layer (decoder layer L)   <- mtp.layers.0.*  (attention and MLP / MoE names as a layer's)
+    mtp.layers.0.final_layernorm          <- mtp.norm
 """
 
 from __future__ import annotations
@@ -32,8 +40,8 @@ if TYPE_CHECKING:
     from mcore_engine.config import ModelConfig
     from mcore_engine.hf.families import Family
 
-__all__ = ["GDN_KINDS", "GDN_SUFFIXES", "PART_KINDS", "assemble_parts", "gdn_from_hf", "gdn_hf_shapes",
-           "gdn_to_hf", "gdn_units", "row_map"]
+__all__ = ["GDN_KINDS", "GDN_SUFFIXES", "MTP_OWN", "PART_KINDS", "assemble_parts", "gdn_from_hf",
+           "gdn_hf_shapes", "gdn_to_hf", "gdn_units", "mtp_own_shapes", "row_map"]
 
 _SPLIT = {
     "self_attention.in_proj_qkv.weight": ("gdn_qkv", "linear_attn.in_proj_qkv.weight"),
@@ -58,6 +66,19 @@ GDN_SUFFIXES = (*_SPLIT, *_COMMON)
 PART_KINDS = ("next_qkv", "next_z", "next_b", "next_a")
 GDN_KINDS = ("gdn_qkv", *PART_KINDS)
 _PARTS = {"in_proj_qkvz.weight": ("next_qkv", "next_z"), "in_proj_ba.weight": ("next_b", "next_a")}
+
+
+# the MTP module's own units (Megatron suffix of mtp.layers.0.) -> (kind, Hugging Face name)
+MTP_OWN = {"enorm.weight": ("replicated", "mtp.pre_fc_norm_embedding.weight"),
+           "hnorm.weight": ("replicated", "mtp.pre_fc_norm_hidden.weight"),
+           "eh_proj.weight": ("column", "mtp.fc.weight"),
+           "final_layernorm.weight": ("replicated", "mtp.norm.weight")}
+
+
+def mtp_own_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h = cfg.hidden_size
+    return {"mtp.pre_fc_norm_embedding.weight": (h,), "mtp.pre_fc_norm_hidden.weight": (h,),
+            "mtp.fc.weight": (h, 2 * h), "mtp.norm.weight": (h,)}
 
 
 def gdn_units(family: Family) -> dict[str, tuple[str, str]]:
@@ -169,13 +190,17 @@ def gdn_to_hf(cfg: ModelConfig, family: Family, base: Mapping[str, Any] | None) 
     if not (cfg.attention_output_gate and cfg.zero_centered_norm and cfg.qk_layernorm):
         raise ValueError("ModelConfig.attention_output_gate / zero_centered_norm / qk_layernorm: "
                          f"{family.model_type} has all three")
-    if cfg.add_qkv_bias or cfg.mtp_num_layers:
-        raise ValueError(f"ModelConfig.add_qkv_bias / mtp_num_layers: {family.model_type} here has neither "
-                         "(its MTP weights are not loaded)")
+    if cfg.add_qkv_bias:
+        raise ValueError(f"ModelConfig.add_qkv_bias: {family.model_type} has no QKV biases")
+    if cfg.mtp_num_layers > 1:
+        raise ValueError(f"ModelConfig.mtp_num_layers: {family.model_type} has one MTP module "
+                         f"(mtp_num_hidden_layers), got {cfg.mtp_num_layers}")
     out = {"linear_num_key_heads": g.num_key_heads, "linear_num_value_heads": g.num_value_heads,
            "linear_key_head_dim": g.key_head_dim, "linear_value_head_dim": g.value_head_dim,
            "linear_conv_kernel_dim": g.conv_kernel_dim,
            "layer_types": [LAYER_TYPES[0] if p else LAYER_TYPES[1] for p in g.layer_pattern(cfg.num_layers)]}
     if base is not None and "full_attention_interval" in base:
         out["full_attention_interval"] = g.full_attention_interval
+    if cfg.mtp_num_layers and not (base or {}).get("mtp_num_hidden_layers"):
+        out["mtp_num_hidden_layers"] = cfg.mtp_num_layers
     return out

@@ -1,5 +1,6 @@
 """Import a Hugging Face Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / Mixtral / DeepSeek-V3 / GLM-4.5
-folder into this rank's GPTModel chunks (router expert biases, which are buffers, included).
+/ Qwen3.5 / Qwen3.5-MoE / Qwen3-Next folder into this rank's GPTModel chunks (router expert biases,
+which are buffers, included); a vision-language folder's language model only (``hf.folder``).
 
 No collectives: each rank reads only its shards' rows / columns, of routed experts only its
 expert-parallel rank's experts and its expert-tensor-parallel slice (memory: its shards plus one
@@ -107,13 +108,14 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_path: str | os.P
     hf_config = read_hf_config(hf_path)
     check_config_matches(model_cfg, from_hf_config(hf_config, head=model_cfg.head))
     shapes = hf_shapes(model_cfg)
-    if model_cfg.linear_attention is not None and model_cfg.mtp_num_layers:
-        raise ValueError("model.mtp_num_layers: the hybrid (Qwen3.5 / Qwen3-Next) families' mtp.* weights "
-                         "are not loaded here; build with mtp_num_layers=0")
+    if model_cfg.linear_attention is not None and model_cfg.mtp_num_layers > 1:
+        raise ValueError("model.mtp_num_layers: the hybrid (Qwen3.5 / Qwen3-Next) folders have one MTP "
+                         f"module (mtp.*), got {model_cfg.mtp_num_layers}")
 
     # by the engine's names: a vision-language folder's model.language_model.* prefix and fused experts
-    # translated, its vision tower and mtp.* kept out (hf.folder)
-    with HFCheckpointReader(hf_path) as raw, FolderReader(raw) as reader:
+    # translated, its vision tower (and mtp.* unless model.mtp_num_layers) kept out (hf.folder)
+    load_mtp = model_cfg.mtp_num_layers > 0
+    with HFCheckpointReader(hf_path) as raw, FolderReader(raw, load_mtp=load_mtp) as reader:
         check_hf_names(reader.names(), model_cfg)
         # a value head keeps its fresh (seeded) initialisation when the folder is a causal LM, and a
         # zero bias when a *ForTokenClassification folder has none

@@ -47,7 +47,7 @@ from mcore_engine.hf.families import (  # noqa: F401 (model_family: its old home
     model_family,
 )
 from mcore_engine.hf.folder import folder_format, folder_stream
-from mcore_engine.hf.hybrid import GDN_SUFFIXES, gdn_hf_shapes, gdn_units
+from mcore_engine.hf.hybrid import GDN_SUFFIXES, MTP_OWN, gdn_hf_shapes, gdn_units, mtp_own_shapes
 from mcore_engine.hf.mtp_names import (
     is_mtp_unit,
     mtp_aliases,
@@ -204,6 +204,9 @@ def unit_rule(unit: str, cfg: ModelConfig) -> TensorRule:
     if unit in _GLOBAL_UNITS:
         kind, names = _GLOBAL_UNITS[unit]
         return TensorRule(kind, names)
+    if is_mtp_unit(unit) and cfg.linear_attention is not None:  # Qwen3.5's mtp.* (hybrid)
+        kind, name = MTP_OWN[unit.split(".", 3)[3]]
+        return TensorRule(kind, (name,))
     if is_mtp_unit(unit):  # multi-token prediction modules: mcore_engine.hf.mtp_names
         return TensorRule(*mtp_rule(unit, cfg))
     _, _, layer, suffix = unit.split(".", 3)
@@ -211,6 +214,11 @@ def unit_rule(unit: str, cfg: ModelConfig) -> TensorRule:
     if suffix in GDN_SUFFIXES and is_gdn_layer(cfg, int(layer)):
         kind, name = gdn_units(family)[suffix]
         return TensorRule(kind, (f"model.layers.{layer}.{name}",))
+    if cfg.linear_attention is not None and int(layer) >= cfg.num_layers:  # the MTP module's layer
+        rule = unit_rule(f"decoder.layers.{cfg.num_layers - 1}.{suffix}", cfg)
+        prefix = f"model.layers.{cfg.num_layers - 1}."
+        names = tuple(f"mtp.layers.{int(layer) - cfg.num_layers}." + n[len(prefix):] for n in rule.hf_names)
+        return dataclasses.replace(rule, hf_names=names)
     layer_units = {**_LAYER_UNITS, **_MLA_UNITS} if cfg.mla is not None else _LAYER_UNITS
     if suffix in layer_units:
         kind, names = layer_units[suffix]
@@ -303,10 +311,11 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     by_suffix.update(mtp_hf_shapes(cfg))
     if cfg.linear_attention is not None:
         by_suffix.update(gdn_hf_shapes(cfg))
+        by_suffix.update(mtp_own_shapes(cfg))
     shapes = {}
     for unit in model_units(cfg):
         for name in unit_rule(unit, cfg).hf_names:
-            key = name.split(".", 3)[3] if name.startswith("model.layers.") else name
+            key = name.split(".", 3)[3] if name.startswith(("model.layers.", "mtp.layers.")) else name
             shapes[name] = by_suffix[re.sub(r"\.experts\.\d+\.", ".experts.*.", key)]
     return shapes
 

@@ -88,7 +88,10 @@ def mtp_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def mtp_aliases(name: str, cfg: ModelConfig) -> list[str]:
     """The modules' copies of the exported tensor ``name`` (``model.embed_tokens.weight`` /
-    ``lm_head.weight``; with tied embeddings the embedding is the head too)."""
+    ``lm_head.weight``; with tied embeddings the embedding is the head too); none for the hybrid
+    (Qwen3.5) families, whose ``mtp.*`` module shares them."""
+    if cfg.linear_attention is not None:
+        return []
     layers = range(cfg.num_layers, cfg.num_layers + cfg.mtp_num_layers)
     out = []
     if name == "model.embed_tokens.weight":
@@ -109,7 +112,7 @@ def mtp_alias_shapes(cfg: ModelConfig, names: list[str]) -> dict[str, tuple[int,
 def check_mtp_present(cfg: ModelConfig, names: list[str]) -> None:
     """``ValueError`` when ``cfg`` asks for MTP modules and the checkpoint's ``names`` hold no tensor of
     the first (``transformers`` writes ``num_nextn_predict_layers`` into folders without them)."""
-    first = f"model.layers.{cfg.num_layers}."
+    first = "mtp." if cfg.linear_attention is not None else f"model.layers.{cfg.num_layers}."
     if cfg.mtp_num_layers and not any(n.startswith(first) for n in names):
         raise ValueError(f"ModelConfig.mtp_num_layers: {cfg.mtp_num_layers} MTP module(s) (the config's "
                          f"num_nextn_predict_layers) but the checkpoint has no {first}* tensors "

@@ -5,6 +5,10 @@ of global layer ``i``::
 
     base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_{A,B}.weight    # A [r, in], B [out, r]
     base_model.model.model.layers.{i}.mlp.{gate,up,down}_proj.lora_{A,B}.weight
+    base_model.model.model.layers.{i}.linear_attn.{in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj}.lora_{A,B}.weight
+
+(the last on the Gated DeltaNet layers of a Qwen3.5 model; its gated attention's ``q_proj`` adapter
+has ``B [2 n d, r]``, per head ``[q_h; gate_h]`` as the weight)
 
 what ``PeftModel.from_pretrained`` and vLLM's LoRA loader read. Tensors here are full (unsharded);
 the engine gathers / slices them over TP. Memory: the adapters, which are small.
@@ -15,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +27,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mcore_engine.config.lora import HF_PROJECTIONS, PROJECTION_HF_NAMES, LoRAConfig
+from mcore_engine.config.lora import GDN_LINEARS, HF_PROJECTIONS, PROJECTION_HF_NAMES, LoRAConfig
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "peft_config", "peft_key", "read_adapter", "write_adapter"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "check_gdn_family", "gdn_projection_shapes", "peft_config",
+           "peft_key", "read_adapter", "write_adapter"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)"
+_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp|linear_attn)\.(\w+)"
                   r"\.lora_([AB])\.weight")
 _SUBMODULE = {"q": "self_attn", "k": "self_attn", "v": "self_attn", "o": "self_attn",
-              "gate": "mlp", "up": "mlp", "down": "mlp"}
+              "gate": "mlp", "up": "mlp", "down": "mlp", **{name: "linear_attn" for name in GDN_LINEARS}}
 
 Adapters = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 """``(global layer, projection) -> (A [r, in], B [out, r])``, full tensors."""
@@ -44,15 +49,18 @@ def peft_key(layer: int, projection: str, which: str) -> str:
             f"{PROJECTION_HF_NAMES[projection]}.lora_{which}.weight")
 
 
-def peft_config(lora: LoRAConfig, *, swiglu: bool) -> dict[str, Any]:
-    """PEFT's ``LoraConfig`` fields for ``lora`` (``peft_type`` / ``task_type`` as strings)."""
+def peft_config(lora: LoRAConfig, *, swiglu: bool, hybrid: bool = False) -> dict[str, Any]:
+    """PEFT's ``LoraConfig`` fields for ``lora`` (``peft_type`` / ``task_type`` as strings); ``hybrid``:
+    the model has Gated DeltaNet layers."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-            "lora_dropout": lora.dropout, "target_modules": lora.hf_target_modules(swiglu), "bias": "none"}
+            "lora_dropout": lora.dropout, "target_modules": lora.hf_target_modules(swiglu, hybrid),
+            "bias": "none"}
 
 
 def write_adapter(out_dir: str | os.PathLike, adapters: Adapters, lora: LoRAConfig, *, swiglu: bool,
-                  base_model: str | None, dtype: torch.dtype) -> None:
-    """Write a PEFT folder (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules`` from ``lora``)."""
+                  base_model: str | None, dtype: torch.dtype, hybrid: bool = False) -> None:
+    """Write a PEFT folder (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules`` from ``lora``;
+    ``hybrid``: the model has Gated DeltaNet layers)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -60,7 +68,7 @@ def write_adapter(out_dir: str | os.PathLike, adapters: Adapters, lora: LoRAConf
         tensors[peft_key(layer, projection, "A")] = a.detach().to("cpu", dtype).contiguous()
         tensors[peft_key(layer, projection, "B")] = b.detach().to("cpu", dtype).contiguous()
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    config = {**peft_config(lora, swiglu=swiglu), "base_model_name_or_path": base_model,
+    config = {**peft_config(lora, swiglu=swiglu, hybrid=hybrid), "base_model_name_or_path": base_model,
               "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
               "inference_mode": True, "modules_to_save": None, "layers_to_transform": None,
               "rank_pattern": {}, "alpha_pattern": {}}
@@ -68,10 +76,12 @@ def write_adapter(out_dir: str | os.PathLike, adapters: Adapters, lora: LoRAConf
 
 
 def read_adapter(path: str | os.PathLike, lora: LoRAConfig, *, swiglu: bool, num_layers: int,
-                 shapes: Mapping[str, tuple[int, int]]) -> Adapters:
+                 shapes: Mapping[str, tuple[int, int]], gdn_layers: Collection[int] = ()) -> Adapters:
     """The adapters of a PEFT folder, checked against ``lora`` (rank, alpha, target modules) and the
-    model (``num_layers``, ``shapes[projection] = (out, in)``): ``ValueError`` naming
-    ``LoRAConfig.adapter_path`` and the mismatch, before anything is loaded."""
+    model (``num_layers``, ``shapes[projection] = (out, in)``, ``gdn_layers``: the Gated DeltaNet
+    layers of a hybrid model, which hold the GDN projections, the others the attention ones):
+    ``ValueError`` naming ``LoRAConfig.adapter_path`` and the mismatch, before anything is loaded."""
+    hybrid = bool(gdn_layers)
     folder = Path(path)
     where = f"LoRAConfig.adapter_path {str(folder)!r}"
     if not (folder / ADAPTER_CONFIG).is_file() or not (folder / ADAPTER_WEIGHTS).is_file():
@@ -79,7 +89,8 @@ def read_adapter(path: str | os.PathLike, lora: LoRAConfig, *, swiglu: bool, num
     config: dict[str, Any] = json.loads((folder / ADAPTER_CONFIG).read_text())
     checks = [("peft_type", config.get("peft_type"), "LORA"), ("r", config.get("r"), lora.rank),
               ("lora_alpha", config.get("lora_alpha"), lora.alpha),
-              ("target_modules", sorted(config.get("target_modules") or []), lora.hf_target_modules(swiglu))]
+              ("target_modules", sorted(config.get("target_modules") or []),
+               lora.hf_target_modules(swiglu, hybrid))]
     for name, theirs, ours in checks:
         if theirs != ours and not (isinstance(ours, float) and theirs is not None and float(theirs) == ours):
             raise ValueError(f"{where}: adapter_config.json has {name}={theirs!r}, the engine's LoRAConfig "
@@ -93,12 +104,14 @@ def read_adapter(path: str | os.PathLike, lora: LoRAConfig, *, swiglu: bool, num
         if config.get(name):  # per-module ranks / alphas or a layer subset: one rank / alpha here
             raise ValueError(f"{where}: adapter_config.json {name}={config[name]!r} is not supported "
                              "(one rank and alpha for every adapted module of every layer)")
-    wanted = {(layer, p) for layer in range(num_layers) for ps in lora.targets(swiglu).values() for p in ps}
+    wanted = {(layer, p) for layer in range(num_layers) for linear, ps in lora.targets(swiglu, hybrid).items()
+              for p in ps if _SUBMODULE[p] == "mlp" or (layer in gdn_layers) == (linear in GDN_LINEARS)}
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     with safe_open(str(folder / ADAPTER_WEIGHTS), framework="pt") as f:
         for key in f.keys():
             match = _KEY.fullmatch(key.replace(".default.", "."))
-            if match is None or match.group(3) not in HF_PROJECTIONS:
+            if match is None or match.group(3) not in HF_PROJECTIONS \
+                    or _SUBMODULE[HF_PROJECTIONS[match.group(3)][1]] != match.group(2):
                 raise ValueError(f"{where}: unexpected tensor {key!r}")
             projection = HF_PROJECTIONS[match.group(3)][1]
             found.setdefault((int(match.group(1)), projection), {})[match.group(4)] = f.get_tensor(key)
@@ -117,3 +130,32 @@ def read_adapter(path: str | os.PathLike, lora: LoRAConfig, *, swiglu: bool, num
                              f"({out_dim}, {lora.rank})")
         out[(layer, projection)] = (a, b)
     return out
+
+
+def gdn_projection_shapes(model: Any) -> dict[str, tuple[int, int]]:
+    """``projection -> (out, in)`` of a hybrid ``ModelConfig``'s Gated DeltaNet linears (full, HF's
+    orientation)."""
+    g, h = model.linear_attention, model.hidden_size
+    return {"in_proj_qkv": (2 * g.key_dim + g.value_dim, h), "in_proj_z": (g.value_dim, h),
+            "in_proj_b": (g.num_value_heads, h), "in_proj_a": (g.num_value_heads, h),
+            "out_proj": (h, g.value_dim)}
+
+
+def check_gdn_family(model: Any) -> None:
+    """``ValueError`` when the LoRA of a hybrid ``ModelConfig`` cannot be written as PEFT keys of its
+    Hugging Face folder: Gated DeltaNet targets on Qwen3-Next (its fused ``in_proj_qkvz`` /
+    ``in_proj_ba``), any target on a vision-language folder (``model.language_model.`` keys)."""
+    if model.lora is None or model.linear_attention is None or model.hf_path is None:
+        return
+    from mcore_engine.hf.families import hf_family_of, is_multimodal
+    from mcore_engine.hf.hf_config import read_hf_config
+
+    hf = read_hf_config(model.hf_path)
+    if is_multimodal(hf):
+        raise ValueError("ModelConfig.lora.target_modules: LoRA on a vision-language folder "
+                         f"({model.hf_path!r}) is not supported; use its text model (Qwen3_5ForCausalLM)")
+    targets = model.lora.targets(model.swiglu, True)
+    if hf_family_of(hf).hybrid == "fused" and set(targets) & set(GDN_LINEARS):
+        raise ValueError(f"ModelConfig.lora.target_modules: {sorted(set(targets) & set(GDN_LINEARS))} on a "
+                         "Qwen3-Next model, whose Gated DeltaNet projections are the fused in_proj_qkvz / "
+                         "in_proj_ba: not supported (adapt q_proj / k_proj / v_proj / o_proj there)")

@@ -34,11 +34,13 @@ parameters get gradients only on their slice; the sum over CP (Megatron's DDP re
 is the full gradient.
 
 Memory saved for backward per layer and local token (``C = (2 key_dim + value_dim) / tp``, ``Hv =
-nv / tp``): the projections' input (Megatron's linears), the conv input (``C``, plus ``K - 1`` zero
-columns per sequence in ``thd``) and its pre-SiLU output (``C``), what ``ops.gated_delta`` keeps of
-``q, k, v, g, beta`` (``[chunk, chunk]`` blocks per head and chunk, no ``[s, s]`` tensor), ``o`` and
-``z`` with the gated norm's fp32 intermediates (about ``4 Hv dv``), the ``out_proj`` input. At CP > 1
-the rule's share covers the global sequence for ``Hv / cp`` heads: the same amount per rank.
+nv / tp``): the projections' input (Megatron's linears), the conv input ``C`` and ``a``, ``b``
+(``2 Hv``), ``o`` and ``z`` with the gated norm's fp32 intermediates (about ``4 Hv dv``), the
+``out_proj`` input. The conv, decay and rule run again in the backward (``gdn.recompute``, default);
+without it they also keep the conv's ``K - 1`` zero columns per sequence and pre-SiLU output
+(``C``) and what ``ops.gated_delta`` keeps of ``q, k, v, g, beta`` (``[chunk, chunk]`` blocks per
+head and chunk, no ``[s, s]`` tensor; about 19x ``o``). At CP > 1 the rule's share covers the global
+sequence for ``Hv / cp`` heads: the same amount per rank.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ from torch import Tensor
 from mcore_engine.config.gdn import GDNConfig
 from mcore_engine.layers.gdn_checkpoint import split_blocks
 from mcore_engine.layers.gdn_cp import heads_to_tokens, tokens_to_heads
+from mcore_engine.ops.gated_delta import chunk_gated_delta_rule
 
 __all__ = ["GatedDeltaNet", "GatedRMSNorm", "qkv_partition_rows"]
 
@@ -219,8 +222,6 @@ class GatedDeltaNet(MegatronModule):
                 **kwargs: Any) -> tuple[Tensor, Tensor | None]:
         """``[s, b, h]`` -> ``([s, b, h], None)`` (SP: ``[s / tp, b, h]`` both); steps as in the module
         docstring."""
-        from mcore_engine.ops.gated_delta import chunk_gated_delta_rule
-
         # --- 1. checks; the global (padded) sequence lengths, None for bshd ---
         if inference_context is not None or kwargs.get("inference_params") is not None:
             raise ValueError("GatedDeltaNet: inference_context (KV / recurrent cache) is not supported")
@@ -255,24 +256,14 @@ class GatedDeltaNet(MegatronModule):
                               2 * kd + torch.arange(c * vd_c, (c + 1) * vd_c)]).to(conv_w.device)
             conv_w = conv_w.index_select(0, rows)
             a_log, dt_bias = a_log[c * nv: (c + 1) * nv], dt_bias[c * nv: (c + 1) * nv]
-            kd = kd_c
 
-        # --- 4. causal conv + SiLU per sequence; q, k, v; decay g (fp32) and beta ---
-        qkv = _causal_conv_silu(qkv, conv_w, lengths)
-        q, k, v = qkv.split([kd, kd, nv * self.dv], dim=-1)
-        g = -_wide(a_log).exp() * F.softplus(_wide(a_in) + dt_bias)  # [T, b, nv]
-        beta = b_in.sigmoid()
-
-        # --- 5. the chunked gated delta rule ([b, T, heads, d]; state reset at each sequence start) ---
-        cu = None
-        if lengths is not None:
-            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
-                              device=qkv.device)
-        o, _ = chunk_gated_delta_rule(
-            q.unflatten(-1, (nk, self.dk)).transpose(0, 1), k.unflatten(-1, (nk, self.dk)).transpose(0, 1),
-            v.unflatten(-1, (nv, self.dv)).transpose(0, 1), g.transpose(0, 1), beta.transpose(0, 1),
-            use_qk_l2norm=True, cu_seqlens=cu, chunk_size=self.gdn.chunk_size)
-        o = o.transpose(0, 1)  # [T, b, nv, dv]
+        # --- 4-5. conv, decay and the chunked rule; recomputed in backward unless gdn.recompute is off ---
+        args = (qkv, conv_w, a_in, b_in, a_log, dt_bias)
+        if self.gdn.recompute and torch.is_grad_enabled():
+            o = torch.utils.checkpoint.checkpoint(self._mix, *args, lengths=lengths, heads=(nk, nv),
+                                                  use_reentrant=False)
+        else:
+            o = self._mix(*args, lengths=lengths, heads=(nk, nv))
 
         # --- 6. CP: back to the local tokens of all heads ---
         if cp > 1:
@@ -281,6 +272,27 @@ class GatedDeltaNet(MegatronModule):
         # --- 7. gated RMSNorm per value head, out_proj (SP: reduce-scatter) ---
         o = self.norm(o, z.unflatten(-1, (self.nv, self.dv)))
         return self.out_proj(o.flatten(-2))
+
+    def _mix(self, qkv: Tensor, conv_w: Tensor, a_in: Tensor, b_in: Tensor, a_log: Tensor, dt_bias: Tensor,
+             *, lengths: list[int] | None, heads: tuple[int, int]) -> Tensor:
+        """Causal conv + SiLU per sequence, ``q, k, v``, decay ``g`` (fp32) and ``beta``, then the
+        chunked gated delta rule (state reset at each sequence start): ``o [T, b, nv, dv]`` of this
+        rank's ``heads = (nk, nv)``."""
+        nk, nv = heads
+        kd = nk * self.dk
+        qkv = _causal_conv_silu(qkv, conv_w, lengths)
+        q, k, v = qkv.split([kd, kd, nv * self.dv], dim=-1)
+        g = -_wide(a_log).exp() * F.softplus(_wide(a_in) + dt_bias)  # [T, b, nv]
+        beta = b_in.sigmoid()
+        cu = None
+        if lengths is not None:
+            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                              device=qkv.device)
+        o, _ = chunk_gated_delta_rule(
+            q.unflatten(-1, (nk, self.dk)).transpose(0, 1), k.unflatten(-1, (nk, self.dk)).transpose(0, 1),
+            v.unflatten(-1, (nv, self.dv)).transpose(0, 1), g.transpose(0, 1), beta.transpose(0, 1),
+            use_qk_l2norm=True, cu_seqlens=cu, chunk_size=self.gdn.chunk_size)
+        return o.transpose(0, 1)  # [T, b, nv, dv]
 
     def _lengths(self, hidden: Tensor, params: PackedSeqParams | None) -> list[int] | None:
         """Global padded sequence lengths of a ``thd`` pack (checked), ``None`` for ``bshd``."""

@@ -1,5 +1,5 @@
 """LoRA on a Megatron ``GPTModel`` chunk: :func:`apply_lora` puts the adapters of
-:mod:`mcore_engine.layers.lora_linear` on its attention / MLP linears; switch them off
+:mod:`mcore_engine.layers.lora_linear` on its attention / MLP / Gated DeltaNet linears; switch them off
 (:func:`adapters_disabled`), list them (:func:`lora_modules`), read (:func:`adapter_shards`) and load
 (:func:`load_adapters`) them in PEFT's full orientation.
 """
@@ -16,7 +16,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.utils import get_pg_size
 from torch import Tensor
 
-from mcore_engine.config.lora import LINEAR_PROJECTIONS, linear_projections
+from mcore_engine.config.lora import GDN_LINEARS, LINEAR_PROJECTIONS, linear_projections
 from mcore_engine.layers.lora_linear import (
     LORA_TP_PARTIAL_GRAD,
     ColumnLayout,
@@ -65,17 +65,43 @@ def adapters_disabled(model: torch.nn.Module | Iterable[torch.nn.Module]) -> Ite
 
 
 _WHERE = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp",
-          "linear_fc2": "mlp"}
+          "linear_fc2": "mlp", **{name: "self_attention" for name in GDN_LINEARS}}
+_ROW_LINEARS = ("linear_proj", "linear_fc2", "out_proj")
+
+
+def _is_gdn(mixer: torch.nn.Module | None) -> bool:
+    """A Gated DeltaNet mixer (``in_proj_qkv`` ...) rather than attention (``linear_qkv`` ...)."""
+    return mixer is not None and hasattr(mixer, "in_proj_qkv") and hasattr(mixer, "gdn")
+
+
+def _gdn_layout(mixer: torch.nn.Module, linear: str, tp: int) -> ColumnLayout:
+    """The GDN column linears: ``in_proj_qkv`` one projection of blocks ``[q; k; v]`` (rank ``t`` holds
+    ``[q_t; k_t; v_t]``), the others one plain projection."""
+    g = mixer.gdn
+    if g.num_key_heads % tp or g.num_value_heads % tp:
+        raise ValueError(f"targets[{linear!r}]: the GDN heads ({g.num_key_heads} key, {g.num_value_heads} "
+                         f"value) are not divisible by the tensor-parallel size {tp}")
+    if linear == "in_proj_qkv":
+        return ColumnLayout((linear,), (2 * g.key_dim + g.value_dim,),
+                            blocks=(g.key_dim, g.key_dim, g.value_dim))
+    return ColumnLayout((linear,), (getattr(mixer, linear).output_size,))
 
 
 def _plan(model: torch.nn.Module, targets: dict[str, set[str]], swiglu: bool) -> list[tuple]:
-    """``(module, linear, global layer, layout)`` for every linear to convert; all checks, no changes."""
+    """``(module, linear, global layer, layout)`` for every linear to convert; all checks, no changes.
+    On a hybrid model the attention linears are taken from the attention layers, the GDN linears
+    from the GDN layers; a linear that no layer has is a ValueError."""
     config = model.config
     layers = list(model.decoder.layers)
-    plan = []
+    plan: list[tuple] = []
+    found: set[str] = set()
     for layer in layers:
         global_layer = layer.layer_number - 1
+        gdn = _is_gdn(getattr(layer, "self_attention", None))
         for linear in (name for name in LINEAR_PROJECTIONS if name in targets):
+            if _WHERE[linear] == "self_attention" and gdn != (linear in GDN_LINEARS):
+                continue  # the other mixer kind's linear (hybrid model)
+            found.add(linear)
             parent = getattr(layer, _WHERE[linear], None)
             where = f"decoder.layers.{global_layer}.{_WHERE[linear]}"
             if linear in ("linear_fc1", "linear_fc2") and hasattr(parent, "experts"):
@@ -88,26 +114,34 @@ def _plan(model: torch.nn.Module, targets: dict[str, set[str]], swiglu: bool) ->
                                  "MLP without Megatron's fused linears is not supported)")
             if hasattr(module, "lora_targets"):
                 raise ValueError(f"targets[{linear!r}]: {where}.{linear} already has LoRA adapters")
-            is_column = linear in ("linear_qkv", "linear_fc1")
+            is_column = linear not in _ROW_LINEARS
             _check_base(module, ColumnParallelLinear if is_column else RowParallelLinear)
             layout = None
             if linear == "linear_qkv":
-                if config.attention_output_gate:
-                    raise ValueError("targets['linear_qkv']: attention_output_gate (a gate inside "
-                                     "linear_qkv) is not supported")
                 ng = config.num_query_groups or config.num_attention_heads
                 tp = get_pg_size(module.tp_group)
                 if ng % tp:
                     raise ValueError(f"targets['linear_qkv']: num_query_groups={ng} is not divisible by the "
                                      f"tensor-parallel size {tp} (k / v adapters need whole query groups "
                                      "per rank)")
-                d = config.kv_channels
-                layout = ColumnLayout(("q", "k", "v"), (config.num_attention_heads // ng * d, d, d), ng, True)
+                d, per_group = config.kv_channels, config.num_attention_heads // ng
+                if config.attention_output_gate:  # per group [q; gate; k; v]; PEFT q_proj: [q_h; g_h]
+                    layout = ColumnLayout(("q", "k", "v"), (2 * per_group * d, d, d), ng, True,
+                                          output_gate=(per_group, d))
+                else:
+                    layout = ColumnLayout(("q", "k", "v"), (per_group * d, d, d), ng, True)
             elif linear == "linear_fc1":
                 rows = module.output_size
                 layout = ColumnLayout(("gate", "up"), (rows // 2, rows // 2)) if swiglu else \
                     ColumnLayout(("up",), (rows,))
+            elif linear in GDN_LINEARS and is_column:
+                layout = _gdn_layout(parent, linear, get_pg_size(module.tp_group))
             plan.append((module, linear, global_layer, layout))
+    missing = [name for name in targets if name not in found]
+    whole = getattr(model, "pre_process", True) and getattr(model, "post_process", True)
+    if missing and layers and whole:  # a pipeline stage may hold one layer kind only
+        raise ValueError(f"targets: no decoder layer has {missing} (Gated DeltaNet linears need a hybrid "
+                         "model, attention linears an attention layer)")
     return plan
 
 
@@ -117,11 +151,13 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, targets: Mapp
     """Put LoRA adapters on every decoder layer of one unwrapped ``GPTModel`` chunk, in place, before
     DDP; returns the adapter parameters. ``targets``: Megatron linear -> projections (``linear_qkv`` ⊆
     {q, k, v}, ``linear_proj`` {o}, ``linear_fc1`` ⊆ {gate, up} (without SwiGLU {up}), ``linear_fc2``
-    {down}). Adapter ``p`` of global layer ``i`` is drawn in full from ``(seed,
-    "decoder.layers.<i>.<where>.<linear>", p)`` and sliced, so every TP / PP layout holds slices of the
-    same adapters. MTP layers are not adapted. ``ValueError`` before any change for bad
+    {down}); on a hybrid model also the Gated DeltaNet's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` /
+    ``in_proj_a`` / ``out_proj`` ({their own name}), and ``linear_qkv`` with an output gate (PEFT's
+    ``q_proj`` adapter covers query and gate rows). Adapter ``p`` of global layer ``i`` is drawn in
+    full from ``(seed, "decoder.layers.<i>.<where>.<linear>", p)`` and sliced, so every TP / PP layout
+    holds slices of the same adapters. MTP layers are not adapted. ``ValueError`` before any change for bad
     hyper-parameters or targets, MoE MLPs, MLA, Transformer Engine linears, ``num_query_groups`` not
-    divisible by TP, or adapters already present."""
+    divisible by TP, a linear no layer has, or adapters already present."""
     _hyper(rank, alpha, dropout, init_lora_weights)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")

@@ -5,10 +5,12 @@ Per adapted projection ``p`` (PEFT's separate ``q`` / ``k`` / ``v``, ``o``, ``ga
     y_p = x @ W_p.T + b_p + scaling * ((dropout(x) @ A_p.T) @ B_p.T)     # scaling = alpha / rank
     A_p [r, in]: kaiming_uniform_(a=sqrt(5)) over the FULL fan-in;  B_p [out_p, r]: zeros
 
-- column-parallel (``linear_qkv``, ``linear_fc1``): ``A_p`` replicated, ``B_p`` split on dim 0 like
-  ``W_p`` (:class:`ColumnLayout`: per local query group ``[q | k | v]``; ``[gate; up]``).
-- row-parallel (``linear_proj``, ``linear_fc2``): ``A`` split on dim 1 like ``W``, ``B`` replicated; the
-  partial delta joins the base's partial output before its all-reduce / reduce-scatter.
+- column-parallel (``linear_qkv``, ``linear_fc1``, the Gated DeltaNet's ``in_proj_*``): ``A_p``
+  replicated, ``B_p`` split on dim 0 like ``W_p`` (:class:`ColumnLayout`: per local query group
+  ``[q | k | v]``, with an output gate ``q_proj``'s per-head ``[q_h; g_h]`` into ``[q | gate | k | v]``;
+  ``[gate; up]``; GDN ``in_proj_qkv``: rank ``t`` holds ``B``'s rows ``[q_t; k_t; v_t]``).
+- row-parallel (``linear_proj``, ``linear_fc2``, GDN ``out_proj``): ``A`` split on dim 1 like ``W``,
+  ``B`` replicated; the partial delta joins the base's partial output before its all-reduce / reduce-scatter.
 
 No communication is added: the deltas are computed on the input the base matmul sees, so the base's
 backward collective carries both terms. Replicated adapters (column ``A``, row ``B``) get partial
@@ -47,6 +49,7 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 from torch import Tensor
 
 from mcore_engine.config.lora import LoRAConfig
+from mcore_engine.layers.gdn_checkpoint import split_blocks
 
 __all__ = ["LORA_TP_PARTIAL_GRAD", "ColumnLayout", "LoRAColumnParallelLinear", "LoRARowParallelLinear",
            "LoRAShard"]
@@ -63,13 +66,38 @@ class ColumnLayout:
     holding ``[p_0[t]; p_1[t]; ...]`` (SwiGLU ``[gate; up]``, a plain linear: one projection).
     ``interleaved=True``: ``groups`` repetitions of ``[p_0 | p_1 | ...]`` (``widths`` rows each), TP
     splits whole groups (fused qkv: per query group ``[q (np / ng heads) | k | v]``, ``d`` rows a head).
-    Either way a projection's rows on rank ``t`` are rows ``[t n, (t + 1) n)`` of its own tensor.
+    Either way a projection's rows on rank ``t`` are rows ``[t n, (t + 1) n)`` of its own tensor, except:
+    ``blocks`` (one projection, ``groups == 1``): its rows are blocks ``[b_0; b_1; ...]`` of these
+    sizes, each TP-split, rank ``t`` holding ``[b_0[t]; b_1[t]; ...]`` (Gated DeltaNet ``in_proj_qkv``:
+    ``[q; k; v]``); ``output_gate = (Q, d)`` (interleaved, gated attention): projection 0's ``B`` holds
+    per head ``[q_h; gate_h]`` (PEFT's ``q_proj``, ``2 d`` rows a head) and lands in the group's
+    ``[q (Q d); gate (Q d)]`` rows (Megatron's order).
     """
 
     projections: tuple[str, ...]
     widths: tuple[int, ...]
     groups: int = 1
     interleaved: bool = False
+    blocks: tuple[int, ...] = ()
+    output_gate: tuple[int, int] | None = None
+
+    def b_rows(self, projection: str, tp: int, rank: int) -> Tensor | None:
+        """Rows of the projection's FULL ``B`` that TP rank ``rank`` holds, in its order; None: the
+        contiguous slice ``chunk(tp)[rank]``."""
+        if not self.blocks or projection != self.projections[0]:
+            return None
+        starts = [sum(self.blocks[:i]) for i in range(len(self.blocks))]
+        return torch.cat([torch.arange(s + rank * (b // tp), s + (rank + 1) * (b // tp))
+                          for s, b in zip(starts, self.blocks, strict=True)])
+
+    def local_perm(self, projection: str, local_groups: int) -> Tensor | None:
+        """Local output row ``j`` of the projection's slice is row ``perm[j]`` of its local ``B @ A``
+        (None: the same order): the output gate's per-head ``[q_h; g_h]`` -> ``[q heads; gate heads]``."""
+        if self.output_gate is None or projection != self.projections[0]:
+            return None
+        heads, d = self.output_gate
+        rows = torch.arange(local_groups * heads * 2 * d).view(local_groups, heads, 2, d)
+        return rows.transpose(1, 2).reshape(-1)
 
     def out_features(self, projection: str) -> int:
         """Full rows of one projection."""
@@ -80,6 +108,17 @@ class ColumnLayout:
         if len(self.projections) != len(self.widths) or not self.projections:
             raise ValueError(f"layout: projections {self.projections} and widths {self.widths} differ in "
                              "length")
+        if self.blocks:
+            if len(self.projections) != 1 or self.groups != 1 or sum(self.blocks) != self.widths[0] \
+                    or any(b % tp for b in self.blocks):
+                raise ValueError(f"layout: blocks {self.blocks} must be of one projection, add up to its "
+                                 f"width {self.widths} and each be divisible by the tensor-parallel size "
+                                 f"{tp}")
+            return 1, (self.widths[0] // tp,)
+        gate = self.output_gate
+        if gate is not None and (not self.interleaved or 2 * gate[0] * gate[1] != self.widths[0]):
+            raise ValueError(f"layout: output_gate {gate} needs an interleaved layout whose first width is "
+                             f"2 * heads * head_dim, got widths {self.widths}")
         if self.interleaved:
             if self.groups % tp:
                 raise ValueError(f"layout.groups={self.groups} (num_query_groups) is not divisible by the "
@@ -104,6 +143,16 @@ class LoRAShard:
     """Dim of the full ``A`` split evenly over TP (rank order), None: replicated."""
     b_tp_dim: int | None
     """Same for ``B``."""
+    b_rows: Tensor | None = None
+    """Row ``j`` of the TP-gathered ``B`` is row ``b_rows[j]`` of the full ``B`` (None: the same row)."""
+
+    def full_b(self, gathered: Tensor) -> Tensor:
+        """The full ``B`` (PEFT's row order) from the TP-gathered one."""
+        if self.b_rows is None:
+            return gathered
+        out = torch.empty_like(gathered)
+        out[self.b_rows.to(gathered.device)] = gathered
+        return out
 
 
 def _generator(seed: int, name: str, projection: str) -> torch.Generator:
@@ -159,7 +208,7 @@ class _LoRA:
             out_f, in_f = shapes[p]
             a, b = _draw_full((rank, in_f), (out_f, rank), init_lora_weights, rank, _generator(seed, name, p))
             for which, full, dim in (("A", a, self._A_TP_DIM), ("B", b, self._B_TP_DIM)):
-                local = full if dim is None else full.chunk(tp, dim)[tp_rank]
+                local = self._local(p, which, full, dim, tp, tp_rank)
                 param = torch.nn.Parameter(local.to(device=ref.device, dtype=ref.dtype).contiguous())
                 set_tensor_model_parallel_attributes(param, dim is not None, -1 if dim is None else dim, 1)
                 param.allreduce = True
@@ -167,11 +216,26 @@ class _LoRA:
                     setattr(param, LORA_TP_PARTIAL_GRAD, True)
                 (self.lora_A if which == "A" else self.lora_B)[p] = param
 
+    def _local(self, p: str, which: str, full: Tensor, dim: int | None, tp: int, tp_rank: int) -> Tensor:
+        """This rank's slice of a FULL ``A`` / ``B`` (``B`` of a block layout: its rows)."""
+        rows = getattr(self, "_lora_layout", None)
+        rows = rows.b_rows(p, tp, tp_rank) if rows is not None and which == "B" else None
+        if rows is not None:
+            return full[rows.to(full.device)]
+        return full if dim is None else full.chunk(tp, dim)[tp_rank]
+
     # --- accessors -----------------------------------------------------------------------------------
     def adapter_shards(self) -> dict[str, LoRAShard]:
-        """Projection -> this rank's ``A`` / ``B`` (detached views) and their TP-split dims."""
-        return {p: LoRAShard(self.lora_A[p].detach(), self.lora_B[p].detach(), self._A_TP_DIM, self._B_TP_DIM)
-                for p in self.lora_targets}
+        """Projection -> this rank's ``A`` / ``B`` (detached views), their TP-split dims and, for a block
+        layout, the full rows of the TP-gathered ``B``."""
+        layout, tp = getattr(self, "_lora_layout", None), get_pg_size(self.tp_group)
+        out = {}
+        for p in self.lora_targets:
+            rows = None if layout is None or layout.b_rows(p, tp, 0) is None else \
+                torch.cat([layout.b_rows(p, tp, t) for t in range(tp)])
+            out[p] = LoRAShard(self.lora_A[p].detach(), self.lora_B[p].detach(), self._A_TP_DIM,
+                               self._B_TP_DIM, rows)
+        return out
 
     def full_shapes(self, projection: str) -> tuple[tuple[int, int], tuple[int, int]]:
         """Full (unsharded) shapes ``([r, in], [out, r])`` of one projection's ``A`` and ``B``."""
@@ -190,7 +254,7 @@ class _LoRA:
             if tuple(full.shape) != shape:
                 raise ValueError(f"{self.lora_name}.{projection}: full {which} has shape "
                                  f"{tuple(full.shape)}, expected {shape}")
-            local = full if dim is None else full.chunk(tp, dim)[tp_rank]
+            local = self._local(projection, which, full, dim, tp, tp_rank)
             (self.lora_A if which == "A" else self.lora_B)[projection].copy_(local)
 
     def _lora_repr(self) -> str:
@@ -248,6 +312,9 @@ class LoRAColumnParallelLinear(_LoRA, ColumnParallelLinear):
         base._lora_groups, base._lora_widths = groups, widths
         base._lora_offsets = {p: sum(widths[:i]) for i, p in enumerate(layout.projections)}
         base._lora_local_width = dict(zip(layout.projections, widths, strict=True))
+        base._lora_layout = layout
+        perms = {p: layout.local_perm(p, groups) for p in layout.projections}
+        base._lora_perm = {p: None if t is None else t.to(base.weight.device) for p, t in perms.items()}
         ordered = tuple(p for p in layout.projections if p in targets)
         shapes = {p: (layout.out_features(p), base.input_size) for p in ordered}
         base._init_lora(ordered, shapes, hyper=hyper, seed=seed, name=name,
@@ -292,6 +359,8 @@ class LoRAColumnParallelLinear(_LoRA, ColumnParallelLinear):
         view = out.view(*out.shape[:-1], self._lora_groups, sum(self._lora_widths))
         for p, u in self._hidden(x).items():
             delta = F.linear(u, self.lora_B[p]).mul_(self.lora_scaling).to(out.dtype)
+            if self._lora_perm.get(p) is not None:  # PEFT's per-head [q_h; g_h] -> [q heads; gate heads]
+                delta = delta.index_select(-1, self._lora_perm[p])
             off, w = self._lora_offsets[p], self._lora_local_width[p]
             view[..., off:off + w].add_(delta.view(*delta.shape[:-1], self._lora_groups, w))
         # --- 4. the base's output handling ---
@@ -310,14 +379,23 @@ class LoRAColumnParallelLinear(_LoRA, ColumnParallelLinear):
         view = merged.view(self._lora_groups, sum(self._lora_widths), w.shape[1])
         for p in self.lora_targets:
             delta = (self.lora_B[p].to(acc) @ self.lora_A[p].to(acc)) * self.lora_scaling
+            if self._lora_perm.get(p) is not None:
+                delta = delta.index_select(0, self._lora_perm[p])
             off, width = self._lora_offsets[p], self._lora_local_width[p]
             view[:, off:off + width].add_(delta.view(self._lora_groups, width, -1))
         return merged.to(w.dtype)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """Megatron's (weight / bias split on dim 0) plus ``lora_B.<p>`` split on dim 0 (``lora_A``
-        replicated)."""
-        return self._sharded_lora_state_dict({"weight": 0, "bias": 0}, prefix, sharded_offsets, metadata)
+        replicated; a block layout's ``B`` saved block by block, so it reshards like the weight)."""
+        state = self._sharded_lora_state_dict({"weight": 0, "bias": 0}, prefix, sharded_offsets, metadata)
+        layout, tp = self._lora_layout, get_pg_size(self.tp_group)
+        for p in self.lora_targets:  # a block layout's B: one TP-split tensor per block (reshardable)
+            if layout.b_rows(p, tp, 0) is not None:
+                key = f"{prefix}lora_B.{p}"
+                state[key] = split_blocks(state[key], [b // tp for b in layout.blocks],
+                                          [f"block{i}" for i in range(len(layout.blocks))])
+        return state
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(in_features={self.input_size}, out_features={self.output_size}, "

@@ -21,7 +21,7 @@ from mcore_engine.model.head import (
     lm_head_weight,
     output_hidden_states,
 )
-from mcore_engine.model.spec import decoder_spec, has_te
+from mcore_engine.model.spec import decoder_spec, has_te, mtp_source_spec
 from mcore_engine.model.transformer_config import build_transformer_config
 from mcore_engine.parallel.cpu_device import apply_cpu_device_layer
 
@@ -60,7 +60,8 @@ def build_model_chunks(cfg: EngineConfig) -> list[GPTModel]:
     for stage in range(vpp or 1):
         vp_stage = stage if vpp is not None else None
         spec = decoder_spec(cfg, config, vp_stage)
-        mtp_spec = mtp_block_spec(config, spec, vp_stage, te=has_te())  # None but on the last stage
+        mtp_spec = None if not cfg.model.mtp_num_layers else mtp_block_spec(  # None but on the last stage
+            config, mtp_source_spec(cfg, config, vp_stage), vp_stage, te=has_te())
         model = (GPTModel if mtp_spec is None else MTPGPTModel)(
             config=config,
             transformer_layer_spec=spec,

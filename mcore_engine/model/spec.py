@@ -21,7 +21,7 @@ from mcore_engine.layers.mla import LatentNorm, MLASelfAttention
 from mcore_engine.layers.norm import TorchNorm, with_torch_norms
 from mcore_engine.layers.packed_attention import PackedDotProductAttention
 
-__all__ = ["decoder_spec", "has_te", "qk_layernorm"]
+__all__ = ["decoder_spec", "has_te", "mtp_source_spec", "qk_layernorm"]
 
 
 def has_te() -> bool:
@@ -76,6 +76,16 @@ def decoder_spec(cfg: EngineConfig, config: TransformerConfig, vp_stage: int | N
             norm = IdentityOp if cfg.model.mla.q_lora_rank is None else LatentNorm
             attention.q_layernorm = attention.kv_layernorm = norm
     return with_torch_norms(block)
+
+
+def mtp_source_spec(cfg: EngineConfig, config: TransformerConfig, vp_stage: int | None):
+    """The decoder spec whose last layer Megatron's MTP block copies: the decoder's own, but for a
+    hybrid decoder the same stage without GDN mixers (Qwen3.5's MTP layer is full attention,
+    whatever the stage's last layer is)."""
+    if cfg.model.linear_attention is None:
+        return decoder_spec(cfg, config, vp_stage)
+    attention_only = dataclasses.replace(cfg.model, linear_attention=None)
+    return decoder_spec(dataclasses.replace(cfg, model=attention_only), config, vp_stage)
 
 
 def _gdn_module() -> type:

@@ -17,8 +17,8 @@ __all__ = ["build_transformer_config"]
 
 def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
     """Megatron-Core ``TransformerConfig`` for ``cfg`` (no dropout, no bias but QKV's, RoPE, the
-    recompute fields); an ``MLATransformerConfig`` with ``model.mla`` (its latent norms are the
-    config's ``qk_layernorm``).
+    recompute fields; a hybrid decoder's checkpoint keyed per layer); an ``MLATransformerConfig``
+    with ``model.mla`` (its latent norms are the config's ``qk_layernorm``).
     """
     m, p = cfg.model, cfg.parallel
     on_gpu = torch.cuda.is_available()
@@ -43,6 +43,9 @@ def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
         qk_layernorm=qk_layernorm(cfg),
         attention_output_gate=m.attention_output_gate,
         layernorm_zero_centered_gamma=m.zero_centered_norm,
+        # a hybrid block's layers differ (GDN / attention): dist checkpoints key them per layer
+        # (decoder.layers.{i}.*), as Megatron does for its own linear_attention_freq
+        hetereogenous_dist_checkpoint=m.linear_attention is not None,
         init_method_std=m.init_method_std,
         hidden_dropout=0.0,
         attention_dropout=0.0,

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mcore_engine.config import EngineConfig
-from mcore_engine.hf.peft import Adapters, peft_key, read_adapter
+from mcore_engine.hf.peft import Adapters, check_gdn_family, gdn_projection_shapes, peft_key, read_adapter
 from mcore_engine.layers.lora import (
     adapter_shards,
     apply_lora,
@@ -34,15 +34,19 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 def attach_lora(chunks: Sequence[torch.nn.Module], cfg: EngineConfig) -> None:
     """Freeze the base and put the adapters on every (unwrapped) chunk; load ``adapter_path``."""
     m, lora = cfg.model, cfg.model.lora
+    hybrid = m.linear_attention is not None
+    pattern = m.linear_attention.layer_pattern(m.num_layers) if hybrid else []
+    gdn_layers = [i for i, is_gdn in enumerate(pattern) if is_gdn]
+    check_gdn_family(m)
     adapters = None
     if lora.adapter_path is not None:  # read and checked before anything changes
         adapters = read_adapter(lora.adapter_path, lora, swiglu=m.swiglu, num_layers=m.num_layers,
-                                shapes=_projection_shapes(cfg))
+                                shapes=_projection_shapes(cfg), gdn_layers=gdn_layers)
     for chunk in chunks:
         for param in chunk.parameters():
             param.requires_grad_(False)
-        apply_lora(chunk, rank=lora.rank, alpha=lora.alpha, targets=lora.targets(m.swiglu), seed=cfg.seed,
-                   dropout=lora.dropout, swiglu=m.swiglu)
+        apply_lora(chunk, rank=lora.rank, alpha=lora.alpha, targets=lora.targets(m.swiglu, hybrid),
+                   seed=cfg.seed, dropout=lora.dropout, swiglu=m.swiglu)
         if getattr(chunk, "embedding", None) is not None:
             # the frozen embedding's output does not require grad: activation recompute (Megatron's
             # checkpoint of a block whose inputs need no grad) would give the adapters in it none
@@ -61,8 +65,12 @@ def _projection_shapes(cfg: EngineConfig) -> dict[str, tuple[int, int]]:
     m = cfg.model
     d = m.kv_channels or m.hidden_size // m.num_attention_heads
     h, f = m.hidden_size, m.ffn_size
-    return {"q": (m.num_attention_heads * d, h), "k": (m.query_groups * d, h), "v": (m.query_groups * d, h),
-            "o": (h, m.num_attention_heads * d), "gate": (f, h), "up": (f, h), "down": (h, f)}
+    q = m.num_attention_heads * d * (2 if m.attention_output_gate else 1)  # gated: per head [q_h; gate_h]
+    shapes = {"q": (q, h), "k": (m.query_groups * d, h), "v": (m.query_groups * d, h),
+              "o": (h, m.num_attention_heads * d), "gate": (f, h), "up": (f, h), "down": (h, f)}
+    if m.linear_attention is not None:
+        shapes.update(gdn_projection_shapes(m))
+    return shapes
 
 
 def _gather_dim(t: torch.Tensor, dim: int | None) -> torch.Tensor:
@@ -79,7 +87,7 @@ def gather_adapters(model_chunks: Sequence[torch.nn.Module]) -> Adapters:
     """Every adapted projection's full ``(A [r, in], B [out, r])`` on every rank, keyed ``(global
     layer, projection)``, on the CPU in the parameters' dtype. Collective over TP and PP."""
     shards = adapter_shards([_unwrap(c) for c in model_chunks])
-    local: Adapters = {key: (_gather_dim(s.a, s.a_tp_dim).cpu(), _gather_dim(s.b, s.b_tp_dim).cpu())
+    local: Adapters = {key: (_gather_dim(s.a, s.a_tp_dim).cpu(), s.full_b(_gather_dim(s.b, s.b_tp_dim)).cpu())
                        for key, s in shards.items()}
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     if dist.get_world_size(pp_group) == 1:

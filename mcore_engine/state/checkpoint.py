@@ -77,8 +77,9 @@ def config_record(config: EngineConfig) -> dict[str, Any]:
     record = {"model": asdict(config.model), "parallel": asdict(config.parallel)}
     lora = config.model.lora
     if lora is not None:  # what the adapters are: rank, alpha, adapted projections (any spelling)
+        hybrid = config.model.linear_attention is not None
         record["model"]["lora"] = {"rank": lora.rank, "alpha": float(lora.alpha),
-                                   "targets": lora.hf_target_modules(config.model.swiglu)}
+                                   "targets": lora.hf_target_modules(config.model.swiglu, hybrid)}
         base = config.model.hf_path
         record["lora"] = {"base_model": os.path.realpath(base) if base else None}
     return record

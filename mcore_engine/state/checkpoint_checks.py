@@ -20,15 +20,16 @@ MARKER = "mcore_engine.json"
 
 IGNORED_CONFIG: dict[str, frozenset[str]] = {
     "model": frozenset({"hf_path", "fused_lm_head", "init_method_std", "max_sequence_length",
-                        "core_attention"}),
+                        "core_attention", "linear_attention.chunk_size", "linear_attention.recompute"}),
     "parallel": frozenset({"tensor_model_parallel_size", "pipeline_model_parallel_size",
                            "virtual_pipeline_model_parallel_size", "sequence_parallel", "batch_p2p_comm",
                            "expert_model_parallel_size", "expert_tensor_parallel_size",
                            "context_parallel_size", "cp_comm_type"}),
 }
 """Config fields a load may change: where the initial weights came from, how the lm head and the
-attention compute, the longest accepted sequence and the whole parallel layout (context parallelism
-included: it holds no state); every other ``model`` field must match."""
+attention (and the GDN layers' chunked rule) compute, the longest accepted sequence and the whole
+parallel layout (context parallelism included: it holds no state); every other ``model`` field must
+match. ``"block.field"``: a field of a nested block (``model.linear_attention.chunk_size``)."""
 
 
 def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -36,10 +37,20 @@ def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> dict[str,
     diff = {}
     for section in sorted(saved.keys() | current.keys()):
         ours, theirs = current.get(section) or {}, saved.get(section) or {}
+        ignored = IGNORED_CONFIG.get(section, frozenset())
         for name in sorted(ours.keys() | theirs.keys()):
-            if name not in IGNORED_CONFIG.get(section, ()) and ours.get(name) != theirs.get(name):
+            if name not in ignored and (_kept(ours.get(name), ignored, name)
+                                        != _kept(theirs.get(name), ignored, name)):
                 diff[f"{section}.{name}"] = (theirs.get(name), ours.get(name))
     return diff
+
+
+def _kept(value: Any, ignored: frozenset[str], name: str) -> Any:
+    """A nested block's fields (``value`` a dict) less its ignored ``"name.field"`` entries."""
+    if not isinstance(value, dict):
+        return value
+    inner = {k.split(".", 1)[1] for k in ignored if k.startswith(f"{name}.")}
+    return {k: v for k, v in value.items() if k not in inner}
 
 
 def read_marker(path: str, config: dict[str, Any], precision: str) -> dict[str, Any]:

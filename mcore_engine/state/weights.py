@@ -63,7 +63,8 @@ def write_adapter_folder(chunks: list[torch.nn.Module], config: EngineConfig, ou
     adapters = gather_adapters(chunks)
     if not dist.is_initialized() or dist.get_rank() == 0:
         m = config.model
-        write_adapter(out_dir, adapters, m.lora, swiglu=m.swiglu, base_model=m.hf_path,
+        write_adapter(out_dir, adapters, m.lora, swiglu=m.swiglu, hybrid=m.linear_attention is not None,
+                      base_model=m.hf_path,
                       dtype=dtype or precision_dtype(config))
     if dist.is_initialized():
         dist.barrier()

@@ -91,17 +91,22 @@ def save_tiny_model(kind: str, path: Path, seed: int = 0, dtype: torch.dtype = t
 
 
 def add_mtp_tensors(path: Path, seed: int = 0) -> None:
-    """Add a Hub folder's multi-token-prediction tensors (``mtp.*``, a few of them, random) and its
-    ``mtp_num_hidden_layers``: ``transformers`` ignores them, the engine keeps them out."""
+    """Add a Hub folder's multi-token-prediction module (random ``mtp.*``: ``fc``, its two input norms,
+    one layer shaped as the last (full-attention) decoder layer, ``norm``) and ``mtp_num_hidden_layers``
+    = 1: ``transformers`` ignores them; the engine keeps them out unless ``model.mtp_num_layers``."""
     from safetensors.torch import load_file, save_file
 
     file = Path(path) / "model.safetensors"
     tensors = load_file(str(file))
     g = torch.Generator().manual_seed(seed)
     h = _TEXT["hidden_size"]
+    prefixes = ("model.language_model.layers.3.", "model.layers.3.")
+    last = next(p for p in prefixes if any(n.startswith(p) for n in tensors))
+    layer = {"mtp.layers.0." + n[len(last):]: torch.randn(t.shape, generator=g) * 0.1
+             for n, t in tensors.items() if n.startswith(last)}
     tensors.update({"mtp.fc.weight": torch.randn(h, 2 * h, generator=g),
                     "mtp.pre_fc_norm_embedding.weight": torch.randn(h, generator=g),
-                    "mtp.layers.0.input_layernorm.weight": torch.randn(h, generator=g),
+                    "mtp.pre_fc_norm_hidden.weight": torch.randn(h, generator=g), **layer,
                     "mtp.norm.weight": torch.randn(h, generator=g)})
     save_file(tensors, str(file), metadata={"format": "pt"})
     config = json.loads((Path(path) / "config.json").read_text())

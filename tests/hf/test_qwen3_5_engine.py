@@ -24,12 +24,13 @@ from tests.utils import assert_rel_close, run_distributed
 
 TOL = 1e-4
 LENGTHS = (13, 21, 1)
-# folder -> (kind, fused experts, layouts (tp, ep, pp)); the vision-language and Qwen3-Next folders
-# carry mtp.* tensors as the Hub's do
-FOLDERS = {"qwen3_5": ("qwen3_5", False, [(2, 1, 1)]), "qwen3_5_moe": ("qwen3_5_moe", False, [(2, 1, 1)]),
-           "qwen3_next": ("qwen3_next", False, [(2, 1, 1), (1, 1, 2)]),
-           "qwen3_5_vl": ("qwen3_5_vl", False, [(2, 1, 1)]),
-           "qwen3_5_moe_vl": ("qwen3_5_moe_vl", True, [(2, 1, 1), (1, 2, 1)])}
+# folder -> (kind, fused experts, layouts (tp, ep, pp, mtp_num_layers)); the vision-language and
+# Qwen3-Next folders carry an mtp.* module as the Hub's do (kept out, or loaded with mtp_num_layers=1)
+FOLDERS = {"qwen3_5": ("qwen3_5", False, [(2, 1, 1, 0)]),
+           "qwen3_5_moe": ("qwen3_5_moe", False, [(2, 1, 1, 0)]),
+           "qwen3_next": ("qwen3_next", False, [(2, 1, 1, 0), (1, 1, 2, 0)]),
+           "qwen3_5_vl": ("qwen3_5_vl", False, [(2, 1, 1, 0), (2, 1, 1, 1)]),
+           "qwen3_5_moe_vl": ("qwen3_5_moe_vl", True, [(2, 1, 1, 0), (1, 2, 1, 1)])}
 WITH_MTP = ("qwen3_next", "qwen3_5_vl", "qwen3_5_moe_vl")
 
 
@@ -56,8 +57,8 @@ def saved(tmp_path_factory) -> Path:
     return root
 
 
-def _engine_config(folder: Path, tp: int, ep: int, pp: int) -> EngineConfig:
-    model = from_hf_config(read_hf_config(folder), hf_path=str(folder))
+def _engine_config(folder: Path, tp: int, ep: int, pp: int, mtp: int) -> EngineConfig:
+    model = from_hf_config(read_hf_config(folder), hf_path=str(folder), mtp_num_layers=mtp)
     gdn = dataclasses.replace(model.linear_attention, chunk_size=8)
     model = dataclasses.replace(model, linear_attention=gdn)
     return EngineConfig(model=model, parallel=ParallelConfig(tensor_model_parallel_size=tp,
@@ -90,13 +91,15 @@ def _check(rank: int, world_size: int, root: Path) -> None:
     HFCheckpointReader.read_index = recording_read_index
     for folder, (_, fused, layouts) in FOLDERS.items():
         source = _load(root / folder)
-        for tp, ep, pp in layouts:
-            what = f"{folder} tp={tp} ep={ep} pp={pp} rank={rank}"
+        for tp, ep, pp, mtp in layouts:
+            what = f"{folder} tp={tp} ep={ep} pp={pp} mtp={mtp} rank={rank}"
             experts_read.clear()
-            engine = MegatronEngine(_engine_config(root / folder, tp, ep, pp))
+            engine = MegatronEngine(_engine_config(root / folder, tp, ep, pp, mtp))
             engine.initialize()
             if fused:  # each rank read only its own experts' slices (EP) of the fused tensors
                 assert set(experts_read) == ({0, 1, 2, 3} if ep == 1 else {2 * rank, 2 * rank + 1}), what
+            if mtp:  # the module's parameters hold the folder's mtp.* tensors
+                assert any(n.startswith("mtp.") for n, _ in unwrap_chunk(engine.model[-1]).named_parameters())
             out = engine.infer_batch(batch)
             for i, (r, logits) in enumerate(zip(ids, ref["logits"][folder], strict=True)):
                 want = logits[:-1].log_softmax(-1).gather(-1, r[1:, None])[:, 0]
@@ -114,7 +117,8 @@ def _check(rank: int, world_size: int, root: Path) -> None:
                 assert_rel_close(torch.cat(parts, -1)[0, :, :M.VOCAB], ref["logits"][folder][0], TOL,
                                  f"logits {what}")
             streamed = {n: t.clone() for n, t in engine.per_tensor_generator()}
-            language = {n: t for n, t in source.items() if not n.startswith(("model.visual.", "mtp."))}
+            kept_out = ("model.visual.",) if mtp else ("model.visual.", "mtp.")
+            language = {n: t for n, t in source.items() if not n.startswith(kept_out)}
             assert sorted(streamed) == sorted(language), what
             for n, t in language.items():
                 assert streamed[n].dtype == t.dtype and torch.equal(streamed[n], t), f"{n} {what}"
@@ -123,29 +127,30 @@ def _check(rank: int, world_size: int, root: Path) -> None:
                 bucketed.update({n: t.clone() for n, t in unflatten_bucket(bucket, meta).items()})
             assert list(bucketed) == list(streamed), what
             assert all(torch.equal(bucketed[n], t) for n, t in streamed.items()), what
-            engine.export_hf(root / f"export_{folder}_tp{tp}_ep{ep}_pp{pp}")
+            engine.export_hf(root / f"export_{folder}_tp{tp}_ep{ep}_pp{pp}_mtp{mtp}")
             del engine
             destroy_distributed()
     HFCheckpointReader.read_index = original_read_index
 
 
-@pytest.mark.slow  # seven engine builds on 2 ranks
+@pytest.mark.slow  # nine engine builds on 2 ranks
 def test_qwen3_5_import_log_probs_sync_and_export(saved):
     run_distributed(_check, 2, saved)
 
     ref = torch.load(saved / "reference.pt")
     for folder, (kind, _, layouts) in FOLDERS.items():
         source, source_config = _load(saved / folder), read_hf_config(saved / folder)
-        for tp, ep, pp in layouts:
-            out = saved / f"export_{folder}_tp{tp}_ep{ep}_pp{pp}"
+        for tp, ep, pp, mtp in layouts:
+            out = saved / f"export_{folder}_tp{tp}_ep{ep}_pp{pp}_mtp{mtp}"
             exported = _load(out)
             assert sorted(exported) == sorted(source), out.name
             for n, t in source.items():
                 assert exported[n].dtype == t.dtype and torch.equal(exported[n], t), f"{n} {out.name}"
             config = json.loads((out / "config.json").read_text())
             assert from_hf_config(config) == from_hf_config(source_config)
+            assert {k: v for k, v in config.items() if k != "torch_dtype"} == source_config, out.name
             assert config["architectures"] == source_config["architectures"]
-        tp, ep, pp = layouts[-1]
-        model = M.model_class(kind).from_pretrained(saved / f"export_{folder}_tp{tp}_ep{ep}_pp{pp}")
+        tp, ep, pp, mtp = layouts[-1]
+        model = M.model_class(kind).from_pretrained(saved / f"export_{folder}_tp{tp}_ep{ep}_pp{pp}_mtp{mtp}")
         for got, want in zip(_hf_logits(model.eval(), ref["ids"]), ref["logits"][folder], strict=True):
             assert torch.equal(got, want), folder

@@ -129,7 +129,7 @@ def test_config_refusals(kind, change, field):
 def test_export_refusals():
     cfg = from_hf_config(M.hf_config_dict("qwen3_5"))
     for change, field in (({"attention_output_gate": False}, "attention_output_gate"),
-                          ({"mtp_num_layers": 1}, "mtp_num_layers")):
+                          ({"mtp_num_layers": 2}, "mtp_num_layers")):
         with pytest.raises(ValueError, match=field):
             to_hf_config(dataclasses.replace(cfg, **change))
 
@@ -182,6 +182,28 @@ def test_stream_order_is_the_sync_plan(kind, folders):
 
     got = folder_stream(assemble_parts(engine_stream(), cfg, 1), folder_format(path), cfg.moe.num_experts)
     assert [(n, tuple(t.shape)) for n, t in got] == list(hf_stream_shapes(cfg).items())
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_vl"])
+def test_mtp_module_placed_when_asked(kind, folders):
+    """model.mtp_num_layers = 1: every mtp.* tensor has its unit (fc, norms, a full-attention layer) and
+    is in the sync stream; more modules than the folder's one are refused."""
+    path = folders[kind]
+    cfg = from_hf_config(json.loads((path / "config.json").read_text()), hf_path=str(path), mtp_num_layers=1)
+    with HFCheckpointReader(path) as raw:
+        reader = FolderReader(raw, load_mtp=True)
+        names = reader.names()
+        check_hf_names(names, cfg)
+        reader.check(hf_shapes(cfg))
+        assert set(hf_shapes(cfg)) == set(names)
+        assert any(n.startswith("mtp.layers.0.self_attn.") for n in names)
+    mtp = {n for n in names if n.startswith("mtp.")}
+    assert {n for n in hf_stream_shapes(cfg) if n.startswith("mtp.")} == mtp
+    back = to_hf_config(cfg)  # without a base: the module count written
+    assert (back.get("text_config") or back)["mtp_num_hidden_layers"] == 1
+    assert from_hf_config(back, hf_path=str(path), mtp_num_layers=1) == cfg
+    with pytest.raises(ValueError, match="mtp_num_layers"):
+        to_hf_config(dataclasses.replace(cfg, mtp_num_layers=2))
 
 
 def raw_names(path) -> list[str]:

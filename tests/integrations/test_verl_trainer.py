@@ -3,7 +3,7 @@ verl.trainer.main_ppo`` with the packaged config (``--config-path pkg://mcore_en
 verl_hydra --config-name ppo_mcore_engine_trainer``: verl's ``ppo_megatron_trainer`` with actor,
 reference and critic on this backend, the reference and critic in the actor's dtype), its legacy
 ``RayPPOTrainer`` loop on the engine workers ``verl.workers.engine_workers.ActorRolloutRefWorker`` /
-``TrainingWorker``, Ray, for two steps, five times:
+``TrainingWorker``, Ray, for two steps, six times:
 
 - GRPO (n=4) with a KL loss, so actor + reference policy, and verl's critic enabled
   (``critic.enable=True``), every role at TP=2 on two ranks with sequence parallelism (verl's
@@ -17,6 +17,8 @@ reference and critic on this backend, the reference and critic in the actor's dt
   its adapters disabled, the rollout synced with the base once and then adapters + PEFT config;
 - GRPO on a tiny Qwen3-MoE with rollout routing replay (R3) at TP=1: the rollout returns its routed
   experts (and routes unlike the trainer), the actor replays them in its old-log-prob pass and update.
+- GRPO on a tiny hybrid Qwen3.5 (three Gated DeltaNet layers, one gated attention layer) at TP=2 + SP:
+  the rollout decodes with transformers' recurrent rule, the actor computes with the chunked one.
 
 What verl lacks on CPU is added in ``tests/integrations/verl_trainer_harness.py`` (loaded by every
 Ray process through verl's ``VERL_USE_EXTERNAL_MODULES`` plugin hook). The checks read what verl
@@ -41,6 +43,7 @@ from tests.integrations.verl_trainer_setup import (  # noqa: E402
     make_dataset,
     make_model,
     make_moe_model,
+    make_qwen3_5_model,
     make_tokenizer,
     tokenizer_dir,
     trainer_command,
@@ -60,6 +63,8 @@ def run_trainer(work: str, **kw) -> dict:
     if kw.pop("moe", False):  # a Qwen3-MoE student; the rollout server routes by ROUTING_ENV's policy
         make_moe_model(student, seed=0)
         env[ROUTING_ENV] = kw.pop("rollout_routing", "native")
+    elif kw.pop("qwen3_5", False):  # a hybrid Qwen3.5 student (Gated DeltaNet + gated attention)
+        make_qwen3_5_model(student, seed=0)
     else:
         make_model(student, seed=0)
     make_tokenizer(tokenizer_dir(work))
@@ -331,3 +336,43 @@ def test_verl_main_ppo_grpo_moe_r3(tmp_path):
     print({key: [steps[s][key] for s in sorted(steps)] for key in (
         "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean", "actor/ppo_kl",
         "actor/kl_loss")}, counts)
+
+
+@pytest.mark.slow
+def test_verl_main_ppo_grpo_qwen3_5(tmp_path):
+    """GRPO (n=4, KL loss, so a reference policy) on a tiny hybrid Qwen3.5 (``Qwen3_5ForCausalLM``:
+    three Gated DeltaNet layers, then a gated attention layer) with the packaged config and nothing
+    else, actor and reference at TP=2 + SP on two ranks; the rollout is ``transformers`` decoding
+    token by token with its cache (the GDN layers on the recurrent rule), the engine computes the
+    old log-probs with the chunked rule on whole packed sequences: verl's own
+    ``rollout_probs_diff_max`` is the train / decode gap (fp32). The weight sync speaks the folder's
+    own names (``linear_attn.in_proj_qkv`` ...), first equal to the folder, the last to the export."""
+    run = run_trainer(str(tmp_path), qwen3_5=True, tp=2)
+    steps = run["steps"]
+    finite_metrics(steps)
+    check_engines(run, {("language_model", False), ("language_model", True)}, tp=2)
+    check_weight_sync(run)  # every tensor of the folder, GDN's included, in its own names
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(run["student"], "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    gdn = ("A_log", "dt_bias", "conv1d.weight", "in_proj_qkv.weight", "in_proj_z.weight", "norm.weight")
+    assert {f"model.layers.{i}.linear_attn.{n}" for i in range(3) for n in gdn} <= names, sorted(names)
+    assert "model.layers.3.self_attn.q_proj.weight" in names
+    for step, m in steps.items():
+        assert m["training/rollout_probs_diff_valid"] == 1, step
+        # the rollout's (recurrent, token by token) and the actor's (chunked, packed) log-probs:
+        # |p_rollout - p_actor| per token, per-sequence mean log-prob, mean log-ratio
+        assert m["training/rollout_probs_diff_max"] < 1e-6, (step, m["training/rollout_probs_diff_max"])
+        assert abs(m["rollout_corr/log_ppl_diff_max"]) < 1e-5 and abs(m["rollout_corr/kl"]) < 1e-6, step
+        assert abs(m["actor/ppo_kl"]) < 1e-6 and m["actor/pg_clipfrac"] == 0, step  # first pass == old
+        assert m["critic/score/max"] > m["critic/score/min"], "rule-based rewards must vary"
+        # transformers' gradient of this loss is ~0.9 (a zero embedding row sampled gives ~550)
+        assert 0 < m["actor/grad_norm"] < 10, (step, m["actor/grad_norm"])
+        assert m["critic/advantages/max"] > 0 > m["critic/advantages/min"], "GRPO advantages"
+    assert steps[1]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # ref == actor before the first update
+    assert steps[2]["actor/kl_loss"] > 0  # the actor moved away from the reference
+    print({key: [steps[s][key] for s in sorted(steps)] for key in (
+        "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean",
+        "rollout_corr/log_ppl_diff_max", "rollout_corr/kl", "actor/ppo_kl", "actor/kl_loss",
+        "actor/grad_norm", "timing_s/step")})

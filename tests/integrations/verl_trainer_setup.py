@@ -1,8 +1,9 @@
 """Assets and command line of the verl trainer test (``test_verl_trainer.py``): a tiny random Qwen2
-student and teacher (and a Qwen3-MoE student) with a character-level tokenizer, a parquet prompt set, and the
-``python -m verl.trainer.main_ppo`` command line: the packaged config that puts actor, reference (and
-critic) on the ``mcore_engine`` backend (the one a user passes, README "Use it from verl"), the
-overrides of a tiny fp32 CPU run, and the rollout / teacher on the harness's ``hf_cpu`` servers."""
+student and teacher (and a Qwen3-MoE and a Qwen3.5 student) with a character-level tokenizer, a
+parquet prompt set, and the ``python -m verl.trainer.main_ppo`` command line: the packaged config that
+puts actor, reference (and critic) on the ``mcore_engine`` backend (the one a user passes, README "Use
+it from verl"), the overrides of a tiny fp32 CPU run, and the rollout / teacher on the harness's
+``hf_cpu`` servers."""
 
 from __future__ import annotations
 
@@ -74,6 +75,39 @@ def make_moe_model(path: str, seed: int) -> None:
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.2)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model.save_pretrained(path)
+
+
+def make_qwen3_5_model(path: str, seed: int) -> None:
+    """A tiny random Qwen3.5 causal LM (``Qwen3_5ForCausalLM``, model type ``qwen3_5_text``): 4 layers,
+    three Gated DeltaNet (2 key / 4 value heads of 16, conv kernel 4) then one gated full attention
+    (4 query / 2 key-value heads of 16, partial rotary 0.25), hidden 64, untied lm-head. Decays as
+    a trained model's, not the init's (``A_log = log(uniform(0.05, 1))``), the zero-centred norms
+    (and the GDN's gated norm) off their init by ``N(0, 0.1)``, the pad token's embedding not zero."""
+    from transformers import GenerationConfig, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+                            layer_types=["linear_attention"] * 3 + ["full_attention"],
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            partial_rotary_factor=0.25,
+                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                            linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=128,
+                            rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                            pad_token_id=0)
+    model = Qwen3_5ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.05, 1.0).log())
+            elif "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+        # transformers zeroes the pad token's embedding row (padding_idx) at init and never trains it;
+        # the rollout samples that token (~1 in 250) and Megatron's embedding, which has no
+        # padding_idx, then back-propagates through the input RMSNorm of a zero vector (x 1/sqrt(eps)):
+        # a grad norm of ~550 that the clip turns into a lost step. Trained rows are not zero.
+        model.model.embed_tokens.weight[cfg.pad_token_id].normal_(0.0, cfg.initializer_range)
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model.save_pretrained(path)
 

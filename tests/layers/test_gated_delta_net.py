@@ -233,6 +233,27 @@ def _one_rank_checks(rank: int, world: int) -> None:
     for name, a, e in zip(NAMES, pack[2:], weight_sum, strict=True):
         assert_rel_close(a, e, PACK_TOL, f"pack vs alone: sum of {name} grads")
 
+    # --- gdn.recompute (default) vs keeping the rule's intermediates: the same numbers, less saved ---
+    import dataclasses
+
+    kept = _module(full)
+    kept.gdn = dataclasses.replace(kept.gdn, recompute=False)
+    assert module.gdn.recompute
+    saved = {}
+    for name, m in (("recompute", module), ("kept", kept)):
+        sizes = []
+
+        def pack_hook(t, sizes=sizes):
+            sizes.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+            got = _run(m, hidden_p, grad_p, _packed(lengths, padded))
+        saved[name] = sum(sizes)
+        if name == "kept":
+            _check(got, pack, 1e-12, "recompute vs kept intermediates")
+    assert saved["recompute"] < 0.5 * saved["kept"], saved
+
     # --- bf16: the error vs fp32 within transformers' bf16 error (+ 25 %) and BF16_CAP ---
     ours = _errors(_run(_module(full, dtype=torch.bfloat16), hidden, grad), expected)
     theirs = _errors(hf_run(torch.bfloat16, hidden, grad), expected)

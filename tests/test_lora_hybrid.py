@@ -1,0 +1,284 @@
+"""LoRA (``model.lora``) on the Qwen3.5 hybrid against PEFT + ``transformers``' ``Qwen3_5ForCausalLM``
+(tiny random model of ``tests/hf/qwen3_5_models.py``: 3 Gated DeltaNet layers, 1 gated attention).
+
+PEFT's ``get_peft_model`` with random adapters (``init_lora_weights=False``, B scaled down) on every
+linear: the GDN's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` / ``out_proj``, the
+gated attention's ``q_proj`` (B's rows per head ``[q_h; gate_h]``) / ``k_proj`` / ``v_proj`` /
+``o_proj``, the MLP's; references: PEFT's log-probs, the base model's, two steps of
+``torch.optim.AdamW`` on the adapters (fp32).
+
+One launch of two gloo ranks: the engine loads the PEFT folder (``adapter_path``, ``all-linear``) at
+TP=1 (DP=2), TP=2 + SP, PP=2 and CP=2: log-probs equal PEFT's, ``adapters_disabled`` the base's, the adapters
+after two steps PEFT + AdamW's (1e-4; the GDN rule is chunked differently), the base bit-identical. At
+TP=2 the trained adapters go out as a PEFT folder (read back by ``PeftModel.from_pretrained``: the
+engine's log-probs), merged into a Hugging Face folder (``export_hf``, read by ``transformers``: the
+same) and into an adapters-only checkpoint that a TP=1 engine resumes (the next step
+equal to TP=2's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from tests.hf import qwen3_5_models as M
+from tests.utils import assert_rel_close, run_distributed
+
+pytest.importorskip("peft", reason="PEFT is installed by `make setup` (the verl extra)")
+
+GDN = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", *GDN]
+RANK, ALPHA, LR, WD = 4, 8.0, 1e-2, 0.01
+LENGTHS = [13, 21, 5, 9]
+TOL = 1e-4
+# name, tp, sequence parallel, pp, cp
+LAYOUTS = [("tp1-dp2", 1, False, 1, 1), ("tp2-sp", 2, True, 1, 1), ("pp2", 1, False, 2, 1),
+           ("cp2", 1, False, 1, 2)]
+
+
+def _batch(seed: int = 3) -> TensorDict:
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, M.VOCAB, (n,), generator=g) for n in LENGTHS]
+    adv = [torch.randn(n, generator=g) for n in LENGTHS]
+    mask = [(torch.rand(n, generator=g) > 0.2).long() for n in LENGTHS]
+    nested = lambda ts: torch.nested.nested_tensor(ts, layout=torch.jagged)  # noqa: E731
+    batch = TensorDict({"input_ids": nested(ids), "advantages": nested(adv), "loss_mask": nested(mask)},
+                       batch_size=[len(LENGTHS)])
+    batch.set_non_tensor("micro_batch_size_per_gpu", 2)
+    return batch
+
+
+def _loss(outputs, data, ctx):
+    return (-data["advantages"] * outputs["log_probs"] * data["loss_mask"]).sum() / ctx.global_num_tokens, {}
+
+
+def _hf_log_probs(model, batch: TensorDict) -> torch.Tensor:
+    """Flat next-token log-probs, one sequence at a time (no entry for the last token)."""
+    out = []
+    for ids in batch["input_ids"].unbind():
+        logits = model(ids[None]).logits[0].float()
+        out.append(torch.log_softmax(logits, -1)[:-1].gather(-1, ids[1:, None])[:, 0])
+    return torch.cat(out)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """Flat values without each sequence's last token."""
+    t = torch.cat(t.unbind()) if t.is_nested else t.reshape(-1)
+    keep = torch.ones(sum(LENGTHS), dtype=torch.bool)
+    keep[torch.tensor(LENGTHS).cumsum(0) - 1] = False
+    return t[keep]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> Path:
+    """The base folder, the PEFT folder and the references."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    root = tmp_path_factory.mktemp("lora_hybrid")
+    batch = _batch()
+    mask, adv = _flat(batch["loss_mask"]).float(), _flat(batch["advantages"])
+    M.save_tiny_model("qwen3_5", root / "base", seed=11)
+    base = M.model_class("qwen3_5").from_pretrained(root / "base", dtype=torch.float32).eval()
+    with torch.no_grad():
+        base_lp = _hf_log_probs(base, batch)
+    torch.manual_seed(21)
+    peft = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                                           target_modules=TARGETS, init_lora_weights=False))
+    with torch.no_grad():  # B ~ kaiming is large: keep the adapted model close to the base
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.1)
+    peft.save_pretrained(root / "adapter")
+    with torch.no_grad():
+        lp0 = _hf_log_probs(peft, batch)
+    params = [p for n, p in peft.named_parameters() if "lora_" in n]
+    # 3 GDN layers x 5 + 1 attention layer x 4 + 4 MLPs x 3 projections, A and B each
+    assert len(params) == 2 * (3 * 5 + 4 + 4 * 3)
+    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=WD)
+    for _ in range(2):
+        opt.zero_grad()
+        (-adv * _hf_log_probs(peft.train(), batch) * mask).sum().div(mask.sum()).backward()
+        opt.step()
+    with torch.no_grad():
+        lp2 = _hf_log_probs(peft.eval(), batch)
+    adapters2 = {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft).items()}
+    torch.save({"base_lp": base_lp, "lp0": lp0, "lp2": lp2, "adapters2": adapters2}, root / "refs.pt")
+    return root
+
+
+def _config(root: Path, tp: int, sp: bool, adapter: bool = True, pp: int = 1, cp: int = 1):
+    from mcore_engine.config import EngineConfig, OptimizerConfig, ParallelConfig
+    from mcore_engine.config.lora import LoRAConfig
+    from mcore_engine.hf import from_hf_config, read_hf_config
+
+    model = from_hf_config(read_hf_config(root / "base"), hf_path=str(root / "base"))
+    lora = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules="all-linear",
+                      adapter_path=str(root / "adapter") if adapter else None)
+    model = dataclasses.replace(model, lora=lora,
+                                linear_attention=dataclasses.replace(model.linear_attention, chunk_size=8))
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp,
+                              pipeline_model_parallel_size=pp, context_parallel_size=cp)
+    return EngineConfig(model=model, parallel=parallel,
+                        optimizer=OptimizerConfig(lr=LR, min_lr=0.0, weight_decay=WD, clip_grad=0.0,
+                                                  lr_warmup_steps=0, lr_decay_style="constant"))
+
+
+def _engine(cfg):
+    from mcore_engine.engine import MegatronEngine
+
+    engine = MegatronEngine(cfg)
+    engine.initialize()
+    return engine
+
+
+def _step(engine, batch) -> tuple[float, dict[str, torch.Tensor]]:
+    out = engine.train_batch(batch, _loss)
+    assert out.get_non_tensor("metrics")["update_skipped"] == 0.0
+    return float(out.get_non_tensor("loss")), dict(engine.per_tensor_generator(adapter_only=True))
+
+
+def _layouts(rank: int, world_size: int, root: Path) -> None:
+    from mcore_engine.parallel.platform import destroy_distributed
+
+    ref = torch.load(root / "refs.pt", weights_only=False)
+    batch = _batch()
+    for name, tp, sp, pp, cp in LAYOUTS:
+        engine = _engine(_config(root, tp, sp, pp=pp, cp=cp))
+        lora = {n for c in engine.model for n, _ in c.module.named_parameters() if "lora_" in n}
+        assert any(".self_attention.in_proj_qkv.lora_B." in n for n in lora), name
+        # PP=2: stage 0 holds GDN layers 0, 1 only, stage 1 GDN layer 2 and the attention layer 3
+        assert any(".self_attention.linear_qkv.lora_B.q" in n for n in lora) == (pp == 1 or rank == 1), name
+        base = {n: p.detach().clone() for c in engine.model for n, p in c.module.named_parameters()
+                if "lora_" not in n}
+        assert_rel_close(_flat(engine.infer_batch(batch)["log_probs"]), ref["lp0"], TOL, f"{name}: PEFT")
+        with engine.adapters_disabled():
+            assert_rel_close(_flat(engine.infer_batch(batch)["log_probs"]), ref["base_lp"], TOL,
+                             f"{name}: adapters disabled == base model")
+        streamed = {}
+        for _ in range(2):
+            _, streamed = _step(engine, batch)
+        assert_rel_close(_flat(engine.infer_batch(batch)["log_probs"]), ref["lp2"], TOL,
+                         f"{name}: log-probs after two steps")
+        assert streamed.keys() == ref["adapters2"].keys(), name
+        for key, value in ref["adapters2"].items():
+            assert_rel_close(streamed[key], value, TOL, f"{name}: {key} after two AdamW steps")
+        assert all(torch.equal(p.detach(), base[n]) for c in engine.model
+                   for n, p in c.module.named_parameters() if "lora_" not in n), f"{name}: base changed"
+        if tp == 2:
+            engine.export_adapter(root / "exported")
+            engine.export_hf(root / "merged")
+            lp = _flat(engine.infer_batch(batch)["log_probs"])
+            if rank == 0:
+                torch.save(lp, root / "exported-lp.pt")
+            engine.save_checkpoint(root / "ckpt")
+            want_loss, want = _step(engine, batch)
+        del engine
+        destroy_distributed()
+    # adapters-only checkpoint of TP=2 (+ SP) resumed at TP=1: the next step equal
+    engine = _engine(_config(root, 1, False, adapter=False))
+    engine.load_checkpoint(root / "ckpt")
+    loss, got = _step(engine, batch)
+    assert abs(loss - want_loss) <= TOL * abs(want_loss), (loss, want_loss)
+    for key, value in want.items():
+        assert_rel_close(got[key], value, TOL, f"resumed at TP=1: {key}")
+    del engine
+    destroy_distributed()
+
+
+def test_lora_hybrid_matches_peft(references):
+    run_distributed(_layouts, 2, references)
+    from peft import PeftModel
+
+    batch = _batch()
+    config = json.loads((references / "exported" / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == sorted(TARGETS)
+    base = M.model_class("qwen3_5").from_pretrained(references / "base", dtype=torch.float32).eval()
+    peft = PeftModel.from_pretrained(base, references / "exported").eval()
+    want = torch.load(references / "exported-lp.pt")
+    with torch.no_grad():
+        assert_rel_close(_hf_log_probs(peft, batch), want, TOL, "export_adapter -> PeftModel.from_pretrained")
+    merged = M.model_class("qwen3_5").from_pretrained(references / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert_rel_close(_hf_log_probs(merged, batch), want, TOL, "export_hf (merged) -> transformers")
+
+
+def test_lora_hybrid_targets_and_refusals(tmp_path):
+    from mcore_engine.config import ModelConfig
+    from mcore_engine.config.gdn import GDNConfig
+    from mcore_engine.config.lora import LoRAConfig
+    from mcore_engine.hf import from_hf_config, read_hf_config
+    from mcore_engine.hf.peft import check_gdn_family
+
+    lora = LoRAConfig(rank=2, target_modules="all-linear")
+    assert lora.hf_target_modules(hybrid=True) == sorted(TARGETS)
+    assert lora.hf_target_modules() == sorted(TARGETS[:7])
+    assert LoRAConfig(rank=2, target_modules=["in_proj_qkv", "out_proj"]).targets(hybrid=True) == {
+        "in_proj_qkv": {"in_proj_qkv"}, "out_proj": {"out_proj"}}
+    for name in ("in_proj_qkvz", "in_proj_ba"):  # Qwen3-Next's fused tensors
+        with pytest.raises(ValueError, match=f"target_modules.*{name}.*not supported"):
+            LoRAConfig(rank=2, target_modules=[name])
+    common = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=16)
+    with pytest.raises(ValueError, match="target_modules.*'in_proj_z'.*no GDN layers"):
+        ModelConfig(**common, lora=dict(rank=2, target_modules=["q_proj", "in_proj_z"]))
+    gdn = GDNConfig(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8)
+    hybrid = ModelConfig(**common, linear_attention=gdn, attention_output_gate=True,
+                         lora=dict(rank=2, target_modules=["in_proj_z"]))
+    assert hybrid.lora.targets(hybrid.swiglu, True) == {"in_proj_z": {"in_proj_z"}}
+    # Qwen3.5-MoE: attention and GDN linears, the experts refused as on every MoE model
+    M.save_tiny_model("qwen3_5_moe", tmp_path / "moe")
+    moe = from_hf_config(read_hf_config(tmp_path / "moe"), hf_path=str(tmp_path / "moe"))
+    with pytest.raises(ValueError, match="MoE"):
+        dataclasses.replace(moe, lora=LoRAConfig(rank=2, target_modules="all-linear"))
+    fine = dataclasses.replace(moe, lora=LoRAConfig(rank=2, target_modules=["q_proj", "o_proj", *GDN]))
+    check_gdn_family(fine)
+    assert fine.lora.hf_target_modules(fine.swiglu, True) == sorted(["q_proj", "o_proj", *GDN])
+    # Qwen3-Next (fused in_proj_qkvz / in_proj_ba) and a vision-language folder: refused by name
+    for kind in ("qwen3_next", "qwen3_5_vl"):
+        M.save_tiny_model(kind, tmp_path / kind)
+        model = from_hf_config(read_hf_config(tmp_path / kind), hf_path=str(tmp_path / kind))
+        with pytest.raises(ValueError, match="lora.target_modules"):
+            check_gdn_family(dataclasses.replace(model, lora=LoRAConfig(rank=2, target_modules=["out_proj"])))
+        if kind == "qwen3_next":  # its attention linears are fine
+            check_gdn_family(dataclasses.replace(model, lora=LoRAConfig(rank=2, target_modules=["q_proj"])))
+
+
+def test_hybrid_adapter_folder_checks(references, tmp_path):
+    """The PEFT folder's GDN keys are read for the GDN layers only; a folder whose keys sit on the other
+    layer kind, or miss the GDN adapters, is refused naming adapter_path."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mcore_engine.config.lora import LoRAConfig
+    from mcore_engine.hf import from_hf_config, read_hf_config
+    from mcore_engine.hf.peft import read_adapter
+    from mcore_engine.state.adapters import _projection_shapes
+
+    cfg = _config(references, 1, False)
+    model = from_hf_config(read_hf_config(references / "base"))
+    gdn_layers = [i for i, p in enumerate(model.linear_attention.layer_pattern(model.num_layers)) if p]
+    assert gdn_layers == [0, 1, 2]
+    ok = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules="all-linear")
+    shapes = _projection_shapes(cfg)
+    assert shapes["q"] == (2 * 4 * 16, 64) and shapes["in_proj_qkv"] == (2 * 32 + 64, 64)
+    adapters = read_adapter(references / "adapter", ok, swiglu=True, num_layers=4, shapes=shapes,
+                            gdn_layers=gdn_layers)
+    assert len(adapters) == 3 * 5 + 4 + 4 * 3 and (0, "in_proj_qkv") in adapters and (3, "q") in adapters
+    with pytest.raises(ValueError, match="adapter_path.*target_modules"):  # a dense reading of it
+        read_adapter(references / "adapter", ok, swiglu=True, num_layers=4, shapes=shapes)
+    with pytest.raises(ValueError, match="adapter_path.*do not match"):  # GDN layers elsewhere
+        read_adapter(references / "adapter", ok, swiglu=True, num_layers=4, shapes=shapes,
+                     gdn_layers=[1, 2, 3])
+    broken = tmp_path / "broken"
+    shutil.copytree(references / "adapter", broken)
+    tensors = load_file(str(broken / "adapter_model.safetensors"))
+    moved = {k.replace("layers.0.linear_attn.in_proj_z", "layers.0.self_attn.in_proj_z"): v
+             for k, v in tensors.items()}
+    save_file(moved, str(broken / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="adapter_path.*unexpected tensor"):
+        read_adapter(broken, ok, swiglu=True, num_layers=4, shapes=shapes, gdn_layers=gdn_layers)
