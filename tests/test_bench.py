@@ -143,16 +143,19 @@ def test_hybrid_tables_ratios_against_attention():
 
     results = {("attention", 1024): cost("attention", 1024, 2.0, 100.0, 80.0),
                ("hybrid", 1024): cost("hybrid", 1024, 4.0, 50.0, 20.0),
+               ("hybrid-keep", 1024): cost("hybrid-keep", 1024, 1.0, 300.0, 240.0),
                ("attention", 4096): cost("attention", 4096, 16.0, 400.0, 320.0),
-               ("hybrid", 4096): cost("hybrid", 4096, 8.0, 200.0, 80.0)}
+               ("hybrid", 4096): cost("hybrid", 4096, 8.0, 200.0, 80.0),
+               ("hybrid-keep", 4096): cost("hybrid-keep", 4096, 4.0, 400.0, 320.0)}
     rows = bench_hybrid.cost_rows(results, [1024, 4096])
-    assert [r[:2] for r in rows] == [["1024", "attention"], ["1024", "hybrid"], ["4096", "attention"],
-                                     ["4096", "hybrid"]]
+    assert [r[:2] for r in rows] == [[n, k] for n in ("1024", "4096") for k in ("attention", "hybrid",
+                                                                             "hybrid-keep")]
     assert all(len(r) == len(bench_hybrid.COST_COLUMNS) for r in rows)
     # tokens/s from CPU time, x attention, ms / 1k tokens, peak, x, saved, x
     assert rows[1][5:] == ["256", "0.50", "4000", "50.0", "0.50", "20.0", "0.25"]
-    assert rows[3][5:] == ["512", "2.00", "2000", "200.0", "0.50", "80.0", "0.25"]
-    assert rows[2][6] == rows[2][9] == rows[2][11] == "1.00"
+    assert rows[2][5:] == ["1024", "2.00", "1000", "300.0", "3.00", "240.0", "3.00"]
+    assert rows[4][5:] == ["512", "2.00", "2000", "200.0", "0.50", "80.0", "0.25"]
+    assert rows[3][6] == rows[3][9] == rows[3][11] == "1.00"
 
     gap = [{"precision": "bf16", "init_std": 0.02, "engine_decode": [3e-3, 4e-4], "hf_decode": [4e-3, 5e-4],
             "engine_hf": [1e-3, 1e-4], "mean_log_p": -6.95, "entropy": 6.9, "vocab": 1024}]
@@ -183,7 +186,7 @@ def test_bench_hybrid_quick_runs_and_prints_tables():
         previous = line
     cost, gap = tables
     assert cost[0] == bench_hybrid.COST_COLUMNS and gap[0] == bench_hybrid.GAP_COLUMNS
-    assert [r[:2] for r in cost[1:]] == [[n, k] for n in ("128", "256") for k in ("attention", "hybrid")]
+    assert [r[:2] for r in cost[1:]] == [["256", k] for k in ("attention", "hybrid", "hybrid-keep")]
     for row in cost[1:]:
         assert all(float(c) > 0 for c in row[3:9] + row[10:]) and float(row[9]) >= 0, row
     assert [r[:2] for r in gap[1:]] == [["fp32", "0.02"], ["bf16", "0.02"]]

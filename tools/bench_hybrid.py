@@ -2,7 +2,7 @@
 model of the same size, and the train / decode log-prob gap of the hybrid.
 
     python tools/bench_hybrid.py            # 2k / 8k / 32k tokens; gap: 4 x 512 tokens, fp32 + bf16
-    python tools/bench_hybrid.py --quick    # 128 / 256 tokens, hidden 64; gap: 2 x 64 tokens (seconds)
+    python tools/bench_hybrid.py --quick    # 256 tokens, hidden 64; gap: 2 x 64 tokens (a minute)
 
 Table 1, ``cost``: one ``train_batch`` step on ONE sequence (thd, one micro-batch) of each of
 ``--lengths`` tokens, one rank, for two models of the same shape (hidden ``--hidden``, ``--layers``
@@ -12,7 +12,9 @@ QK-norm, partial RoPE 0.25):
 
 - ``attention``: every layer gated full attention (the engine's SDPA core attention);
 - ``hybrid``: ``model.linear_attention`` = GDN (``--gdn-key-heads`` / ``--gdn-value-heads`` heads of
-  ``--head-dim``, conv kernel 4, chunks of 64) in layers 1-3 of every 4, gated attention in the 4th.
+  ``--head-dim``, conv kernel 4, chunks of 64) in layers 1-3 of every 4, gated attention in the 4th;
+  the conv and the chunked rule recomputed in the backward (``GDNConfig.recompute``, the default);
+- ``hybrid-keep``: the same with ``recompute: false`` (the rule's intermediates kept for backward).
 
 Every row runs in a fresh ``torchrun`` (``--worker``): a warm-up step on a 256-token sequence, then
 ``--repeats`` steps at the row's length, the last one measured for memory: ``step s`` = median
@@ -46,7 +48,7 @@ import time
 
 from bench_common import format_table, machine_header, measured_step, run_torchrun_worker
 
-KINDS = ("attention", "hybrid")
+KINDS = ("attention", "hybrid", "hybrid-keep")
 WARMUP_TOKENS = 256
 
 
@@ -56,7 +58,7 @@ def _engine_config(kind: str, seq_len: int, args: argparse.Namespace):
 
     gdn = None if kind == "attention" else GDNConfig(
         num_key_heads=args.gdn_key_heads, num_value_heads=args.gdn_value_heads, key_head_dim=args.head_dim,
-        value_head_dim=args.head_dim)
+        value_head_dim=args.head_dim, recompute=kind == "hybrid")
     model = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                         num_query_groups=args.groups, kv_channels=args.head_dim,
                         ffn_hidden_size=3 * args.hidden, vocab_size=args.vocab,
@@ -115,7 +117,7 @@ def cost_worker(kind: str, seq_len: int, args: argparse.Namespace) -> dict:
 
 
 def cost_rows(results: dict[tuple[str, int], dict], lengths: list[int]) -> list[list[str]]:
-    """Table 1: per length, the attention row then the hybrid row with its ratios to attention."""
+    """Table 1: per length, the attention row then the hybrid rows with their ratios to attention."""
     rows = []
     for n in lengths:
         base = results[("attention", n)]
@@ -242,14 +244,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--init-stds", default="0.02,0.1", help="table 2: initializer_range of each model")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", choices=("cost", "gap"), help="one table only")
-    p.add_argument("--quick", action="store_true", help="hidden 64, 128 / 256 tokens; gap 2 x 64 tokens")
+    p.add_argument("--quick", action="store_true", help="hidden 64, 256 tokens; gap 2 x 64 tokens")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per configuration")
     p.add_argument("--markdown", action="store_true", help="print the tables as markdown")
     p.add_argument("--worker", nargs=3, metavar=("TABLE", "A", "B"), help=argparse.SUPPRESS)
     return p
 
 
-QUICK = ["--lengths", "128,256", "--hidden", "64", "--heads", "2", "--groups", "1", "--head-dim", "32",
+QUICK = ["--lengths", "256", "--hidden", "64", "--heads", "2", "--groups", "1", "--head-dim", "32",
          "--gdn-key-heads", "1", "--gdn-value-heads", "2", "--vocab", "1024", "--gap-seqs", "2",
          "--gap-len", "64", "--gap-hidden", "64", "--gap-vocab", "256", "--init-stds", "0.02"]
 
@@ -285,8 +287,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads of {args.head_dim} "
               f"({args.groups} kv groups), SwiGLU {3 * args.hidden}, vocab {args.vocab}; hybrid: GDN "
               f"{args.gdn_key_heads} key / {args.gdn_value_heads} value heads of {args.head_dim} in 3 of 4 "
-              f"layers; device {next(iter(cost.values()))['device']}; median of {args.repeats} step(s), "
-              f"tokens/s from CPU time")
+              f"layers (hybrid-keep: GDNConfig.recompute off); device {next(iter(cost.values()))['device']}; "
+              f"median of {args.repeats} step(s), tokens/s from CPU time")
         print(format_table(COST_COLUMNS, cost_rows(cost, lengths), args.markdown, right=not args.markdown))
     if gap:
         print(f"\ngap: |log p engine (chunked) - log p decode (recurrent)|, tiny Qwen3_5ForCausalLM "
