@@ -14,6 +14,13 @@ TP=2 the trained adapters go out as a PEFT folder (read back by ``PeftModel.from
 engine's log-probs), merged into a Hugging Face folder (``export_hf``, read by ``transformers``: the
 same) and into an adapters-only checkpoint that a TP=1 engine resumes (the next step
 equal to TP=2's).
+
+In the same launch, Qwen3.5-MoE as the Hub holds it: a vision-language folder
+(``Qwen3_5MoeForConditionalGeneration``, ``model.language_model.*``, fused 3-D experts) with a PEFT
+adapter made on that class (keys ``base_model.model.model.language_model.layers.*``) on the attention and
+GDN linears, at TP=2 + SP: log-probs equal PEFT's on text inputs, the adapter-only weight sync
+carries PEFT's own key names, and after a step the exported PEFT folder, read by
+``PeftModel.from_pretrained`` onto ``Qwen3_5MoeForConditionalGeneration``, gives the engine's log-probs.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 RANK, ALPHA, LR, WD = 4, 8.0, 1e-2, 0.01
 LENGTHS = [13, 21, 5, 9]
 TOL = 1e-4
+MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", *GDN]  # the experts take no adapters
 # name, tp, sequence parallel, pp, cp
 LAYOUTS = [("tp1-dp2", 1, False, 1, 1), ("tp2-sp", 2, True, 1, 1), ("pp2", 1, False, 2, 1),
            ("cp2", 1, False, 1, 2)]
@@ -77,7 +85,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> Path:
     """The base folder, the PEFT folder and the references."""
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from peft import get_peft_model_state_dict
 
     root = tmp_path_factory.mktemp("lora_hybrid")
     batch = _batch()
@@ -86,14 +94,7 @@ def references(tmp_path_factory) -> Path:
     base = M.model_class("qwen3_5").from_pretrained(root / "base", dtype=torch.float32).eval()
     with torch.no_grad():
         base_lp = _hf_log_probs(base, batch)
-    torch.manual_seed(21)
-    peft = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
-                                           target_modules=TARGETS, init_lora_weights=False))
-    with torch.no_grad():  # B ~ kaiming is large: keep the adapted model close to the base
-        for name, p in peft.named_parameters():
-            if "lora_B" in name:
-                p.mul_(0.1)
-    peft.save_pretrained(root / "adapter")
+    peft = _peft_adapter(base, TARGETS, root / "adapter")
     with torch.no_grad():
         lp0 = _hf_log_probs(peft, batch)
     params = [p for n, p in peft.named_parameters() if "lora_" in n]
@@ -111,13 +112,46 @@ def references(tmp_path_factory) -> Path:
     return root
 
 
+def _peft_adapter(base, targets: list[str], out: Path, seed: int = 21):
+    """PEFT's random adapters (B scaled down: the adapted model stays close to the base) saved to ``out``."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    peft = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                                           target_modules=targets, init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.1)
+    peft.save_pretrained(out)
+    return peft
+
+
+@pytest.fixture(scope="module")
+def moe_vl(references) -> Path:
+    """The Qwen3.5-MoE vision-language folder (Hub layout: fused experts), its PEFT adapter (made on
+    ``Qwen3_5MoeForConditionalGeneration``), the references."""
+    root = references / "moe_vl"
+    batch = _batch()
+    M.save_tiny_model("qwen3_5_moe_vl", root / "base", seed=12, fused_experts=True)
+    base = M.model_class("qwen3_5_moe_vl").from_pretrained(root / "base", dtype=torch.float32).eval()
+    with torch.no_grad():
+        base_lp = _hf_log_probs(base, batch)
+    peft = _peft_adapter(base, MOE_TARGETS, root / "adapter", seed=22).eval()
+    with torch.no_grad():
+        lp = _hf_log_probs(peft, batch)
+    assert (lp - base_lp).abs().max() > 1e-3  # the adapters matter
+    torch.save({"base_lp": base_lp, "lp0": lp}, root / "refs.pt")
+    return root
+
+
 def _config(root: Path, tp: int, sp: bool, adapter: bool = True, pp: int = 1, cp: int = 1):
     from mcore_engine.config import EngineConfig, OptimizerConfig, ParallelConfig
     from mcore_engine.config.lora import LoRAConfig
     from mcore_engine.hf import from_hf_config, read_hf_config
 
     model = from_hf_config(read_hf_config(root / "base"), hf_path=str(root / "base"))
-    lora = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules="all-linear",
+    lora = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=MOE_TARGETS if model.moe else "all-linear",
                       adapter_path=str(root / "adapter") if adapter else None)
     model = dataclasses.replace(model, lora=lora,
                                 linear_attention=dataclasses.replace(model.linear_attention, chunk_size=8))
@@ -140,6 +174,36 @@ def _step(engine, batch) -> tuple[float, dict[str, torch.Tensor]]:
     out = engine.train_batch(batch, _loss)
     assert out.get_non_tensor("metrics")["update_skipped"] == 0.0
     return float(out.get_non_tensor("loss")), dict(engine.per_tensor_generator(adapter_only=True))
+
+
+def _moe_vl(rank: int, root: Path) -> None:
+    """Qwen3.5-MoE vision-language folder, PEFT adapter on attention + GDN, TP=2 + SP (see the module
+    docstring)."""
+    from safetensors import safe_open
+
+    from mcore_engine.parallel.platform import destroy_distributed
+
+    ref = torch.load(root / "refs.pt", weights_only=False)
+    batch = _batch()
+    engine = _engine(_config(root, 2, True))
+    assert engine.config.model.moe is not None
+    assert_rel_close(_flat(engine.infer_batch(batch)["log_probs"]), ref["lp0"], TOL, "MoE VL: PEFT")
+    with engine.adapters_disabled():
+        assert_rel_close(_flat(engine.infer_batch(batch)["log_probs"]), ref["base_lp"], TOL,
+                         "MoE VL: adapters disabled == base model")
+    synced = dict(engine.per_tensor_generator(adapter_only=True))
+    with safe_open(str(root / "adapter" / "adapter_model.safetensors"), framework="pt") as f:
+        assert sorted(synced) == sorted(f.keys()), "MoE VL: adapter-only sync names are PEFT's"
+        assert all(k.startswith("base_model.model.model.language_model.layers.") for k in synced)
+        for key in f.keys():  # not trained yet: the loaded adapters themselves
+            assert_rel_close(synced[key], f.get_tensor(key), 1e-6, f"MoE VL: synced {key}")
+    _step(engine, batch)
+    engine.export_adapter(root / "exported")
+    lp = _flat(engine.infer_batch(batch)["log_probs"])
+    if rank == 0:
+        torch.save(lp, root / "exported-lp.pt")
+    del engine
+    destroy_distributed()
 
 
 def _layouts(rank: int, world_size: int, root: Path) -> None:
@@ -188,9 +252,10 @@ def _layouts(rank: int, world_size: int, root: Path) -> None:
         assert_rel_close(got[key], value, TOL, f"resumed at TP=1: {key}")
     del engine
     destroy_distributed()
+    _moe_vl(rank, root / "moe_vl")
 
 
-def test_lora_hybrid_matches_peft(references):
+def test_lora_hybrid_matches_peft(references, moe_vl):
     run_distributed(_layouts, 2, references)
     from peft import PeftModel
 
@@ -205,6 +270,16 @@ def test_lora_hybrid_matches_peft(references):
     merged = M.model_class("qwen3_5").from_pretrained(references / "merged", dtype=torch.float32).eval()
     with torch.no_grad():
         assert_rel_close(_hf_log_probs(merged, batch), want, TOL, "export_hf (merged) -> transformers")
+    # the MoE vision-language folder's trained adapters, read by PEFT onto the vision-language class
+    config = json.loads((moe_vl / "exported" / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == sorted(MOE_TARGETS)
+    base = M.model_class("qwen3_5_moe_vl").from_pretrained(moe_vl / "base", dtype=torch.float32).eval()
+    peft = PeftModel.from_pretrained(base, moe_vl / "exported").eval()
+    want = torch.load(moe_vl / "exported-lp.pt")
+    with torch.no_grad():
+        got = _hf_log_probs(peft, batch)
+    assert (got - torch.load(moe_vl / "refs.pt")["lp0"]).abs().max() > 1e-4  # the step moved them
+    assert_rel_close(got, want, TOL, "MoE VL: export_adapter -> PeftModel.from_pretrained")
 
 
 def test_lora_hybrid_targets_and_refusals(tmp_path):
@@ -237,14 +312,12 @@ def test_lora_hybrid_targets_and_refusals(tmp_path):
     fine = dataclasses.replace(moe, lora=LoRAConfig(rank=2, target_modules=["q_proj", "o_proj", *GDN]))
     check_gdn_family(fine)
     assert fine.lora.hf_target_modules(fine.swiglu, True) == sorted(["q_proj", "o_proj", *GDN])
-    # Qwen3-Next (fused in_proj_qkvz / in_proj_ba) and a vision-language folder: refused by name
-    for kind in ("qwen3_next", "qwen3_5_vl"):
-        M.save_tiny_model(kind, tmp_path / kind)
-        model = from_hf_config(read_hf_config(tmp_path / kind), hf_path=str(tmp_path / kind))
-        with pytest.raises(ValueError, match="lora.target_modules"):
-            check_gdn_family(dataclasses.replace(model, lora=LoRAConfig(rank=2, target_modules=["out_proj"])))
-        if kind == "qwen3_next":  # its attention linears are fine
-            check_gdn_family(dataclasses.replace(model, lora=LoRAConfig(rank=2, target_modules=["q_proj"])))
+    # Qwen3-Next (fused in_proj_qkvz / in_proj_ba): GDN targets refused by name, its attention's fine
+    M.save_tiny_model("qwen3_next", tmp_path / "next")
+    model = from_hf_config(read_hf_config(tmp_path / "next"), hf_path=str(tmp_path / "next"))
+    with pytest.raises(ValueError, match="lora.target_modules.*in_proj_qkvz"):
+        check_gdn_family(dataclasses.replace(model, lora=LoRAConfig(rank=2, target_modules=["out_proj"])))
+    check_gdn_family(dataclasses.replace(model, lora=LoRAConfig(rank=2, target_modules=["q_proj"])))
 
 
 def test_hybrid_adapter_folder_checks(references, tmp_path):
@@ -282,3 +355,48 @@ def test_hybrid_adapter_folder_checks(references, tmp_path):
     save_file(moved, str(broken / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match="adapter_path.*unexpected tensor"):
         read_adapter(broken, ok, swiglu=True, num_layers=4, shapes=shapes, gdn_layers=gdn_layers)
+
+
+def test_vision_language_adapter_folder(references, tmp_path):
+    """PEFT on ``Qwen3_5ForConditionalGeneration`` keys the decoder ``model.language_model.layers``: read
+    for a vision-language base (every one of the 12 linears), refused against a text base and the
+    other way round; an adapter on the vision tower refused by name; LoRA on the folder passes the
+    family check."""
+    import dataclasses
+
+    from safetensors.torch import load_file, save_file
+
+    from mcore_engine.config.lora import LoRAConfig
+    from mcore_engine.hf import from_hf_config, read_hf_config
+    from mcore_engine.hf.peft import TEXT_PREFIX, VL_PREFIX, check_gdn_family, decoder_prefix, read_adapter
+    from mcore_engine.state.adapters import _projection_shapes
+
+    M.save_tiny_model("qwen3_5_vl", tmp_path / "vl", seed=11)
+    assert decoder_prefix(tmp_path / "vl") == VL_PREFIX
+    assert decoder_prefix(references / "base") == TEXT_PREFIX
+    vl = M.model_class("qwen3_5_vl").from_pretrained(tmp_path / "vl", dtype=torch.float32)
+    _peft_adapter(vl, TARGETS, tmp_path / "adapter")
+    keys = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert len(keys) == 2 * (3 * 5 + 4 + 4 * 3)
+    assert all(k.startswith("base_model.model.model.language_model.layers.") for k in keys)
+    ok = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules="all-linear")
+    shapes = _projection_shapes(_config(references, 1, False))  # the text folder's twin: same shapes
+    adapters = read_adapter(tmp_path / "adapter", ok, swiglu=True, num_layers=4, shapes=shapes,
+                            gdn_layers=[0, 1, 2], prefix=VL_PREFIX)
+    key = "base_model.model.model.language_model.layers.0.linear_attn.in_proj_qkv.lora_B.weight"
+    assert len(adapters) == 3 * 5 + 4 + 4 * 3 and torch.equal(adapters[(0, "in_proj_qkv")][1], keys[key])
+    with pytest.raises(ValueError, match="adapter_path.*language_model.*vision-language.*ForCausalLM"):
+        read_adapter(tmp_path / "adapter", ok, swiglu=True, num_layers=4, shapes=shapes, gdn_layers=[0, 1, 2])
+    with pytest.raises(ValueError, match="adapter_path.*ForCausalLM model on a base of a vision-language"):
+        read_adapter(references / "adapter", ok, swiglu=True, num_layers=4, shapes=shapes,
+                     gdn_layers=[0, 1, 2], prefix=VL_PREFIX)
+    tower = tmp_path / "tower"
+    tower.mkdir()
+    (tower / "adapter_config.json").write_text((tmp_path / "adapter" / "adapter_config.json").read_text())
+    save_file({**keys, "base_model.model.model.visual.blocks.0.attn.qkv.lora_A.weight": torch.ones(RANK, 16)},
+              str(tower / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="adapter_path.*vision tower"):
+        read_adapter(tower, ok, swiglu=True, num_layers=4, shapes=shapes, gdn_layers=[0, 1, 2],
+                     prefix=VL_PREFIX)
+    model = from_hf_config(read_hf_config(tmp_path / "vl"), hf_path=str(tmp_path / "vl"))
+    check_gdn_family(dataclasses.replace(model, lora=LoRAConfig(rank=2, target_modules="all-linear")))

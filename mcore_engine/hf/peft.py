@@ -8,7 +8,11 @@ of global layer ``i``::
     base_model.model.model.layers.{i}.linear_attn.{in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj}.lora_{A,B}.weight
 
 (the last on the Gated DeltaNet layers of a Qwen3.5 model; its gated attention's ``q_proj`` adapter
-has ``B [2 n d, r]``, per head ``[q_h; gate_h]`` as the weight)
+has ``B [2 n d, r]``, per head ``[q_h; gate_h]`` as the weight). On a vision-language folder
+(``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration``, weights
+``model.language_model.*``) the decoder is ``model.language_model.layers``, and so are PEFT's keys:
+``base_model.model.model.language_model.layers.{i}...`` (:func:`decoder_prefix`); the vision tower
+takes no adapters.
 
 what ``PeftModel.from_pretrained`` and vLLM's LoRA loader read. Tensors here are full (unsharded);
 the engine gathers / slices them over TP. Memory: the adapters, which are small.
@@ -28,25 +32,42 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mcore_engine.config.lora import GDN_LINEARS, HF_PROJECTIONS, PROJECTION_HF_NAMES, LoRAConfig
+from mcore_engine.hf.folder import folder_format
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "check_gdn_family", "gdn_projection_shapes", "peft_config",
-           "peft_key", "read_adapter", "write_adapter"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "TEXT_PREFIX", "VL_PREFIX", "check_gdn_family",
+           "decoder_prefix", "gdn_projection_shapes", "peft_config", "peft_key", "read_adapter",
+           "write_adapter"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp|linear_attn)\.(\w+)"
-                  r"\.lora_([AB])\.weight")
+TEXT_PREFIX = "model."
+VL_PREFIX = "model.language_model."
+"""Where the decoder's ``layers`` sit in the Hugging Face model PEFT wraps: a ``*ForCausalLM``
+(``model.layers``) or a Qwen3.5 ``*ForConditionalGeneration`` (``model.language_model.layers``)."""
+_KEY = re.compile(r"base_model\.model\.(model\.(?:language_model\.)?)layers\.(\d+)\."
+                  r"(self_attn|mlp|linear_attn)\.(\w+)\.lora_([AB])\.weight")
 _SUBMODULE = {"q": "self_attn", "k": "self_attn", "v": "self_attn", "o": "self_attn",
               "gate": "mlp", "up": "mlp", "down": "mlp", **{name: "linear_attn" for name in GDN_LINEARS}}
+
+_CLASS_KIND = {TEXT_PREFIX: "a *ForCausalLM model",
+               VL_PREFIX: "a vision-language *ForConditionalGeneration model"}
 
 Adapters = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 """``(global layer, projection) -> (A [r, in], B [out, r])``, full tensors."""
 
 
-def peft_key(layer: int, projection: str, which: str) -> str:
-    """PEFT's saved key of ``lora_A`` (``which="A"``) or ``lora_B`` of one projection."""
-    return (f"base_model.model.model.layers.{layer}.{_SUBMODULE[projection]}."
+def peft_key(layer: int, projection: str, which: str, prefix: str = TEXT_PREFIX) -> str:
+    """PEFT's saved key of ``lora_A`` (``which="A"``) or ``lora_B`` of one projection; ``prefix``: the
+    decoder's place (:func:`decoder_prefix`)."""
+    return (f"base_model.model.{prefix}layers.{layer}.{_SUBMODULE[projection]}."
             f"{PROJECTION_HF_NAMES[projection]}.lora_{which}.weight")
+
+
+def decoder_prefix(hf_path: str | os.PathLike | None) -> str:
+    """:data:`VL_PREFIX` when the base folder at ``hf_path`` holds its decoder as ``model.language_model.*``
+    (a vision-language folder: the names weight sync and ``export_hf`` use too), else
+    :data:`TEXT_PREFIX`."""
+    return VL_PREFIX if folder_format(hf_path).prefix else TEXT_PREFIX
 
 
 def peft_config(lora: LoRAConfig, *, swiglu: bool, hybrid: bool = False) -> dict[str, Any]:
@@ -58,15 +79,17 @@ def peft_config(lora: LoRAConfig, *, swiglu: bool, hybrid: bool = False) -> dict
 
 
 def write_adapter(out_dir: str | os.PathLike, adapters: Adapters, lora: LoRAConfig, *, swiglu: bool,
-                  base_model: str | None, dtype: torch.dtype, hybrid: bool = False) -> None:
+                  base_model: str | None, dtype: torch.dtype, hybrid: bool = False,
+                  prefix: str = TEXT_PREFIX) -> None:
     """Write a PEFT folder (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules`` from ``lora``;
-    ``hybrid``: the model has Gated DeltaNet layers)."""
+    ``hybrid``: the model has Gated DeltaNet layers; ``prefix``: the decoder's place,
+    :func:`decoder_prefix`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for (layer, projection), (a, b) in sorted(adapters.items()):
-        tensors[peft_key(layer, projection, "A")] = a.detach().to("cpu", dtype).contiguous()
-        tensors[peft_key(layer, projection, "B")] = b.detach().to("cpu", dtype).contiguous()
+        tensors[peft_key(layer, projection, "A", prefix)] = a.detach().to("cpu", dtype).contiguous()
+        tensors[peft_key(layer, projection, "B", prefix)] = b.detach().to("cpu", dtype).contiguous()
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = {**peft_config(lora, swiglu=swiglu, hybrid=hybrid), "base_model_name_or_path": base_model,
               "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
@@ -76,10 +99,12 @@ def write_adapter(out_dir: str | os.PathLike, adapters: Adapters, lora: LoRAConf
 
 
 def read_adapter(path: str | os.PathLike, lora: LoRAConfig, *, swiglu: bool, num_layers: int,
-                 shapes: Mapping[str, tuple[int, int]], gdn_layers: Collection[int] = ()) -> Adapters:
+                 shapes: Mapping[str, tuple[int, int]], gdn_layers: Collection[int] = (),
+                 prefix: str = TEXT_PREFIX) -> Adapters:
     """The adapters of a PEFT folder, checked against ``lora`` (rank, alpha, target modules) and the
     model (``num_layers``, ``shapes[projection] = (out, in)``, ``gdn_layers``: the Gated DeltaNet
-    layers of a hybrid model, which hold the GDN projections, the others the attention ones):
+    layers of a hybrid model, which hold the GDN projections, the others the attention ones;
+    ``prefix``: where the base's decoder is, :func:`decoder_prefix`, every key's):
     ``ValueError`` naming ``LoRAConfig.adapter_path`` and the mismatch, before anything is loaded."""
     hybrid = bool(gdn_layers)
     folder = Path(path)
@@ -110,11 +135,18 @@ def read_adapter(path: str | os.PathLike, lora: LoRAConfig, *, swiglu: bool, num
     with safe_open(str(folder / ADAPTER_WEIGHTS), framework="pt") as f:
         for key in f.keys():
             match = _KEY.fullmatch(key.replace(".default.", "."))
-            if match is None or match.group(3) not in HF_PROJECTIONS \
-                    or _SUBMODULE[HF_PROJECTIONS[match.group(3)][1]] != match.group(2):
+            if key.startswith("base_model.model.model.visual."):
+                raise ValueError(f"{where}: {key!r} adapts the vision tower, which the engine keeps out "
+                                 "(target the language model's linears only)")
+            if match is None or match.group(4) not in HF_PROJECTIONS \
+                    or _SUBMODULE[HF_PROJECTIONS[match.group(4)][1]] != match.group(3):
                 raise ValueError(f"{where}: unexpected tensor {key!r}")
-            projection = HF_PROJECTIONS[match.group(3)][1]
-            found.setdefault((int(match.group(1)), projection), {})[match.group(4)] = f.get_tensor(key)
+            if match.group(1) != prefix:
+                raise ValueError(f"{where}: {key!r} has its decoder at '{match.group(1)}layers', the base "
+                                 f"folder (ModelConfig.hf_path) at '{prefix}layers': an adapter of "
+                                 f"{_CLASS_KIND[match.group(1)]} on a base of {_CLASS_KIND[prefix]}")
+            projection = HF_PROJECTIONS[match.group(4)][1]
+            found.setdefault((int(match.group(2)), projection), {})[match.group(5)] = f.get_tensor(key)
     if set(found) != wanted:
         missing, extra = sorted(wanted - set(found))[:3], sorted(set(found) - wanted)[:3]
         raise ValueError(f"{where}: adapters do not match the model's layers / target modules "
@@ -144,16 +176,13 @@ def gdn_projection_shapes(model: Any) -> dict[str, tuple[int, int]]:
 def check_gdn_family(model: Any) -> None:
     """``ValueError`` when the LoRA of a hybrid ``ModelConfig`` cannot be written as PEFT keys of its
     Hugging Face folder: Gated DeltaNet targets on Qwen3-Next (its fused ``in_proj_qkvz`` /
-    ``in_proj_ba``), any target on a vision-language folder (``model.language_model.`` keys)."""
+    ``in_proj_ba``: one PEFT ``A`` would feed two engine linears)."""
     if model.lora is None or model.linear_attention is None or model.hf_path is None:
         return
-    from mcore_engine.hf.families import hf_family_of, is_multimodal
+    from mcore_engine.hf.families import hf_family_of
     from mcore_engine.hf.hf_config import read_hf_config
 
     hf = read_hf_config(model.hf_path)
-    if is_multimodal(hf):
-        raise ValueError("ModelConfig.lora.target_modules: LoRA on a vision-language folder "
-                         f"({model.hf_path!r}) is not supported; use its text model (Qwen3_5ForCausalLM)")
     targets = model.lora.targets(model.swiglu, True)
     if hf_family_of(hf).hybrid == "fused" and set(targets) & set(GDN_LINEARS):
         raise ValueError(f"ModelConfig.lora.target_modules: {sorted(set(targets) & set(GDN_LINEARS))} on a "

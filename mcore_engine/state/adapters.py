@@ -14,7 +14,15 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mcore_engine.config import EngineConfig
-from mcore_engine.hf.peft import Adapters, check_gdn_family, gdn_projection_shapes, peft_key, read_adapter
+from mcore_engine.hf.peft import (
+    TEXT_PREFIX,
+    Adapters,
+    check_gdn_family,
+    decoder_prefix,
+    gdn_projection_shapes,
+    peft_key,
+    read_adapter,
+)
 from mcore_engine.layers.lora import (
     adapter_shards,
     apply_lora,
@@ -41,7 +49,8 @@ def attach_lora(chunks: Sequence[torch.nn.Module], cfg: EngineConfig) -> None:
     adapters = None
     if lora.adapter_path is not None:  # read and checked before anything changes
         adapters = read_adapter(lora.adapter_path, lora, swiglu=m.swiglu, num_layers=m.num_layers,
-                                shapes=_projection_shapes(cfg), gdn_layers=gdn_layers)
+                                shapes=_projection_shapes(cfg), gdn_layers=gdn_layers,
+                                prefix=decoder_prefix(m.hf_path))
     for chunk in chunks:
         for param in chunk.parameters():
             param.requires_grad_(False)
@@ -97,14 +106,16 @@ def gather_adapters(model_chunks: Sequence[torch.nn.Module]) -> Adapters:
     return {k: v for stage in stages for k, v in stage.items()}
 
 
-def iter_adapter_tensors(model_chunks: Sequence[torch.nn.Module], dtype: torch.dtype | None = None
-                         ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_adapter_tensors(model_chunks: Sequence[torch.nn.Module], dtype: torch.dtype | None = None,
+                         prefix: str = TEXT_PREFIX) -> Iterator[tuple[str, torch.Tensor]]:
     """``(PEFT key, full tensor)`` of every adapter in key order (``lora_A`` then ``lora_B`` per
-    projection); collective over TP and PP (gathers first). ``dtype`` None: the parameters'."""
+    projection); collective over TP and PP (gathers first). ``dtype`` None: the parameters';
+    ``prefix``: the decoder's place in the base folder (``hf.peft.decoder_prefix``: the
+    ``model.language_model.`` of a vision-language folder)."""
     adapters = gather_adapters(model_chunks)
     for (layer, projection), (a, b) in sorted(adapters.items()):
         for which, t in (("A", a), ("B", b)):
-            yield peft_key(layer, projection, which), t if dtype is None else t.to(dtype)
+            yield peft_key(layer, projection, which, prefix), t if dtype is None else t.to(dtype)
 
 
 def merged_weight_overrides(model_chunks: Sequence[torch.nn.Module]
