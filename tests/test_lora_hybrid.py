@@ -17,9 +17,10 @@ equal to TP=2's).
 
 In the same launch, Qwen3.5-MoE as the Hub holds it: a vision-language folder
 (``Qwen3_5MoeForConditionalGeneration``, ``model.language_model.*``, fused 3-D experts) with a PEFT
-adapter made on that class (keys ``base_model.model.model.language_model.layers.*``) on the attention and
-GDN linears, at TP=2 + SP: log-probs equal PEFT's on text inputs, the adapter-only weight sync
-carries PEFT's own key names, and after a step the exported PEFT folder, read by
+adapter made on that class (keys ``base_model.model.model.language_model.layers.*``) on the attention,
+GDN and shared-expert linears (``mlp.shared_expert.*_proj``; the routed experts take none), at
+TP=2 + SP: log-probs equal PEFT's on text inputs, ``adapters_disabled`` the base's, the adapter-only
+weight sync carries PEFT's own key names, and after a step the exported PEFT folder, read by
 ``PeftModel.from_pretrained`` onto ``Qwen3_5MoeForConditionalGeneration``, gives the engine's log-probs.
 """
 
@@ -43,7 +44,6 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 RANK, ALPHA, LR, WD = 4, 8.0, 1e-2, 0.01
 LENGTHS = [13, 21, 5, 9]
 TOL = 1e-4
-MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", *GDN]  # the experts take no adapters
 # name, tp, sequence parallel, pp, cp
 LAYOUTS = [("tp1-dp2", 1, False, 1, 1), ("tp2-sp", 2, True, 1, 1), ("pp2", 1, False, 2, 1),
            ("cp2", 1, False, 1, 2)]
@@ -137,7 +137,10 @@ def moe_vl(references) -> Path:
     base = M.model_class("qwen3_5_moe_vl").from_pretrained(root / "base", dtype=torch.float32).eval()
     with torch.no_grad():
         base_lp = _hf_log_probs(base, batch)
-    peft = _peft_adapter(base, MOE_TARGETS, root / "adapter", seed=22).eval()
+    peft = _peft_adapter(base, TARGETS, root / "adapter", seed=22).eval()
+    adapted = {n.split(".lora_")[0] for n, _ in peft.named_parameters() if "lora_A" in n}
+    assert sum(".mlp.shared_expert." in n for n in adapted) == 4 * 3
+    assert not any(".experts" in n for n in adapted)
     with torch.no_grad():
         lp = _hf_log_probs(peft, batch)
     assert (lp - base_lp).abs().max() > 1e-3  # the adapters matter
@@ -151,7 +154,7 @@ def _config(root: Path, tp: int, sp: bool, adapter: bool = True, pp: int = 1, cp
     from mcore_engine.hf import from_hf_config, read_hf_config
 
     model = from_hf_config(read_hf_config(root / "base"), hf_path=str(root / "base"))
-    lora = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=MOE_TARGETS if model.moe else "all-linear",
+    lora = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules="all-linear",
                       adapter_path=str(root / "adapter") if adapter else None)
     model = dataclasses.replace(model, lora=lora,
                                 linear_attention=dataclasses.replace(model.linear_attention, chunk_size=8))
@@ -187,6 +190,9 @@ def _moe_vl(rank: int, root: Path) -> None:
     batch = _batch()
     engine = _engine(_config(root, 2, True))
     assert engine.config.model.moe is not None
+    lora = {n for c in engine.model for n, _ in c.module.named_parameters() if "lora_" in n}
+    assert any(".mlp.shared_experts.linear_fc1.lora_B." in n for n in lora)
+    assert not any(".experts." in n and ".shared_experts." not in n for n in lora)
     assert_rel_close(_flat(engine.infer_batch(batch)["log_probs"]), ref["lp0"], TOL, "MoE VL: PEFT")
     with engine.adapters_disabled():
         assert_rel_close(_flat(engine.infer_batch(batch)["log_probs"]), ref["base_lp"], TOL,
@@ -272,7 +278,7 @@ def test_lora_hybrid_matches_peft(references, moe_vl):
         assert_rel_close(_hf_log_probs(merged, batch), want, TOL, "export_hf (merged) -> transformers")
     # the MoE vision-language folder's trained adapters, read by PEFT onto the vision-language class
     config = json.loads((moe_vl / "exported" / "adapter_config.json").read_text())
-    assert sorted(config["target_modules"]) == sorted(MOE_TARGETS)
+    assert sorted(config["target_modules"]) == sorted(TARGETS)
     base = M.model_class("qwen3_5_moe_vl").from_pretrained(moe_vl / "base", dtype=torch.float32).eval()
     peft = PeftModel.from_pretrained(base, moe_vl / "exported").eval()
     want = torch.load(moe_vl / "exported-lp.pt")
@@ -287,7 +293,7 @@ def test_lora_hybrid_targets_and_refusals(tmp_path):
     from mcore_engine.config.gdn import GDNConfig
     from mcore_engine.config.lora import LoRAConfig
     from mcore_engine.hf import from_hf_config, read_hf_config
-    from mcore_engine.hf.peft import check_gdn_family
+    from mcore_engine.hf.peft import check_gdn_family, peft_key, shared_expert_layers
 
     lora = LoRAConfig(rank=2, target_modules="all-linear")
     assert lora.hf_target_modules(hybrid=True) == sorted(TARGETS)
@@ -304,14 +310,20 @@ def test_lora_hybrid_targets_and_refusals(tmp_path):
     hybrid = ModelConfig(**common, linear_attention=gdn, attention_output_gate=True,
                          lora=dict(rank=2, target_modules=["in_proj_z"]))
     assert hybrid.lora.targets(hybrid.swiglu, True) == {"in_proj_z": {"in_proj_z"}}
-    # Qwen3.5-MoE: attention and GDN linears, the experts refused as on every MoE model
+    # Qwen3.5-MoE: every linear (the MLP's: the shared expert's, PEFT's mlp.shared_expert.*); a MoE
+    # without a shared expert refuses MLP targets (they would be the routed experts')
     M.save_tiny_model("qwen3_5_moe", tmp_path / "moe")
     moe = from_hf_config(read_hf_config(tmp_path / "moe"), hf_path=str(tmp_path / "moe"))
-    with pytest.raises(ValueError, match="MoE"):
-        dataclasses.replace(moe, lora=LoRAConfig(rank=2, target_modules="all-linear"))
-    fine = dataclasses.replace(moe, lora=LoRAConfig(rank=2, target_modules=["q_proj", "o_proj", *GDN]))
+    fine = dataclasses.replace(moe, lora=LoRAConfig(rank=2, target_modules="all-linear"))
     check_gdn_family(fine)
-    assert fine.lora.hf_target_modules(fine.swiglu, True) == sorted(["q_proj", "o_proj", *GDN])
+    assert fine.lora.hf_target_modules(fine.swiglu, True) == sorted(TARGETS)
+    assert shared_expert_layers(fine) == [0, 1, 2, 3]
+    assert peft_key(1, "down", "B", shared_layers=[1]) == \
+        "base_model.model.model.layers.1.mlp.shared_expert.down_proj.lora_B.weight"
+    unshared = dataclasses.replace(moe.moe, shared_expert_ffn_hidden_size=None, shared_expert_gate=False)
+    with pytest.raises(ValueError, match="MoE model without a shared expert"):
+        dataclasses.replace(moe, moe=unshared, lora=LoRAConfig(rank=2, target_modules="all-linear"))
+    dataclasses.replace(moe, moe=unshared, lora=LoRAConfig(rank=2, target_modules=["q_proj", "o_proj", *GDN]))
     # Qwen3-Next (fused in_proj_qkvz / in_proj_ba): GDN targets refused by name, its attention's fine
     M.save_tiny_model("qwen3_next", tmp_path / "next")
     model = from_hf_config(read_hf_config(tmp_path / "next"), hf_path=str(tmp_path / "next"))

@@ -6,7 +6,8 @@ PEFT's LoRA on a frozen base: ``y = W x + (alpha / rank) * B A dropout(x)`` per 
 Megatron's four linears (the fused ``linear_qkv`` / ``linear_fc1`` carry PEFT's separate q / k / v
 and gate / up adapters) and, on a hybrid (Qwen3.5) model, the Gated DeltaNet linears
 (``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` / ``out_proj``, one adapter each,
-named as in Hugging Face).
+named as in Hugging Face). On a MoE model the MLP projections adapt the shared expert (PEFT's
+``mlp.shared_expert.*``) and the dense layers' MLP; the routed experts take none.
 """
 
 from __future__ import annotations
@@ -121,13 +122,14 @@ class LoRAConfig(Block):
         return sorted(PROJECTION_HF_NAMES[p] for ps in self.targets(swiglu, hybrid).values() for p in ps)
 
     def check(self, model: Any, parallel: Any) -> None:
-        """Attention-only on MoE models (the MLP linears are experts), an lm head, a base for a
-        loaded adapter."""
+        """No MLP targets on a MoE model without a shared expert (its MLP linears are the experts'; with
+        one they adapt the shared expert), an lm head, a base for a loaded adapter."""
         targets = self.targets(model.swiglu, model.linear_attention is not None)
-        require(model.moe is None or not {"linear_fc1", "linear_fc2"} & set(targets),
-                "ModelConfig.lora.target_modules: the MLP linears of a MoE model are its experts' (not "
-                "supported: target the attention linears q_proj / k_proj / v_proj / o_proj)",
-                "model.lora.target_modules", "model.moe")
+        shared = model.moe is not None and model.moe.shared_expert_ffn_hidden_size is not None
+        require(model.moe is None or shared or not {"linear_fc1", "linear_fc2"} & set(targets),
+                "ModelConfig.lora.target_modules: the MLP linears of a MoE model without a shared expert are "
+                "its experts' (not supported: target the attention linears q_proj / k_proj / v_proj / "
+                "o_proj)", "model.lora.target_modules", "model.moe")
         require(model.head == "lm", "ModelConfig.lora needs ModelConfig.head='lm' (no LoRA critic)",
                 "model.lora", "model.head")
         require(self.adapter_path is None or model.hf_path is not None, "ModelConfig.lora.adapter_path "

@@ -12,7 +12,10 @@ has ``B [2 n d, r]``, per head ``[q_h; gate_h]`` as the weight). On a vision-lan
 (``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration``, weights
 ``model.language_model.*``) the decoder is ``model.language_model.layers``, and so are PEFT's keys:
 ``base_model.model.model.language_model.layers.{i}...`` (:func:`decoder_prefix`); the vision tower
-takes no adapters.
+takes no adapters. On a MoE model's layers with a shared expert the MLP projections are the shared
+expert's: ``...layers.{i}.mlp.shared_expert.{gate,up,down}_proj...`` (:func:`shared_expert_layers`;
+PEFT's ``gate_proj`` / ``up_proj`` / ``down_proj`` match them there, the routed experts are not
+``nn.Linear`` in ``transformers``).
 
 what ``PeftModel.from_pretrained`` and vLLM's LoRA loader read. Tensors here are full (unsharded);
 the engine gathers / slices them over TP. Memory: the adapters, which are small.
@@ -36,7 +39,7 @@ from mcore_engine.hf.folder import folder_format
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "TEXT_PREFIX", "VL_PREFIX", "check_gdn_family",
            "decoder_prefix", "gdn_projection_shapes", "peft_config", "peft_key", "read_adapter",
-           "write_adapter"]
+           "shared_expert_layers", "write_adapter"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -45,7 +48,7 @@ VL_PREFIX = "model.language_model."
 """Where the decoder's ``layers`` sit in the Hugging Face model PEFT wraps: a ``*ForCausalLM``
 (``model.layers``) or a Qwen3.5 ``*ForConditionalGeneration`` (``model.language_model.layers``)."""
 _KEY = re.compile(r"base_model\.model\.(model\.(?:language_model\.)?)layers\.(\d+)\."
-                  r"(self_attn|mlp|linear_attn)\.(\w+)\.lora_([AB])\.weight")
+                  r"(self_attn|mlp|mlp\.shared_expert|linear_attn)\.(\w+)\.lora_([AB])\.weight")
 _SUBMODULE = {"q": "self_attn", "k": "self_attn", "v": "self_attn", "o": "self_attn",
               "gate": "mlp", "up": "mlp", "down": "mlp", **{name: "linear_attn" for name in GDN_LINEARS}}
 
@@ -56,11 +59,27 @@ Adapters = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 """``(global layer, projection) -> (A [r, in], B [out, r])``, full tensors."""
 
 
-def peft_key(layer: int, projection: str, which: str, prefix: str = TEXT_PREFIX) -> str:
+def _submodule(layer: int, projection: str, shared_layers: Collection[int]) -> str:
+    sub = _SUBMODULE[projection]
+    return "mlp.shared_expert" if sub == "mlp" and layer in shared_layers else sub
+
+
+def peft_key(layer: int, projection: str, which: str, prefix: str = TEXT_PREFIX,
+             shared_layers: Collection[int] = ()) -> str:
     """PEFT's saved key of ``lora_A`` (``which="A"``) or ``lora_B`` of one projection; ``prefix``: the
-    decoder's place (:func:`decoder_prefix`)."""
-    return (f"base_model.model.{prefix}layers.{layer}.{_SUBMODULE[projection]}."
+    decoder's place (:func:`decoder_prefix`); ``shared_layers``: the layers whose MLP projections are a
+    shared expert's (:func:`shared_expert_layers`)."""
+    return (f"base_model.model.{prefix}layers.{layer}.{_submodule(layer, projection, shared_layers)}."
             f"{PROJECTION_HF_NAMES[projection]}.lora_{which}.weight")
+
+
+def shared_expert_layers(model: Any) -> list[int]:
+    """The layers of a ``ModelConfig`` whose MLP is a MoE with a shared expert (where LoRA's MLP
+    projections go)."""
+    moe = model.moe
+    if moe is None or moe.shared_expert_ffn_hidden_size is None:
+        return []
+    return [i for i, is_moe in enumerate(moe.layer_pattern(model.num_layers)) if is_moe]
 
 
 def decoder_prefix(hf_path: str | os.PathLike | None) -> str:
@@ -80,16 +99,16 @@ def peft_config(lora: LoRAConfig, *, swiglu: bool, hybrid: bool = False) -> dict
 
 def write_adapter(out_dir: str | os.PathLike, adapters: Adapters, lora: LoRAConfig, *, swiglu: bool,
                   base_model: str | None, dtype: torch.dtype, hybrid: bool = False,
-                  prefix: str = TEXT_PREFIX) -> None:
+                  prefix: str = TEXT_PREFIX, shared_layers: Collection[int] = ()) -> None:
     """Write a PEFT folder (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules`` from ``lora``;
-    ``hybrid``: the model has Gated DeltaNet layers; ``prefix``: the decoder's place,
-    :func:`decoder_prefix`)."""
+    ``hybrid``: the model has Gated DeltaNet layers; ``prefix`` / ``shared_layers``: as :func:`peft_key`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for (layer, projection), (a, b) in sorted(adapters.items()):
-        tensors[peft_key(layer, projection, "A", prefix)] = a.detach().to("cpu", dtype).contiguous()
-        tensors[peft_key(layer, projection, "B", prefix)] = b.detach().to("cpu", dtype).contiguous()
+        for which, t in (("A", a), ("B", b)):
+            key = peft_key(layer, projection, which, prefix, shared_layers)
+            tensors[key] = t.detach().to("cpu", dtype).contiguous()
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = {**peft_config(lora, swiglu=swiglu, hybrid=hybrid), "base_model_name_or_path": base_model,
               "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
@@ -100,11 +119,13 @@ def write_adapter(out_dir: str | os.PathLike, adapters: Adapters, lora: LoRAConf
 
 def read_adapter(path: str | os.PathLike, lora: LoRAConfig, *, swiglu: bool, num_layers: int,
                  shapes: Mapping[str, tuple[int, int]], gdn_layers: Collection[int] = (),
-                 prefix: str = TEXT_PREFIX) -> Adapters:
+                 prefix: str = TEXT_PREFIX, shared_layers: Collection[int] = (),
+                 shared_shapes: Mapping[str, tuple[int, int]] | None = None) -> Adapters:
     """The adapters of a PEFT folder, checked against ``lora`` (rank, alpha, target modules) and the
     model (``num_layers``, ``shapes[projection] = (out, in)``, ``gdn_layers``: the Gated DeltaNet
     layers of a hybrid model, which hold the GDN projections, the others the attention ones;
-    ``prefix``: where the base's decoder is, :func:`decoder_prefix`, every key's):
+    ``prefix``: where the base's decoder is, :func:`decoder_prefix`, every key's; ``shared_layers``: the
+    layers whose MLP adapters are a shared expert's, of ``shared_shapes[projection]``):
     ``ValueError`` naming ``LoRAConfig.adapter_path`` and the mismatch, before anything is loaded."""
     hybrid = bool(gdn_layers)
     folder = Path(path)
@@ -139,7 +160,8 @@ def read_adapter(path: str | os.PathLike, lora: LoRAConfig, *, swiglu: bool, num
                 raise ValueError(f"{where}: {key!r} adapts the vision tower, which the engine keeps out "
                                  "(target the language model's linears only)")
             if match is None or match.group(4) not in HF_PROJECTIONS \
-                    or _SUBMODULE[HF_PROJECTIONS[match.group(4)][1]] != match.group(3):
+                    or _submodule(int(match.group(2)), HF_PROJECTIONS[match.group(4)][1],
+                                  shared_layers) != match.group(3):
                 raise ValueError(f"{where}: unexpected tensor {key!r}")
             if match.group(1) != prefix:
                 raise ValueError(f"{where}: {key!r} has its decoder at '{match.group(1)}layers', the base "
@@ -153,7 +175,8 @@ def read_adapter(path: str | os.PathLike, lora: LoRAConfig, *, swiglu: bool, num
                          f"(missing {missing}, unexpected {extra})")
     out: Adapters = {}
     for (layer, projection), ab in found.items():
-        out_dim, in_dim = shapes[projection]
+        out_dim, in_dim = (shared_shapes if layer in shared_layers and shared_shapes
+                           and projection in shared_shapes else shapes)[projection]
         a, b = ab.get("A"), ab.get("B")
         got = [None if t is None else tuple(t.shape) for t in (a, b)]
         if got != [(lora.rank, in_dim), (out_dim, lora.rank)]:

@@ -105,9 +105,11 @@ def _plan(model: torch.nn.Module, targets: dict[str, set[str]], swiglu: bool) ->
             parent = getattr(layer, _WHERE[linear], None)
             where = f"decoder.layers.{global_layer}.{_WHERE[linear]}"
             if linear in ("linear_fc1", "linear_fc2") and hasattr(parent, "experts"):
-                raise ValueError(f"targets[{linear!r}]: {where} is an MoE layer; LoRA on MoE expert linears "
-                                 "(mlp.experts: SequentialMLP / GroupedMLP) and shared experts is not "
-                                 "supported (adapt linear_qkv / linear_proj only)")
+                if getattr(parent, "shared_experts", None) is None:
+                    raise ValueError(f"targets[{linear!r}]: {where} is an MoE layer without a shared expert; "
+                                     "LoRA on MoE expert linears (mlp.experts: SequentialMLP / GroupedMLP) "
+                                     "is not supported (adapt linear_qkv / linear_proj only)")
+                parent, where = parent.shared_experts, f"{where}.shared_experts"  # the routed experts: none
             module = getattr(parent, linear, None)
             if module is None:
                 raise ValueError(f"targets[{linear!r}]: {where} has no {linear} (MLA or another attention / "
@@ -155,9 +157,11 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, targets: Mapp
     ``in_proj_a`` / ``out_proj`` ({their own name}), and ``linear_qkv`` with an output gate (PEFT's
     ``q_proj`` adapter covers query and gate rows). Adapter ``p`` of global layer ``i`` is drawn in
     full from ``(seed, "decoder.layers.<i>.<where>.<linear>", p)`` and sliced, so every TP / PP layout
-    holds slices of the same adapters. MTP layers are not adapted. ``ValueError`` before any change for bad
-    hyper-parameters or targets, MoE MLPs, MLA, Transformer Engine linears, ``num_query_groups`` not
-    divisible by TP, a linear no layer has, or adapters already present."""
+    holds slices of the same adapters. On a MoE layer ``linear_fc1`` / ``linear_fc2`` are the shared
+    expert's (the routed experts take none). MTP layers are not adapted. ``ValueError`` before any change
+    for bad hyper-parameters or targets, MoE MLPs without a shared expert, MLA, Transformer Engine
+    linears, ``num_query_groups`` not divisible by TP, a linear no layer has, or adapters already
+    present."""
     _hyper(rank, alpha, dropout, init_lora_weights)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")

@@ -22,6 +22,7 @@ from mcore_engine.hf.peft import (
     gdn_projection_shapes,
     peft_key,
     read_adapter,
+    shared_expert_layers,
 )
 from mcore_engine.layers.lora import (
     adapter_shards,
@@ -50,7 +51,8 @@ def attach_lora(chunks: Sequence[torch.nn.Module], cfg: EngineConfig) -> None:
     if lora.adapter_path is not None:  # read and checked before anything changes
         adapters = read_adapter(lora.adapter_path, lora, swiglu=m.swiglu, num_layers=m.num_layers,
                                 shapes=_projection_shapes(cfg), gdn_layers=gdn_layers,
-                                prefix=decoder_prefix(m.hf_path))
+                                prefix=decoder_prefix(m.hf_path), shared_layers=shared_expert_layers(m),
+                                shared_shapes=_shared_expert_shapes(cfg))
     for chunk in chunks:
         for param in chunk.parameters():
             param.requires_grad_(False)
@@ -82,6 +84,15 @@ def _projection_shapes(cfg: EngineConfig) -> dict[str, tuple[int, int]]:
     return shapes
 
 
+def _shared_expert_shapes(cfg: EngineConfig) -> dict[str, tuple[int, int]] | None:
+    """``projection -> (out, in)`` of a MoE model's shared expert MLP; None without one."""
+    moe, h = cfg.model.moe, cfg.model.hidden_size
+    if moe is None or moe.shared_expert_ffn_hidden_size is None:
+        return None
+    f = moe.shared_expert_ffn_hidden_size
+    return {"gate": (f, h), "up": (f, h), "down": (h, f)}
+
+
 def _gather_dim(t: torch.Tensor, dim: int | None) -> torch.Tensor:
     group = parallel_state.get_tensor_model_parallel_group()
     size = dist.get_world_size(group)
@@ -107,15 +118,18 @@ def gather_adapters(model_chunks: Sequence[torch.nn.Module]) -> Adapters:
 
 
 def iter_adapter_tensors(model_chunks: Sequence[torch.nn.Module], dtype: torch.dtype | None = None,
-                         prefix: str = TEXT_PREFIX) -> Iterator[tuple[str, torch.Tensor]]:
+                         prefix: str = TEXT_PREFIX, shared_layers: Sequence[int] = ()
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(PEFT key, full tensor)`` of every adapter in key order (``lora_A`` then ``lora_B`` per
     projection); collective over TP and PP (gathers first). ``dtype`` None: the parameters';
     ``prefix``: the decoder's place in the base folder (``hf.peft.decoder_prefix``: the
-    ``model.language_model.`` of a vision-language folder)."""
+    ``model.language_model.`` of a vision-language folder); ``shared_layers``: the layers whose MLP
+    adapters are a shared expert's (``hf.peft.shared_expert_layers``)."""
     adapters = gather_adapters(model_chunks)
     for (layer, projection), (a, b) in sorted(adapters.items()):
         for which, t in (("A", a), ("B", b)):
-            yield peft_key(layer, projection, which, prefix), t if dtype is None else t.to(dtype)
+            key = peft_key(layer, projection, which, prefix, shared_layers)
+            yield key, t if dtype is None else t.to(dtype)
 
 
 def merged_weight_overrides(model_chunks: Sequence[torch.nn.Module]

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from mcore_engine.config import EngineConfig
 from mcore_engine.hf import export_hf, iter_hf_tensors
 from mcore_engine.hf.export import precision_dtype
-from mcore_engine.hf.peft import decoder_prefix, write_adapter
+from mcore_engine.hf.peft import decoder_prefix, shared_expert_layers, write_adapter
 from mcore_engine.state.adapters import gather_adapters, iter_adapter_tensors, merged_weight_overrides
 from mcore_engine.weight_sync import BucketMeta, bucket_named_tensors, iter_weight_buckets
 
@@ -36,7 +36,8 @@ def weight_tensors(chunks: list[torch.nn.Module], config: EngineConfig, dtype: t
     if adapter_only:
         require_lora(config, "per_tensor_generator(adapter_only=True)")
         return iter_adapter_tensors(chunks, dtype=dtype or precision_dtype(config),
-                                    prefix=decoder_prefix(config.model.hf_path))
+                                    prefix=decoder_prefix(config.model.hf_path),
+                                    shared_layers=shared_expert_layers(config.model))
     return iter_hf_tensors(chunks, config, dtype=dtype, overrides=_merged(chunks, config), keep_fp32=True)
 
 
@@ -47,7 +48,8 @@ def weight_buckets(chunks: list[torch.nn.Module], config: EngineConfig, bucket_b
     if adapter_only:
         require_lora(config, "bucketed_weight_generator(adapter_only=True)")
         named = list(iter_adapter_tensors(chunks, dtype=dtype or precision_dtype(config),
-                                          prefix=decoder_prefix(config.model.hf_path)))
+                                          prefix=decoder_prefix(config.model.hf_path),
+                                          shared_layers=shared_expert_layers(config.model)))
         return bucket_named_tensors(named, bucket_bytes)
     return iter_weight_buckets(chunks, config, bucket_bytes, dtype=dtype, overrides=_merged(chunks, config))
 
@@ -67,6 +69,6 @@ def write_adapter_folder(chunks: list[torch.nn.Module], config: EngineConfig, ou
         m = config.model
         write_adapter(out_dir, adapters, m.lora, swiglu=m.swiglu, hybrid=m.linear_attention is not None,
                       base_model=m.hf_path, dtype=dtype or precision_dtype(config),
-                      prefix=decoder_prefix(m.hf_path))
+                      prefix=decoder_prefix(m.hf_path), shared_layers=shared_expert_layers(m))
     if dist.is_initialized():
         dist.barrier()
