@@ -8,17 +8,22 @@ one merged weight at a time.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mcore_engine.config import EngineConfig
+from mcore_engine.config.lora import FUSED_GDN
 from mcore_engine.hf.peft import (
     TEXT_PREFIX,
     Adapters,
     check_gdn_family,
+    check_shared_expert_family,
     decoder_prefix,
+    fuse_gdn_adapters,
+    fused_gdn,
     gdn_projection_shapes,
     peft_key,
     read_adapter,
@@ -47,17 +52,20 @@ def attach_lora(chunks: Sequence[torch.nn.Module], cfg: EngineConfig) -> None:
     pattern = m.linear_attention.layer_pattern(m.num_layers) if hybrid else []
     gdn_layers = [i for i, is_gdn in enumerate(pattern) if is_gdn]
     check_gdn_family(m)
+    check_shared_expert_family(m)
+    fused = fused_gdn(m)  # Qwen3-Next: in_proj_qkv + in_proj_z (in_proj_b + in_proj_a) share one A
     adapters = None
     if lora.adapter_path is not None:  # read and checked before anything changes
         adapters = read_adapter(lora.adapter_path, lora, swiglu=m.swiglu, num_layers=m.num_layers,
                                 shapes=_projection_shapes(cfg), gdn_layers=gdn_layers,
                                 prefix=decoder_prefix(m.hf_path), shared_layers=shared_expert_layers(m),
-                                shared_shapes=_shared_expert_shapes(cfg))
+                                shared_shapes=_shared_expert_shapes(cfg), fused=m if fused else None)
     for chunk in chunks:
         for param in chunk.parameters():
             param.requires_grad_(False)
         apply_lora(chunk, rank=lora.rank, alpha=lora.alpha, targets=lora.targets(m.swiglu, hybrid),
-                   seed=cfg.seed, dropout=lora.dropout, swiglu=m.swiglu)
+                   seed=cfg.seed, dropout=lora.dropout, swiglu=m.swiglu,
+                   shared_a=FUSED_GDN.values() if fused else ())
         if getattr(chunk, "embedding", None) is not None:
             # the frozen embedding's output does not require grad: activation recompute (Megatron's
             # checkpoint of a block whose inputs need no grad) would give the adapters in it none
@@ -118,14 +126,17 @@ def gather_adapters(model_chunks: Sequence[torch.nn.Module]) -> Adapters:
 
 
 def iter_adapter_tensors(model_chunks: Sequence[torch.nn.Module], dtype: torch.dtype | None = None,
-                         prefix: str = TEXT_PREFIX, shared_layers: Sequence[int] = ()
+                         prefix: str = TEXT_PREFIX, shared_layers: Sequence[int] = (), fused: Any = None
                          ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(PEFT key, full tensor)`` of every adapter in key order (``lora_A`` then ``lora_B`` per
     projection); collective over TP and PP (gathers first). ``dtype`` None: the parameters';
     ``prefix``: the decoder's place in the base folder (``hf.peft.decoder_prefix``: the
     ``model.language_model.`` of a vision-language folder); ``shared_layers``: the layers whose MLP
-    adapters are a shared expert's (``hf.peft.shared_expert_layers``)."""
+    adapters are a shared expert's (``hf.peft.shared_expert_layers``); ``fused``: the ``ModelConfig`` of
+    a Qwen3-Next model (its GDN pairs streamed as one fused adapter each, ``hf.peft.fuse_gdn_adapters``)."""
     adapters = gather_adapters(model_chunks)
+    if fused is not None:
+        adapters = fuse_gdn_adapters(adapters, fused)
     for (layer, projection), (a, b) in sorted(adapters.items()):
         for which, t in (("A", a), ("B", b)):
             key = peft_key(layer, projection, which, prefix, shared_layers)
