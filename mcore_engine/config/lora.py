@@ -9,7 +9,8 @@ and gate / up adapters) and, on a hybrid (Qwen3.5) model, the Gated DeltaNet lin
 named as in Hugging Face; Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` name the pairs
 ``in_proj_qkv`` + ``in_proj_z`` / ``in_proj_b`` + ``in_proj_a``, whose two adapters share PEFT's one
 ``A``). On a MoE model the MLP projections adapt the shared expert (PEFT's
-``mlp.shared_expert.*``) and the dense layers' MLP; the routed experts take none.
+``mlp.shared_expert.*``) and the dense layers' MLP; the routed experts take none (and on folders whose
+PEFT takes those names as the routed experts, Qwen3-Next / Qwen2-MoE, ``hf.peft`` refuses them).
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ class LoRAConfig(Block):
     target_modules: str | list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Megatron names (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``), Hugging Face
     names (``q_proj`` ... ``down_proj``; on a hybrid model also the Gated DeltaNet's ``in_proj_qkv``,
-    ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, ``out_proj``) or ``"all-linear"`` (every one of them
-    the model has)."""
+    ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, ``out_proj``; Qwen3-Next's fused ``in_proj_qkvz`` /
+    ``in_proj_ba`` for the pairs) or ``"all-linear"`` (every one of them the model has)."""
     adapter_path: str | None = None
     """A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) applied on
     top of ``ModelConfig.hf_path``; None: fresh adapters (A random, B zero)."""
