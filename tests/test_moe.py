@@ -371,3 +371,29 @@ def test_moe_expert_parallel_four_ranks(tmp_path):
     path = os.path.join(tmp_path, "moe_ref.pt")
     run_distributed(_reference, 1, path)
     run_distributed(_layouts, 4, path)
+
+
+def _engines_of_different_depths(rank: int, world_size: int) -> None:
+    import dataclasses
+
+    from mcore_engine.engine import MegatronEngine
+    from mcore_engine.parallel.platform import destroy_distributed
+    from tests.engine_setup import policy_loss
+    from tests.parallel_setup import batches, config
+
+    for layers in (4, 6, 4):  # deeper, then shallower again, than the engine before
+        cfg = config("moe")
+        moe = dataclasses.replace(cfg.model.moe, layer_freq=[0] + [1] * (layers - 1))
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers, moe=moe))
+        engine = MegatronEngine(cfg)
+        engine.initialize()
+        metrics = engine.train_batch(batches()[0], policy_loss).get_non_tensor("metrics")
+        assert metrics["update_skipped"] == 0.0 and metrics["moe/load_balancing_loss"] > 0, metrics
+        del engine
+        destroy_distributed()
+
+
+def test_moe_engines_of_different_depths_in_one_process():
+    """Megatron's router-loss tracker is global and sized by the first model that writes to it: an
+    MoE engine built after a shallower one (a critic, a reference with MTP) still trains."""
+    run_distributed(_engines_of_different_depths, 1)

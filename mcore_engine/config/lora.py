@@ -6,7 +6,11 @@ PEFT's LoRA on a frozen base: ``y = W x + (alpha / rank) * B A dropout(x)`` per 
 Megatron's four linears (the fused ``linear_qkv`` / ``linear_fc1`` carry PEFT's separate q / k / v
 and gate / up adapters) and, on a hybrid (Qwen3.5) model, the Gated DeltaNet linears
 (``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` / ``out_proj``, one adapter each,
-named as in Hugging Face).
+named as in Hugging Face; Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` name the pairs
+``in_proj_qkv`` + ``in_proj_z`` / ``in_proj_b`` + ``in_proj_a``, whose two adapters share PEFT's one
+``A``). On a MoE model the MLP projections adapt the shared expert (PEFT's
+``mlp.shared_expert.*``) and the dense layers' MLP; the routed experts take none (and on folders whose
+PEFT takes those names as the routed experts, Qwen3-Next / Qwen2-MoE, ``hf.peft`` refuses them).
 """
 
 from __future__ import annotations
@@ -16,12 +20,15 @@ from typing import Any
 
 from mcore_engine.config.checks import Block, fail, is_number, require
 
-__all__ = ["GDN_LINEARS", "HF_PROJECTIONS", "LINEAR_PROJECTIONS", "LoRAConfig", "linear_projections"]
+__all__ = ["FUSED_GDN", "GDN_LINEARS", "HF_PROJECTIONS", "LINEAR_PROJECTIONS", "LoRAConfig",
+           "linear_projections"]
 
 DENSE_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 GDN_LINEARS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 """The Gated DeltaNet layer's linears: Megatron name = Hugging Face name = projection (one adapter)."""
-FUSED_GDN = ("in_proj_qkvz", "in_proj_ba")  # Qwen3-Next's fused Hugging Face tensors: not supported
+FUSED_GDN: dict[str, tuple[str, str]] = {"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
+                                         "in_proj_ba": ("in_proj_b", "in_proj_a")}
+"""Qwen3-Next's fused Hugging Face GDN projections -> the engine's two linears (one PEFT ``A``, shared)."""
 
 # Megatron linear -> the Hugging Face projections it fuses (SwiGLU fc1: gate and up)
 LINEAR_PROJECTIONS: dict[str, tuple[str, ...]] = {
@@ -56,8 +63,8 @@ class LoRAConfig(Block):
     target_modules: str | list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Megatron names (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``), Hugging Face
     names (``q_proj`` ... ``down_proj``; on a hybrid model also the Gated DeltaNet's ``in_proj_qkv``,
-    ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, ``out_proj``) or ``"all-linear"`` (every one of them
-    the model has)."""
+    ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, ``out_proj``; Qwen3-Next's fused ``in_proj_qkvz`` /
+    ``in_proj_ba`` for the pairs) or ``"all-linear"`` (every one of them the model has)."""
     adapter_path: str | None = None
     """A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) applied on
     top of ``ModelConfig.hf_path``; None: fresh adapters (A random, B zero)."""
@@ -90,15 +97,14 @@ class LoRAConfig(Block):
                       f"got {self.target_modules!r}", "target_modules")
         out: dict[str, set[str]] = {}
         for name in names:
-            if name in FUSED_GDN:
-                fail(f"LoRAConfig.target_modules: {name!r} (Qwen3-Next's fused Gated DeltaNet projection) "
-                     "is not supported; adapt the attention / MLP linears of a Qwen3-Next model, or use a "
-                     "Qwen3.5-layout model (in_proj_qkv / in_proj_z / in_proj_b / in_proj_a)",
-                     self.path("target_modules"))
-            if name in GDN_LINEARS and not hybrid:
+            if (name in GDN_LINEARS or name in FUSED_GDN) and not hybrid:
                 fail(f"LoRAConfig.target_modules: {name!r} is a Gated DeltaNet linear; this model has no "
                      "GDN layers (ModelConfig.linear_attention is None)", self.path("target_modules"),
                      "model.linear_attention")
+            if name in FUSED_GDN:  # Qwen3-Next: two linears (hf.peft.check_gdn_family checks the family)
+                for linear in FUSED_GDN[name]:
+                    out.setdefault(linear, set()).add(linear)
+                continue
             if name in LINEAR_PROJECTIONS:
                 linear, projections = name, set(LINEAR_PROJECTIONS[name])
             elif name in HF_PROJECTIONS:
@@ -106,7 +112,8 @@ class LoRAConfig(Block):
                 projections = {projection}
             else:
                 fail(f"LoRAConfig.target_modules: unknown module {name!r}; expected one of "
-                     f"{list(dict.fromkeys([*LINEAR_PROJECTIONS, *HF_PROJECTIONS]))} or 'all-linear'",
+                     f"{list(dict.fromkeys([*LINEAR_PROJECTIONS, *HF_PROJECTIONS, *FUSED_GDN]))} or "
+                     "'all-linear'",
                      self.path("target_modules"))
             out.setdefault(linear, set()).update(projections)
         if not swiglu and "linear_fc1" in out:
@@ -116,18 +123,26 @@ class LoRAConfig(Block):
             out["linear_fc1"] &= set(linear_projections("linear_fc1", swiglu))
         return out
 
-    def hf_target_modules(self, swiglu: bool = True, hybrid: bool = False) -> list[str]:
-        """The Hugging Face module names adapted (PEFT's ``target_modules``), sorted."""
-        return sorted(PROJECTION_HF_NAMES[p] for ps in self.targets(swiglu, hybrid).values() for p in ps)
+    def hf_target_modules(self, swiglu: bool = True, hybrid: bool = False,
+                          fused_gdn: bool = False) -> list[str]:
+        """The Hugging Face module names adapted (PEFT's ``target_modules``), sorted; ``fused_gdn``
+        (Qwen3-Next): the GDN pairs as ``in_proj_qkvz`` / ``in_proj_ba``."""
+        names = {PROJECTION_HF_NAMES[p] for ps in self.targets(swiglu, hybrid).values() for p in ps}
+        if fused_gdn:
+            for fused, pair in FUSED_GDN.items():
+                if names & set(pair):
+                    names = (names - set(pair)) | {fused}
+        return sorted(names)
 
     def check(self, model: Any, parallel: Any) -> None:
-        """Attention-only on MoE models (the MLP linears are experts), an lm head, a base for a
-        loaded adapter."""
+        """No MLP targets on a MoE model without a shared expert (its MLP linears are the experts'; with
+        one they adapt the shared expert), an lm head, a base for a loaded adapter."""
         targets = self.targets(model.swiglu, model.linear_attention is not None)
-        require(model.moe is None or not {"linear_fc1", "linear_fc2"} & set(targets),
-                "ModelConfig.lora.target_modules: the MLP linears of a MoE model are its experts' (not "
-                "supported: target the attention linears q_proj / k_proj / v_proj / o_proj)",
-                "model.lora.target_modules", "model.moe")
+        shared = model.moe is not None and model.moe.shared_expert_ffn_hidden_size is not None
+        require(model.moe is None or shared or not {"linear_fc1", "linear_fc2"} & set(targets),
+                "ModelConfig.lora.target_modules: the MLP linears of a MoE model without a shared expert are "
+                "its experts' (not supported: target the attention linears q_proj / k_proj / v_proj / "
+                "o_proj)", "model.lora.target_modules", "model.moe")
         require(model.head == "lm", "ModelConfig.lora needs ModelConfig.head='lm' (no LoRA critic)",
                 "model.lora", "model.head")
         require(self.adapter_path is None or model.hf_path is not None, "ModelConfig.lora.adapter_path "

@@ -28,6 +28,7 @@ module whose layer is a full-attention layer, as vLLM's Qwen3-Next / Qwen3.5 MTP
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -40,8 +41,8 @@ if TYPE_CHECKING:
     from mcore_engine.config import ModelConfig
     from mcore_engine.hf.families import Family
 
-__all__ = ["GDN_KINDS", "GDN_SUFFIXES", "MTP_OWN", "PART_KINDS", "assemble_parts", "gdn_from_hf",
-           "gdn_hf_shapes", "gdn_to_hf", "gdn_units", "mtp_own_shapes", "row_map"]
+__all__ = ["GDN_KINDS", "GDN_SUFFIXES", "MTP_OWN", "PART_KINDS", "assemble_parts", "config_hint",
+           "gdn_from_hf", "gdn_hf_shapes", "gdn_to_hf", "gdn_units", "mtp_own_shapes", "row_map"]
 
 _SPLIT = {
     "self_attention.in_proj_qkv.weight": ("gdn_qkv", "linear_attn.in_proj_qkv.weight"),
@@ -73,6 +74,27 @@ MTP_OWN = {"enorm.weight": ("replicated", "mtp.pre_fc_norm_embedding.weight"),
            "hnorm.weight": ("replicated", "mtp.pre_fc_norm_hidden.weight"),
            "eh_proj.weight": ("column", "mtp.fc.weight"),
            "final_layernorm.weight": ("replicated", "mtp.norm.weight")}
+
+
+def config_hint(name: str, cfg: ModelConfig) -> str:
+    """For an error about tensor ``name`` of a hybrid folder: the ``config.json`` fields that decided
+    where it goes and its shape (``""`` for other models and tensors)."""
+    gdn = cfg.linear_attention
+    match = re.match(r"model\.layers\.(\d+)\.(linear_attn|self_attn)\.", name)
+    if gdn is None or match is None:
+        return ""
+    layer = int(match[1])
+    hints = []
+    if layer < cfg.num_layers:
+        kind = LAYER_TYPES[0] if gdn.layer_pattern(cfg.num_layers)[layer] else LAYER_TYPES[1]
+        hints.append(f"layer {layer} is {kind!r} in layer_types")
+    if match[2] == "linear_attn":
+        hints.append(f"linear_num_key_heads={gdn.num_key_heads}, linear_num_value_heads="
+                     f"{gdn.num_value_heads}, linear_key_head_dim={gdn.key_head_dim}, "
+                     f"linear_value_head_dim={gdn.value_head_dim}")
+        if ".conv1d." in name:
+            hints.append(f"linear_conv_kernel_dim={gdn.conv_kernel_dim}")
+    return f" (config.json: {'; '.join(hints)})"
 
 
 def mtp_own_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -20,6 +20,7 @@ from mcore_engine.config import EngineConfig, ModelConfig
 from mcore_engine.hf.checkpoint_io import HFCheckpointReader
 from mcore_engine.hf.folder import FolderReader
 from mcore_engine.hf.hf_config import from_hf_config, is_token_classification, read_hf_config
+from mcore_engine.hf.hybrid import config_hint
 from mcore_engine.hf.layout import shard_from_hf
 from mcore_engine.hf.mapping import check_hf_names, hf_shapes, iter_units
 from mcore_engine.hf.mtp_names import check_mtp_present, mtp_alias_shapes
@@ -96,6 +97,16 @@ def value_head_names_to_skip(cfg: ModelConfig, hf_config: dict, names: set[str])
     return {"score.bias"} - names
 
 
+def check_shapes(reader, shapes: dict[str, tuple[int, ...]], cfg: ModelConfig) -> None:
+    """``reader.check(shapes)``, its ``ValueError`` naming the ``config.json`` fields behind the tensor
+    (a hybrid folder's layer type, GDN heads, conv kernel: ``hf.hybrid.config_hint``)."""
+    for name, shape in shapes.items():
+        try:
+            reader.check({name: shape})
+        except ValueError as e:
+            raise ValueError(f"{e}{config_hint(name, cfg)}") from e
+
+
 def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_path: str | os.PathLike,
                     cfg: EngineConfig) -> None:
     """``param.copy_(shard_from_hf(rule, read, cfg.model, tp_rank, tp_size, param.shape))`` per parameter
@@ -122,7 +133,7 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_path: str | os.P
         fresh = value_head_names_to_skip(model_cfg, hf_config, set(reader.names()))
         shapes = {k: v for k, v in shapes.items() if k not in fresh}
         check_mtp_present(model_cfg, reader.names())
-        reader.check(shapes)
+        check_shapes(reader, shapes, model_cfg)
         reader.check(mtp_alias_shapes(model_cfg, reader.names()))  # MTP copies of the shared weights, if any
         tp = (parallel_state.get_tensor_model_parallel_rank(),
               parallel_state.get_tensor_model_parallel_world_size())

@@ -47,7 +47,14 @@ from mcore_engine.hf.families import (  # noqa: F401 (model_family: its old home
     model_family,
 )
 from mcore_engine.hf.folder import folder_format, folder_stream
-from mcore_engine.hf.hybrid import GDN_SUFFIXES, MTP_OWN, gdn_hf_shapes, gdn_units, mtp_own_shapes
+from mcore_engine.hf.hybrid import (
+    GDN_SUFFIXES,
+    MTP_OWN,
+    config_hint,
+    gdn_hf_shapes,
+    gdn_units,
+    mtp_own_shapes,
+)
 from mcore_engine.hf.mtp_names import (
     is_mtp_unit,
     mtp_aliases,
@@ -362,7 +369,7 @@ def check_hf_names(names: list[str], cfg: ModelConfig) -> None:
         if name == "lm_head.weight" and (cfg.tie_word_embeddings or cfg.head == "value"):
             continue  # tied checkpoints may store it anyway; a value trunk from a causal LM drops it
         raise ValueError(f"tensor {name!r} in the checkpoint has no place in the model built from its "
-                         "config (config and weights do not match)")
+                         f"config (config and weights do not match){config_hint(name, cfg)}")
 
 
 def unwrap_chunk(chunk: torch.nn.Module) -> torch.nn.Module:

@@ -128,9 +128,10 @@ class VerlEngineState:
             return None
         from peft import PeftType, TaskType
 
-        from mcore_engine.hf.peft import peft_config
+        from mcore_engine.hf.peft import fused_gdn, peft_config
 
-        config = peft_config(lora, swiglu=self.config.model.swiglu)
+        m = self.config.model  # a hybrid model's GDN targets, Qwen3-Next's as in_proj_qkvz / in_proj_ba
+        config = peft_config(lora, swiglu=m.swiglu, hybrid=m.linear_attention is not None, fused=fused_gdn(m))
         return config | {"peft_type": PeftType(config["peft_type"]),
                          "task_type": TaskType(config["task_type"])}
 

@@ -105,9 +105,11 @@ def _plan(model: torch.nn.Module, targets: dict[str, set[str]], swiglu: bool) ->
             parent = getattr(layer, _WHERE[linear], None)
             where = f"decoder.layers.{global_layer}.{_WHERE[linear]}"
             if linear in ("linear_fc1", "linear_fc2") and hasattr(parent, "experts"):
-                raise ValueError(f"targets[{linear!r}]: {where} is an MoE layer; LoRA on MoE expert linears "
-                                 "(mlp.experts: SequentialMLP / GroupedMLP) and shared experts is not "
-                                 "supported (adapt linear_qkv / linear_proj only)")
+                if getattr(parent, "shared_experts", None) is None:
+                    raise ValueError(f"targets[{linear!r}]: {where} is an MoE layer without a shared expert; "
+                                     "LoRA on MoE expert linears (mlp.experts: SequentialMLP / GroupedMLP) "
+                                     "is not supported (adapt linear_qkv / linear_proj only)")
+                parent, where = parent.shared_experts, f"{where}.shared_experts"  # the routed experts: none
             module = getattr(parent, linear, None)
             if module is None:
                 raise ValueError(f"targets[{linear!r}]: {where} has no {linear} (MLA or another attention / "
@@ -147,7 +149,8 @@ def _plan(model: torch.nn.Module, targets: dict[str, set[str]], swiglu: bool) ->
 
 def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, targets: Mapping[str, Iterable[str]],
                seed: int, dropout: float = 0.0, swiglu: bool | None = None,
-               init_lora_weights: bool | str = True) -> list[torch.nn.Parameter]:
+               init_lora_weights: bool | str = True,
+               shared_a: Iterable[tuple[str, str]] = ()) -> list[torch.nn.Parameter]:
     """Put LoRA adapters on every decoder layer of one unwrapped ``GPTModel`` chunk, in place, before
     DDP; returns the adapter parameters. ``targets``: Megatron linear -> projections (``linear_qkv`` ⊆
     {q, k, v}, ``linear_proj`` {o}, ``linear_fc1`` ⊆ {gate, up} (without SwiGLU {up}), ``linear_fc2``
@@ -155,9 +158,15 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, targets: Mapp
     ``in_proj_a`` / ``out_proj`` ({their own name}), and ``linear_qkv`` with an output gate (PEFT's
     ``q_proj`` adapter covers query and gate rows). Adapter ``p`` of global layer ``i`` is drawn in
     full from ``(seed, "decoder.layers.<i>.<where>.<linear>", p)`` and sliced, so every TP / PP layout
-    holds slices of the same adapters. MTP layers are not adapted. ``ValueError`` before any change for bad
-    hyper-parameters or targets, MoE MLPs, MLA, Transformer Engine linears, ``num_query_groups`` not
-    divisible by TP, a linear no layer has, or adapters already present."""
+    holds slices of the same adapters. ``shared_a``: pairs ``(first, second)`` of Gated DeltaNet column
+    linears whose adapters share one ``A`` (Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba``: PEFT's
+    one adapter on them): in each layer adapting both, ``second`` uses ``first``'s ``A`` parameter (both
+    linears' gradients reach it; no dropout then, PEFT's one mask cannot be reproduced across two
+    linears). On a MoE layer ``linear_fc1`` / ``linear_fc2`` are the shared
+    expert's (the routed experts take none). MTP layers are not adapted. ``ValueError`` before any change
+    for bad hyper-parameters or targets, MoE MLPs without a shared expert, MLA, Transformer Engine
+    linears, ``num_query_groups`` not divisible by TP, a linear no layer has, or adapters already
+    present."""
     _hyper(rank, alpha, dropout, init_lora_weights)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")
@@ -181,7 +190,14 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, targets: Mapp
         wanted[linear] = chosen
     if not wanted:
         raise ValueError("targets: no linear to adapt")
+    shared_a = [tuple(pair) for pair in shared_a]
+    for pair in shared_a:
+        if len(pair) != 2 or not set(pair) <= set(GDN_LINEARS) - {"out_proj"} or pair[0] == pair[1]:
+            raise ValueError(f"shared_a: {pair!r} is not a pair of Gated DeltaNet column linears")
+        if dropout and set(pair) <= set(wanted):
+            raise ValueError(f"dropout={dropout}: adapters sharing one A ({pair}) need dropout 0")
     params: list[torch.nn.Parameter] = []
+    converted: dict[tuple[int, str], torch.nn.Module] = {}
     for module, linear, layer, layout in _plan(model, wanted, swiglu):
         name = f"decoder.layers.{layer}.{_WHERE[linear]}.{linear}"
         common = dict(rank=rank, alpha=alpha, seed=seed, name=name, dropout=dropout,
@@ -191,8 +207,24 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, targets: Mapp
         else:
             LoRAColumnParallelLinear.from_base(module, layout=layout, targets=wanted[linear], **common)
         module.lora_layer = layer
+        converted[(layer, linear)] = module
+    for first, second in shared_a:
+        for (layer, linear), module in converted.items():
+            if linear == second and (layer, first) in converted:
+                # both column linears of the same input: A [r, hidden] replicated over TP alike
+                module.lora_A[second] = converted[(layer, first)].lora_A[first]
+                module._lora_shared_a = (*getattr(module, "_lora_shared_a", ()), second)
+                module.register_load_state_dict_pre_hook(_fill_shared_a)
+    for module in converted.values():
         params += [t for p in module.lora_targets for t in (module.lora_A[p], module.lora_B[p])]
-    return params
+    return list({id(p): p for p in params}.values())
+
+
+def _fill_shared_a(module: torch.nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """Load pre-hook of a linear whose ``A`` is another's (``apply_lora(shared_a=...)``): a checkpoint
+    holds that ``A`` once, under its owner; the missing entry is the parameter itself (a no-op copy)."""
+    for p in module._lora_shared_a:
+        state_dict.setdefault(f"{prefix}lora_A.{p}", module.lora_A[p].detach())
 
 
 def adapter_shards(model: torch.nn.Module | Iterable[torch.nn.Module]) -> dict[tuple[int, str], LoRAShard]:

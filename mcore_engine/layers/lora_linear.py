@@ -266,9 +266,11 @@ class _LoRA:
             for which, dim in (("A", self._A_TP_DIM), ("B", self._B_TP_DIM)):
                 if dim is not None:
                     axes[f"lora_{which}.{p}"] = dim
-        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axes,
-                                                   sharded_offsets, tp_group=self.tp_group,
-                                                   dp_cp_group=metadata["dp_cp_group"])
+        state = self.state_dict(prefix="", keep_vars=True)
+        for p in getattr(self, "_lora_shared_a", ()):  # another linear's A (layers.lora.apply_lora's
+            del state[f"lora_A.{p}"]                   # shared_a): checkpointed once, by its owner
+        groups = {"tp_group": self.tp_group, "dp_cp_group": metadata["dp_cp_group"]}
+        return make_sharded_tensors_for_checkpoint(state, prefix, axes, sharded_offsets, **groups)
 
 
 def _check_base(base: torch.nn.Module, cls: type) -> None:

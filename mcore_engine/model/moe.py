@@ -149,9 +149,10 @@ class MoERuntime:
         for name in _LOSS_NAMES:
             self._stats[name] = torch.zeros(self.num_moe_layers, dtype=torch.float64, device=device)
         self._num_tokens = counts[0].clamp_min(1.0)
-        # Megatron's per-layer loss tracker only grows; zeroed per step, the per-router differences
-        # read from it stay exact in fp32 however long the run
-        moe_utils.clear_aux_losses_tracker()
+        # Megatron's per-layer loss tracker only grows and is global: emptied per step (its entries
+        # are re-made at this model's layer count, which another engine in the process may not
+        # share), the per-router differences read from it stay exact in fp32 however long the run
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
         self._step = step
         self._training = training
         # a forward-only pass (with grad enabled, the routers count) leaves the step's counts as they were

@@ -8,13 +8,27 @@ one merged weight at a time.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mcore_engine.config import EngineConfig
-from mcore_engine.hf.peft import Adapters, check_gdn_family, gdn_projection_shapes, peft_key, read_adapter
+from mcore_engine.config.lora import FUSED_GDN
+from mcore_engine.hf.peft import (
+    TEXT_PREFIX,
+    Adapters,
+    check_gdn_family,
+    check_shared_expert_family,
+    decoder_prefix,
+    fuse_gdn_adapters,
+    fused_gdn,
+    gdn_projection_shapes,
+    peft_key,
+    read_adapter,
+    shared_expert_layers,
+)
 from mcore_engine.layers.lora import (
     adapter_shards,
     apply_lora,
@@ -38,15 +52,20 @@ def attach_lora(chunks: Sequence[torch.nn.Module], cfg: EngineConfig) -> None:
     pattern = m.linear_attention.layer_pattern(m.num_layers) if hybrid else []
     gdn_layers = [i for i, is_gdn in enumerate(pattern) if is_gdn]
     check_gdn_family(m)
+    check_shared_expert_family(m)
+    fused = fused_gdn(m)  # Qwen3-Next: in_proj_qkv + in_proj_z (in_proj_b + in_proj_a) share one A
     adapters = None
     if lora.adapter_path is not None:  # read and checked before anything changes
         adapters = read_adapter(lora.adapter_path, lora, swiglu=m.swiglu, num_layers=m.num_layers,
-                                shapes=_projection_shapes(cfg), gdn_layers=gdn_layers)
+                                shapes=_projection_shapes(cfg), gdn_layers=gdn_layers,
+                                prefix=decoder_prefix(m.hf_path), shared_layers=shared_expert_layers(m),
+                                shared_shapes=_shared_expert_shapes(cfg), fused=m if fused else None)
     for chunk in chunks:
         for param in chunk.parameters():
             param.requires_grad_(False)
         apply_lora(chunk, rank=lora.rank, alpha=lora.alpha, targets=lora.targets(m.swiglu, hybrid),
-                   seed=cfg.seed, dropout=lora.dropout, swiglu=m.swiglu)
+                   seed=cfg.seed, dropout=lora.dropout, swiglu=m.swiglu,
+                   shared_a=FUSED_GDN.values() if fused else ())
         if getattr(chunk, "embedding", None) is not None:
             # the frozen embedding's output does not require grad: activation recompute (Megatron's
             # checkpoint of a block whose inputs need no grad) would give the adapters in it none
@@ -73,6 +92,15 @@ def _projection_shapes(cfg: EngineConfig) -> dict[str, tuple[int, int]]:
     return shapes
 
 
+def _shared_expert_shapes(cfg: EngineConfig) -> dict[str, tuple[int, int]] | None:
+    """``projection -> (out, in)`` of a MoE model's shared expert MLP; None without one."""
+    moe, h = cfg.model.moe, cfg.model.hidden_size
+    if moe is None or moe.shared_expert_ffn_hidden_size is None:
+        return None
+    f = moe.shared_expert_ffn_hidden_size
+    return {"gate": (f, h), "up": (f, h), "down": (h, f)}
+
+
 def _gather_dim(t: torch.Tensor, dim: int | None) -> torch.Tensor:
     group = parallel_state.get_tensor_model_parallel_group()
     size = dist.get_world_size(group)
@@ -97,14 +125,22 @@ def gather_adapters(model_chunks: Sequence[torch.nn.Module]) -> Adapters:
     return {k: v for stage in stages for k, v in stage.items()}
 
 
-def iter_adapter_tensors(model_chunks: Sequence[torch.nn.Module], dtype: torch.dtype | None = None
+def iter_adapter_tensors(model_chunks: Sequence[torch.nn.Module], dtype: torch.dtype | None = None,
+                         prefix: str = TEXT_PREFIX, shared_layers: Sequence[int] = (), fused: Any = None
                          ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(PEFT key, full tensor)`` of every adapter in key order (``lora_A`` then ``lora_B`` per
-    projection); collective over TP and PP (gathers first). ``dtype`` None: the parameters'."""
+    projection); collective over TP and PP (gathers first). ``dtype`` None: the parameters';
+    ``prefix``: the decoder's place in the base folder (``hf.peft.decoder_prefix``: the
+    ``model.language_model.`` of a vision-language folder); ``shared_layers``: the layers whose MLP
+    adapters are a shared expert's (``hf.peft.shared_expert_layers``); ``fused``: the ``ModelConfig`` of
+    a Qwen3-Next model (its GDN pairs streamed as one fused adapter each, ``hf.peft.fuse_gdn_adapters``)."""
     adapters = gather_adapters(model_chunks)
+    if fused is not None:
+        adapters = fuse_gdn_adapters(adapters, fused)
     for (layer, projection), (a, b) in sorted(adapters.items()):
         for which, t in (("A", a), ("B", b)):
-            yield peft_key(layer, projection, which), t if dtype is None else t.to(dtype)
+            key = peft_key(layer, projection, which, prefix, shared_layers)
+            yield key, t if dtype is None else t.to(dtype)
 
 
 def merged_weight_overrides(model_chunks: Sequence[torch.nn.Module]

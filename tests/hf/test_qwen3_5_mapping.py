@@ -21,6 +21,7 @@ from mcore_engine.hf.folder import FolderReader, folder_format, folder_stream
 from mcore_engine.hf.hf_config import from_hf_config, to_hf_config
 from mcore_engine.hf.hybrid import assemble_parts, row_map
 from mcore_engine.hf.layout import gathered_names, hf_from_gathered, shard_from_hf
+from mcore_engine.hf.load import check_shapes
 from mcore_engine.hf.mapping import check_hf_names, hf_shapes, hf_stream_shapes, model_units, unit_rule
 from tests.hf import qwen3_5_models as M
 
@@ -355,10 +356,13 @@ def _rewrite(path, tmp_path, edit):
 
 @pytest.mark.parametrize("edit, match", [
     (lambda t: t.update({"model.layers.1.linear_attn.in_proj_qkv.weight":
-                         t["model.layers.1.linear_attn.in_proj_qkv.weight"][:-16]}), "in_proj_qkv"),
+                         t["model.layers.1.linear_attn.in_proj_qkv.weight"][:-16]}),
+     r"in_proj_qkv.*config.json: layer 1 is 'linear_attention'.*linear_num_key_heads="),
     (lambda t: t.update({"model.layers.0.linear_attn.conv1d.weight":
-                         t["model.layers.0.linear_attn.conv1d.weight"][..., :3].contiguous()}), "conv1d"),
-    (lambda t: t.update({"model.layers.3.linear_attn.A_log": torch.zeros(4)}), "layers.3.linear_attn.A_log"),
+                         t["model.layers.0.linear_attn.conv1d.weight"][..., :3].contiguous()}),
+     r"conv1d.*linear_conv_kernel_dim=4"),
+    (lambda t: t.update({"model.layers.3.linear_attn.A_log": torch.zeros(4)}),
+     r"layers.3.linear_attn.A_log.*config.json: layer 3 is 'full_attention' in layer_types"),
 ])
 def test_folder_disagreeing_with_its_config_is_refused(folders, tmp_path, edit, match):
     bad = _rewrite(folders["qwen3_5"], tmp_path, edit)
@@ -366,7 +370,7 @@ def test_folder_disagreeing_with_its_config_is_refused(folders, tmp_path, edit, 
     with HFCheckpointReader(bad) as raw, pytest.raises(ValueError, match=match):
         reader = FolderReader(raw)
         check_hf_names(reader.names(), cfg)
-        reader.check(hf_shapes(cfg))
+        check_shapes(reader, hf_shapes(cfg), cfg)
 
 
 def test_hf_family_of_multimodal():
