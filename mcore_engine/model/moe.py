@@ -152,7 +152,7 @@ class MoERuntime:
         # Megatron's per-layer loss tracker only grows and is global: emptied per step (its entries
         # are re-made at this model's layer count, which another engine in the process may not
         # share), the per-router differences read from it stay exact in fp32 however long the run
-        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+        _empty_loss_tracker()
         self._step = step
         self._training = training
         # a forward-only pass (with grad enabled, the routers count) leaves the step's counts as they were
@@ -265,3 +265,12 @@ class MoERuntime:
                 if name in tracker:
                     out[metric] = out.get(metric, 0.0) + tracker[name]["values"][layer_number - 1].double()
         return out
+
+
+def _empty_loss_tracker() -> None:
+    """Empty Megatron-Core's global per-layer router-loss tracker: the dict itself up to 0.18, from
+    0.19 ``get_moe_metrics_tracker().metrics`` (the legacy getter then returns a copy)."""
+    metrics_tracker = getattr(moe_utils, "get_moe_metrics_tracker", None)
+    tracker = metrics_tracker().metrics if metrics_tracker is not None else \
+        moe_utils.get_moe_layer_wise_logging_tracker()
+    tracker.clear()
