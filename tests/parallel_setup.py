@@ -188,3 +188,16 @@ def same_tensors(what: str, engine, got: list[dict], want: dict, *, tol: float |
         adam = AdamSteps(local_reference(engine, steps_from), opt.lr, opt.adam_eps, steps)
     assert_tensors_close(what, got, local_reference(engine, want), attn=Attention.of(engine.config.model),
                          grads=steps_from is None, tol=tol, adam=adam)
+
+
+def check_layout_tensors(name: str, engine, got: dict, ref: dict, bf16: bool) -> None:
+    """A layout's step-1 gradients, weights after step 1 (fp32 only) and after two steps against
+    the reference's (:func:`same_tensors`; ``bf16``: the reference's per-tensor ``bf16_budget``)."""
+    budget = ref["bf16_budget"] if bf16 else {"grads": None, "full2": None}
+    same_tensors(f"{name}: gradients of step 1", engine, got["grads"], ref["grads"][0], tol=budget["grads"])
+    if budget["full2"] is None:
+        same_tensors(f"{name}: weights after step 1", engine, got["weights1"], ref["weights1"][0],
+                     steps_from=ref["grads"][0], steps=1)
+    weights = [{k: p.detach().float() for k, p in chunk.module.named_parameters()} for chunk in engine.model]
+    same_tensors(f"{name}: weights after 2 steps", engine, weights, ref["full2"], tol=budget["full2"],
+                 steps_from=ref["grads"][0])

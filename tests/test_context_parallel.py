@@ -38,10 +38,10 @@ from tests.parallel_setup import (
     TOL,
     after_steps,
     batches,
+    check_layout_tensors,
     compare,
     config,
     run_steps,
-    same_tensors,
 )
 from tests.utils import REL_TOL, assert_rel_close, run_distributed
 
@@ -176,16 +176,7 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
         else:
             got = run_steps(engine, model, select, data=data)
             compare(name, got, ref, select, tol, data)
-        budget = ref["bf16_budget"] if kwargs.get("precision") == "bf16" else {"grads": None, "full2": None}
-        same_tensors(f"{name}: gradients of step 1", engine, got["grads"], ref["grads"][0],
-                     tol=budget["grads"])
-        if budget["full2"] is None:
-            same_tensors(f"{name}: weights after step 1", engine, got["weights1"], ref["weights1"][0],
-                         steps_from=ref["grads"][0], steps=1)
-        weights = [{k: p.detach().float() for k, p in chunk.module.named_parameters()}
-                   for chunk in engine.model]
-        same_tensors(f"{name}: weights after 2 steps", engine, weights, ref["full2"], tol=budget["full2"],
-                     steps_from=ref["grads"][0])
+        check_layout_tensors(name, engine, got, ref, bf16=kwargs.get("precision") == "bf16")
         if name == "dense-cp2-thd":  # too long a sequence: refused naming the field, nothing changed
             before = [p.detach().clone() for chunk in engine.model for p in chunk.module.parameters()]
             with pytest.raises(ValueError, match="max_sequence_length"):

@@ -17,7 +17,7 @@ import torch
 
 from tests.compare import bf16_budget
 from tests.engine_setup import full_state, load_full_state
-from tests.parallel_setup import TOL, compare, config, run_steps, same_tensors, trained_like
+from tests.parallel_setup import TOL, check_layout_tensors, compare, config, run_steps, trained_like
 from tests.utils import REL_TOL, run_distributed
 
 # name, model, config kwargs, tolerance
@@ -71,15 +71,7 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
         load_full_state(engine, r["full0"])
         got = run_steps(engine, model)
         compare(name, got, r, False, tol, batches())
-        budget = r["bf16_budget"] if kwargs.get("precision") == "bf16" else {"grads": None, "full2": None}
-        same_tensors(f"{name}: gradients of step 1", engine, got["grads"], r["grads"][0], tol=budget["grads"])
-        if budget["full2"] is None:
-            same_tensors(f"{name}: weights after step 1", engine, got["weights1"], r["weights1"][0],
-                         steps_from=r["grads"][0], steps=1)
-        weights = [{k: p.detach().float() for k, p in chunk.module.named_parameters()}
-                   for chunk in engine.model]
-        same_tensors(f"{name}: weights after 2 steps", engine, weights, r["full2"], tol=budget["full2"],
-                     steps_from=r["grads"][0])
+        check_layout_tensors(name, engine, got, r, bf16=kwargs.get("precision") == "bf16")
         del engine
         destroy_distributed()
 

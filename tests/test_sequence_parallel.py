@@ -37,10 +37,10 @@ from tests.parallel_setup import (
     SEED,
     TOL,
     batches,
+    check_layout_tensors,
     compare,
     config,
     run_steps,
-    same_tensors,
 )
 from tests.utils import REL_TOL, assert_rel_close, run_distributed
 
@@ -110,15 +110,7 @@ def _layouts(rank: int, world_size: int, path: str) -> None:
         got = run_steps(engine, model, select)
         compare(name, got, ref[model], select, tol, batches())
         r = ref[model]
-        budget = r["bf16_budget"] if kwargs.get("precision") == "bf16" else {"grads": None, "full2": None}
-        same_tensors(f"{name}: gradients of step 1", engine, got["grads"], r["grads"][0], tol=budget["grads"])
-        if budget["full2"] is None:
-            same_tensors(f"{name}: weights after step 1", engine, got["weights1"], r["weights1"][0],
-                         steps_from=r["grads"][0], steps=1)
-        weights = [{k: p.detach().float() for k, p in chunk.module.named_parameters()}
-                   for chunk in engine.model]
-        same_tensors(f"{name}: weights after 2 steps", engine, weights, r["full2"], tol=budget["full2"],
-                     steps_from=r["grads"][0])
+        check_layout_tensors(name, engine, got, r, bf16=kwargs.get("precision") == "bf16")
         if name == "dense-tp2-sp-thd":
             _check_resume_without_sp(engine, os.path.join(os.path.dirname(path), "ckpt-sp"))
         if model == "moe":
