@@ -110,6 +110,7 @@ def _mtp_on_hybrid(rank: int, world_size: int) -> None:
     import dataclasses
 
     from mcore_engine.engine import MegatronEngine
+    from mcore_engine.layers.gated_attention import GatedSelfAttention
     from mcore_engine.layers.gated_delta_net import GatedDeltaNet
     from tests.engine_setup import policy_loss
     from tests.parallel_setup import batches
@@ -126,6 +127,8 @@ def _mtp_on_hybrid(rank: int, world_size: int) -> None:
     model = chunk.module
     types = [type(layer.self_attention) is GatedDeltaNet for layer in model.decoder.layers]
     assert types == [False, True, True, True], types
+    # the output gate eager (Megatron's torch.compile'd one gave NaNs under ATEN_CPU_CAPABILITY=avx2)
+    assert type(model.decoder.layers[0].self_attention) is GatedSelfAttention
     from megatron.core.transformer.attention import SelfAttention
 
     mtp_modules = list(model.mtp.modules())  # the layer attribute differs across Megatron-Core versions

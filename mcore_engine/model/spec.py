@@ -17,6 +17,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from mcore_engine.config import EngineConfig
 from mcore_engine.layers.attention import SDPACoreAttention
+from mcore_engine.layers.gated_attention import GatedSelfAttention
 from mcore_engine.layers.mla import LatentNorm, MLASelfAttention
 from mcore_engine.layers.norm import TorchNorm, with_torch_norms
 from mcore_engine.layers.packed_attention import PackedDotProductAttention
@@ -70,6 +71,8 @@ def decoder_spec(cfg: EngineConfig, config: TransformerConfig, vp_stage: int | N
             continue  # a Gated DeltaNet layer
         attention = spec.submodules.self_attention.submodules
         attention.core_attention = _core_attention(cfg)
+        if cfg.model.attention_output_gate:  # Megatron's gate is torch.compile'd: eager here
+            spec.submodules.self_attention.module = GatedSelfAttention
         if cfg.model.mla is not None:
             spec.submodules.self_attention.module = MLASelfAttention
             # without q LoRA the kv latent norm is MLASelfAttention's own (see qk_layernorm)
