@@ -66,7 +66,7 @@ def test_torch_norm_marks_sequence_parallel_params(normalization, sequence_paral
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from mcore_engine.layers.norm import TorchNorm, with_torch_norms
+    from mcore_engine.layers.norm import TorchNorm, ZeroCenteredRMSNorm, with_torch_norms
 
     tc = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization=normalization,
                            sequence_parallel=sequence_parallel, tensor_model_parallel_size=2)
@@ -77,9 +77,14 @@ def test_torch_norm_marks_sequence_parallel_params(normalization, sequence_paral
     subs = spec.submodules
     for found in (subs.input_layernorm, subs.pre_mlp_layernorm, subs.self_attention.submodules.q_layernorm):
         assert found is TorchNorm and found is not WrappedTorchNorm
-    tc.layernorm_zero_centered_gamma = True
-    with pytest.raises(ValueError, match="zero-centred gamma"):
-        TorchNorm(tc, 8)
+    tc.layernorm_zero_centered_gamma = True  # Qwen3.5's RMSNorm (1 + w); no zero-centred LayerNorm
+    if normalization == "RMSNorm":
+        norm = TorchNorm(tc, 8)
+        assert type(norm) is ZeroCenteredRMSNorm
+        assert all(p.sequence_parallel is sequence_parallel for p in norm.parameters())
+    else:
+        with pytest.raises(ValueError, match="zero-centred LayerNorm"):
+            TorchNorm(tc, 8)
 
 
 # ----------------------------------------------------------------------------------------------------
