@@ -21,6 +21,12 @@ MOE = dict(num_experts=4, router_topk=2, ffn_hidden_size=32, aux_loss_coeff=0.01
 GDN = dict(num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=16, chunk_size=8)
 HYBRID = dict(qk_layernorm=True, add_qkv_bias=False, kv_channels=16, attention_output_gate=True,
               zero_centered_norm=True, rotary_percent=0.25)
+# gpt-oss: biases everywhere, sinks, a 4-token window on layers 0 and 2, YaRN, the clamped SwiGLU MoE
+GPT_OSS = dict(add_bias_linear=True, attention_sinks=True, sliding_window=4,
+               sliding_window_pattern=[1, 0, 1, 0], glu_activation="quick_gelu",
+               glu_linear_offset=1.0, glu_clamp=7.0, kv_channels=16)
+GPT_OSS_YARN = dict(factor=4.0, original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
+                    truncate=False)
 
 
 def config(model: str, *, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1,
@@ -28,9 +34,9 @@ def config(model: str, *, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: 
            fused_lm_head: bool = False, precision: str = "fp32", dispatcher: str = "alltoall",
            micro_batch_size: int = 2):
     """The tiny GPT of ``tests.engine_setup`` as ``model`` ``"dense"``, ``"moe"`` (with QK-norm),
-    ``"value"``, ``"hybrid"`` (Qwen3.5: 3 GDN layers, 1 gated attention) or ``"hybrid-moe"`` (its MoE
-    with a gated shared expert), with the production ``adam_eps``."""
-    from mcore_engine.config import GDNConfig, OptimizerConfig
+    ``"value"``, ``"hybrid"`` (Qwen3.5: 3 GDN layers, 1 gated attention), ``"hybrid-moe"`` (its MoE
+    with a gated shared expert) or ``"gpt-oss"`` (every layer MoE), with the production ``adam_eps``."""
+    from mcore_engine.config import GDNConfig, OptimizerConfig, YaRNConfig
     from mcore_engine.config.moe import MoEConfig
 
     cfg = tiny_config(tp=tp, pp=pp, vpp=vpp, data_format=data_format, micro_batch_size=micro_batch_size,
@@ -46,6 +52,9 @@ def config(model: str, *, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: 
             **{**MOE, "layer_freq": 1}, token_dispatcher=dispatcher, shared_expert_ffn_hidden_size=24,
             shared_expert_gate=True)
         m = dataclasses.replace(m, **HYBRID, linear_attention=GDNConfig(**GDN), moe=moe)
+    elif model == "gpt-oss":
+        m = dataclasses.replace(m, **GPT_OSS, add_qkv_bias=False, yarn=YaRNConfig(**GPT_OSS_YARN),
+                                moe=MoEConfig(**{**MOE, "layer_freq": 1}, token_dispatcher=dispatcher))
     parallel = dataclasses.replace(cfg.parallel, sequence_parallel=sp, expert_model_parallel_size=ep,
                                    expert_tensor_parallel_size=etp, context_parallel_size=cp)
     return dataclasses.replace(cfg, model=m, parallel=parallel)

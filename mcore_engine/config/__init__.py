@@ -10,6 +10,7 @@ from mcore_engine.config.model import ModelConfig
 from mcore_engine.config.moe import MoEConfig
 from mcore_engine.config.optimizer import OptimizerConfig
 from mcore_engine.config.parallel import ParallelConfig
+from mcore_engine.config.rope import YaRNConfig
 
 __all__ = ["ConfigError", "EngineConfig", "GDNConfig", "LoRAConfig", "MLAConfig", "ModelConfig", "MoEConfig",
-           "OptimizerConfig", "ParallelConfig"]
+           "OptimizerConfig", "ParallelConfig", "YaRNConfig"]

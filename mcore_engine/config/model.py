@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,7 @@ from mcore_engine.config.lora import LoRAConfig
 from mcore_engine.config.mla import MLAConfig
 from mcore_engine.config.moe import MoEConfig
 from mcore_engine.config.mtp import MTP
+from mcore_engine.config.rope import YaRNConfig
 
 __all__ = ["ModelConfig"]
 
@@ -45,6 +47,9 @@ class ModelConfig(Block):
     """Llama-3.x RoPE frequency scaling with this factor (Megatron's ``rope_scaling``, whose other
     parameters are fixed: ``low_freq_factor=1``, ``high_freq_factor=4``,
     ``original_max_position_embeddings=8192``); ``None`` means unscaled RoPE."""
+    yarn: YaRNConfig | None = None
+    """YaRN RoPE scaling (a mapping in YAML; gpt-oss); ``None``: no YaRN. Exclusive with
+    ``rope_scaling_factor``."""
     rotary_percent: float = 1.0
     """Fraction of each head's channels that RoPE rotates (GLM-4.5's ``partial_rotary_factor``): the
     first ``int(d * rotary_percent)`` (even) channels, as two halves; the rest pass through."""
@@ -53,11 +58,32 @@ class ModelConfig(Block):
     norm_epsilon: float = 1e-5
     """Epsilon of the normalisation layers."""
     swiglu: bool = True
-    """SwiGLU MLP (gated SiLU); ``False`` means a GeLU MLP."""
+    """Gated MLP ``act(gate) * (up + glu_linear_offset)`` (SwiGLU with the defaults); ``False`` means a
+    GeLU MLP."""
+    glu_activation: str = "silu"
+    """The gated MLP's gate activation: ``"silu"`` or ``"quick_gelu"`` (``x * sigmoid(1.702 x)``,
+    gpt-oss)."""
+    glu_linear_offset: float = 0.0
+    """Added to the gated MLP's up half (gpt-oss: 1.0)."""
+    glu_clamp: float | None = None
+    """Clamp of the gated MLP's inputs: ``gate.clamp(max=c)``, ``up.clamp(-c, c)`` (gpt-oss: 7.0;
+    Megatron's ``activation_func_clamp_value``); ``None``: none."""
     tie_word_embeddings: bool = False
     """Share the input embedding and the output layer weight."""
     add_qkv_bias: bool = False
     """Bias on the QKV projection only (Qwen2 style); other linear layers have none."""
+    add_bias_linear: bool = False
+    """Bias on every linear layer: QKV and attention output, MLP and expert ``fc1`` / ``fc2``, the MoE
+    router (gpt-oss; Megatron's ``add_bias_linear``). Implies the QKV bias."""
+    attention_sinks: bool = False
+    """A learnable logit per attention head in every softmax denominator (gpt-oss ``sinks``;
+    Megatron's ``softmax_type="learnable"``, the core attention's ``softmax_offset``)."""
+    sliding_window: int | None = None
+    """Sliding-window attention: a query at position ``i`` sees keys ``i - W < j <= i`` (Hugging
+    Face's ``sliding_window``, Megatron's ``window_size = (W - 1, 0)``); ``None``: full causal."""
+    sliding_window_pattern: list[int] | None = None
+    """Which layers use the window: one 0 / 1 per layer (1: windowed; Hugging Face's
+    ``layer_types``); ``None``: every layer when ``sliding_window`` is set."""
     qk_layernorm: bool = False
     """Normalise queries and keys per head (Qwen3 style)."""
     attention_output_gate: bool = False
@@ -105,7 +131,8 @@ class ModelConfig(Block):
                    "make_vocab_size_divisible_by")
         self._ints("num_query_groups", "ffn_hidden_size", "kv_channels", optional=True)
         self._bools("swiglu", "tie_word_embeddings", "add_qkv_bias", "qk_layernorm", "fused_lm_head",
-                    "attention_output_gate", "zero_centered_norm")
+                    "attention_output_gate", "zero_centered_norm", "add_bias_linear", "attention_sinks")
+        self._check_gpt_oss_fields()
         self._require(self.kv_channels is not None or self.mla is not None
                       or self.hidden_size % self.num_attention_heads == 0,
                       f"ModelConfig.hidden_size ({self.hidden_size}) must be divisible by "
@@ -135,10 +162,36 @@ class ModelConfig(Block):
         self._block("lora", LoRAConfig)
         self._block("mla", MLAConfig)
         self._block("linear_attention", GDNConfig)
+        self._block("yarn", YaRNConfig)
+        self._require(self.yarn is None or self.rope_scaling_factor is None, "ModelConfig.yarn and "
+                      "ModelConfig.rope_scaling_factor are two RoPE scalings: set one", "yarn",
+                      "rope_scaling_factor")
+        self._require(self.yarn is None or self.mla is None, "ModelConfig.yarn: multi-latent attention "
+                      "has its own YaRN fields (ModelConfig.mla.rope_type)", "yarn", "mla")
         self._require(not self.zero_centered_norm or self.normalization == "RMSNorm",
                       "ModelConfig.zero_centered_norm needs normalization='RMSNorm'", "zero_centered_norm")
         for block in self.blocks():
             block.check(self, None)
+
+    def _check_gpt_oss_fields(self) -> None:
+        """The window, its layer pattern and the gated MLP's activation fields."""
+        self._ints("sliding_window", optional=True)
+        self._choice("glu_activation", ("silu", "quick_gelu"))
+        self._numbers("glu_linear_offset", low=-math.inf)
+        self._numbers("glu_clamp", strict=True, optional=True)
+        pattern = self.sliding_window_pattern
+        if pattern is not None:
+            self._require(self.sliding_window is not None, "ModelConfig.sliding_window_pattern needs "
+                          "ModelConfig.sliding_window", "sliding_window_pattern", "sliding_window")
+            self._require(isinstance(pattern, list) and len(pattern) == self.num_layers
+                          and all(v in (0, 1) and not isinstance(v, float) for v in pattern),
+                          f"ModelConfig.sliding_window_pattern must be a list of {self.num_layers} 0 / 1 "
+                          f"values (one per layer), got {pattern!r}", "sliding_window_pattern")
+            self.sliding_window_pattern = [int(v) for v in pattern]
+        gated_fields = (self.glu_activation != "silu" or self.glu_linear_offset != 0
+                        or self.glu_clamp is not None)
+        self._require(self.swiglu or not gated_fields, "ModelConfig.glu_activation / glu_linear_offset / "
+                      "glu_clamp need the gated MLP (ModelConfig.swiglu=True)", "swiglu")
 
     def blocks(self) -> list[Any]:
         """The feature blocks this model uses, each with ``check(model, parallel)``."""

@@ -71,7 +71,7 @@ def build_model_chunks(cfg: EngineConfig) -> list[GPTModel]:
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             parallel_output=True,
             share_embeddings_and_output_weights=cfg.model.tie_word_embeddings and cfg.model.head == "lm",
-            position_embedding_type="rope",
+            position_embedding_type="rope" if cfg.model.yarn is None else "yarn",
             rotary_base=cfg.model.rotary_base,
             rope_scaling=cfg.model.rope_scaling_factor is not None,
             rope_scaling_factor=cfg.model.rope_scaling_factor or 8.0,  # 8.0: GPTModel's unused default

@@ -17,6 +17,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from mcore_engine.config import EngineConfig
 from mcore_engine.layers.attention import SDPACoreAttention
+from mcore_engine.layers.expert_linear import BiasedExpertRowParallelLinear
 from mcore_engine.layers.gated_attention import GatedSelfAttention
 from mcore_engine.layers.mla import LatentNorm, MLASelfAttention
 from mcore_engine.layers.norm import TorchNorm, with_torch_norms
@@ -62,6 +63,8 @@ def decoder_spec(cfg: EngineConfig, config: TransformerConfig, vp_stage: int | N
                                            normalization=cfg.model.normalization, vp_stage=vp_stage)
         if te and not hybrid:
             return block
+        if cfg.model.add_bias_linear:
+            _biased_experts(block.layer_specs)
     if hybrid:
         block.layer_specs = _with_gdn_layers(cfg, config, vp_stage, block.layer_specs)
         if te:
@@ -89,6 +92,14 @@ def mtp_source_spec(cfg: EngineConfig, config: TransformerConfig, vp_stage: int 
         return decoder_spec(cfg, config, vp_stage)
     attention_only = dataclasses.replace(cfg.model, linear_attention=None)
     return decoder_spec(dataclasses.replace(cfg, model=attention_only), config, vp_stage)
+
+
+def _biased_experts(layer_specs: list[ModuleSpec]) -> None:
+    """The local experts' ``linear_fc2`` that lets Megatron add their bias (see the class)."""
+    for spec in layer_specs:
+        experts = getattr(spec.submodules.mlp.submodules, "experts", None)
+        if experts is not None and experts.submodules is not None:
+            experts.submodules.linear_fc2 = BiasedExpertRowParallelLinear
 
 
 def _gdn_module() -> type:

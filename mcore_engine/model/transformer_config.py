@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -16,9 +17,10 @@ __all__ = ["build_transformer_config"]
 
 
 def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
-    """Megatron-Core ``TransformerConfig`` for ``cfg`` (no dropout, no bias but QKV's, RoPE, the
-    recompute fields; a hybrid decoder's checkpoint keyed per layer); an ``MLATransformerConfig``
-    with ``model.mla`` (its latent norms are the config's ``qk_layernorm``).
+    """Megatron-Core ``TransformerConfig`` for ``cfg`` (no dropout; biases, attention sinks, windows,
+    the gated MLP's activation and YaRN as ``model`` says; the recompute fields; a hybrid decoder's
+    checkpoint keyed per layer); an ``MLATransformerConfig`` with ``model.mla`` (its latent norms are
+    the config's ``qk_layernorm``).
     """
     m, p = cfg.model, cfg.parallel
     on_gpu = torch.cuda.is_available()
@@ -27,7 +29,7 @@ def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
                          "Megatron's norm recompute reads its FP8 state; use 'core_attn' / 'mlp'")
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     config_cls = TransformerConfig if m.mla is None else MLATransformerConfig
-    return config_cls(
+    config = config_cls(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
@@ -37,9 +39,14 @@ def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
         normalization=m.normalization,
         layernorm_epsilon=m.norm_epsilon,
         gated_linear_unit=m.swiglu,
-        activation_func=F.silu if m.swiglu else F.gelu,
-        add_bias_linear=False,
-        add_qkv_bias=m.add_qkv_bias,
+        activation_func=(quick_gelu if m.glu_activation == "quick_gelu" else F.silu) if m.swiglu else F.gelu,
+        glu_linear_offset=m.glu_linear_offset,
+        activation_func_clamp_value=m.glu_clamp,
+        add_bias_linear=m.add_bias_linear,
+        add_qkv_bias=m.add_qkv_bias or m.add_bias_linear,
+        softmax_type="learnable" if m.attention_sinks else "vanilla",
+        window_size=None if m.sliding_window is None else (m.sliding_window - 1, 0),
+        window_attn_skip_freq=m.sliding_window_pattern,
         qk_layernorm=qk_layernorm(cfg),
         attention_output_gate=m.attention_output_gate,
         layernorm_zero_centered_gamma=m.zero_centered_norm,
@@ -83,6 +90,24 @@ def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
     )
+    _set_yarn(config, cfg)
+    return config
+
+
+def _set_yarn(config: TransformerConfig, cfg: EngineConfig) -> None:
+    """``model.yarn`` as the ``yarn_*`` attributes that Megatron-Core's ``GPTModel`` (the rotary
+    table) and attention (the cos / sin scale) read from the config; ``TransformerConfig`` has no
+    such fields (0.16 - 0.19)."""
+    yarn = cfg.model.yarn
+    if yarn is None:
+        return
+    config.yarn_rotary_scaling_factor = yarn.factor
+    config.yarn_original_max_position_embeddings = yarn.original_max_position_embeddings
+    config.yarn_beta_fast = yarn.beta_fast
+    config.yarn_beta_slow = yarn.beta_slow
+    config.yarn_mscale = yarn.mscale
+    config.yarn_mscale_all_dim = yarn.mscale_all_dim
+    config.yarn_correction_range_round_to_int = yarn.truncate
 
 
 def _moe_config_kwargs(cfg: EngineConfig) -> dict:
