@@ -26,6 +26,7 @@ class MoENames:
     up: str = "up_proj"
     down: str = "down_proj"
     shared: str = "shared_expert"
+    router: str = "gate"
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ class Family:
     """Per-head q / k RMSNorm: always, never, or the ``config.json`` key that says."""
     rope: str = "llama3"
     """``"llama3"``: default RoPE or Llama-3 scaling; ``"partial"``: default RoPE on the first
-    ``partial_rotary_factor`` of each head (default 0.5); ``"mla"``: MLA's (``MLAConfig``, YaRN)."""
+    ``partial_rotary_factor`` of each head (default 0.5); ``"mla"``: MLA's (``MLAConfig``, YaRN);
+    ``"yarn"``: default RoPE or YaRN (``ModelConfig.yarn``, gpt-oss)."""
     mla: bool = False
     """Multi-latent attention (``MLAConfig``) instead of GQA."""
     moe: str | None = None
@@ -64,6 +66,9 @@ class Family:
     (Qwen3.5-MoE)."""
     moe_defaults: Mapping[str, Any] = field(default_factory=dict)
     """MoE ``config.json`` fields' values when absent (Qwen3-Next: ``norm_topk_prob`` True)."""
+    biases: bool = False
+    """Biases on every linear layer, router and experts included, and per-head attention sinks, with
+    ``layer_types`` sliding windows (gpt-oss: ``ModelConfig.add_bias_linear`` / ``attention_sinks``)."""
     multimodal: tuple[str, str] | None = None
     """``(architecture, model_type)`` of the vision-language folders whose ``text_config`` is this
     family (``model.language_model.*``); their vision tower is not loaded."""
@@ -79,6 +84,8 @@ _QWEN3_5_MOE_MM = ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe")
 
 # Order matters for ``family_of``: the first row that describes a ModelConfig is its family.
 FAMILIES: tuple[Family, ...] = (
+    Family("gpt_oss", "GptOssForCausalLM", rope="yarn", moe="gpt_oss", moe_names=MoENames(router="router"),
+           biases=True),
     Family("qwen3_5_text", "Qwen3_5ForCausalLM", qk_norm=True, rope="partial", hybrid="split",
            multimodal=_QWEN3_5_MM, export=_HYBRID),
     Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", qk_norm=True, rope="partial", moe="qwen",
@@ -155,7 +162,10 @@ def text_config(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def describes(f: Family, cfg: Any) -> bool:
     """Whether row ``f`` can express ``cfg`` (a ``ModelConfig``) in its kind: MLA claims every MLA
-    model, sigmoid routing every sigmoid-routed MoE; the rest by MoE or not, QKV bias and QK-norm."""
+    model, sigmoid routing every sigmoid-routed MoE, gpt-oss every model with linear biases or sinks;
+    the rest by MoE or not, QKV bias and QK-norm."""
+    if f.biases or cfg.add_bias_linear or cfg.attention_sinks:
+        return f.biases and cfg.moe is not None and cfg.mla is None and cfg.linear_attention is None
     if f.mla or cfg.mla is not None:
         return f.mla and cfg.mla is not None
     if f.hybrid or cfg.linear_attention is not None:

@@ -6,6 +6,13 @@ names in ``mapping`` (``model.layers.*``, one tensor per expert):
 - ``fused_experts``: Hub Qwen3.5-MoE folders hold a layer's experts as ``mlp.experts.gate_up_proj``
   ``[E, 2F, H]`` (expert ``e``'s rows ``[gate_e; up_e]``) and ``mlp.experts.down_proj`` ``[E, H, F]``;
   ``save_pretrained`` writes one tensor per expert. Both load; export keeps the folder's layout.
+- ``gpt_oss``: gpt-oss folders hold a layer's experts as ``mlp.experts.gate_up_proj`` ``[E, H, 2I]``
+  (transposed, gate / up interleaved: ``gate_e = gate_up_proj[e, :, 0::2].T``, ``up_e = [e, :, 1::2].T``),
+  ``gate_up_proj_bias`` ``[E, 2I]`` (interleaved alike), ``down_proj`` ``[E, I, H]`` (``down_e`` transposed)
+  and ``down_proj_bias`` ``[E, H]``; ``mxfp4``: the Hub's folders hold the weights as
+  ``gate_up_proj_blocks`` / ``_scales`` ``[E, 2I, H/32, 16]`` / ``[E, 2I, H/32]`` and ``down_proj_blocks`` /
+  ``_scales`` ``[E, H, I/32, 16]`` / ``[E, H, I/32]`` (``hf.mxfp4``), dequantised on read (each rank its
+  experts' rows only). Export writes the dequantised layout (``gate_up_proj`` ...) in the export dtype.
 - ``kept_out``: tensors the engine does not hold: the vision tower (``model.visual.*``) and the
   multi-token-prediction weights (``mtp.*``) of the hybrid families. Import skips them (said once in
   the log); ``export_hf`` copies them from the source folder unchanged; weight sync leaves them out
@@ -28,6 +35,7 @@ from pathlib import Path
 import torch
 
 from mcore_engine.hf.checkpoint_io import HFCheckpointReader
+from mcore_engine.hf.mxfp4 import dequantize
 
 __all__ = ["FolderFormat", "FolderReader", "folder_format", "folder_stream", "kept_out_names"]
 
@@ -37,6 +45,14 @@ _KEPT_OUT = ("model.visual.", "mtp.")
 _EXPERT = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)"
                      r"\.weight$")
 _FUSED = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_OSS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(|_bias|_blocks|_scales)$")
+_OSS_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)"
+                         r"\.(weight|bias)$")
+# gpt-oss fused tensor (suffix) -> the per-expert engine tensors it holds
+_OSS_PARTS = {"gate_up_proj": ("gate_proj.weight", "up_proj.weight"), "down_proj": ("down_proj.weight",),
+              "gate_up_proj_bias": ("gate_proj.bias", "up_proj.bias"), "down_proj_bias": ("down_proj.bias",),
+              "gate_up_proj_blocks": ("gate_proj.weight", "up_proj.weight"),
+              "down_proj_blocks": ("down_proj.weight",), "gate_up_proj_scales": (), "down_proj_scales": ()}
 
 
 @dataclass(frozen=True)
@@ -45,6 +61,8 @@ class FolderFormat:
 
     prefix: bool = False
     fused_experts: bool = False
+    gpt_oss: bool = False
+    mxfp4: bool = False
 
     def to_folder(self, name: str) -> str:
         """The folder's name of an engine (``model.*``) name."""
@@ -64,8 +82,12 @@ class FolderFormat:
 
 
 def _format_of(names: list[str]) -> FolderFormat:
-    return FolderFormat(prefix=any(n.startswith(_MM_PREFIX) for n in names),
-                        fused_experts=any(_FUSED.match(n.replace(_MM_PREFIX, "model.", 1)) for n in names))
+    gpt_oss = any(n.endswith((".mlp.experts.gate_up_proj_bias", ".mlp.experts.gate_up_proj_blocks"))
+                  for n in names)
+    return FolderFormat(prefix=any(n.startswith(_MM_PREFIX) for n in names), gpt_oss=gpt_oss,
+                        mxfp4=any(n.endswith(".mlp.experts.gate_up_proj_blocks") for n in names),
+                        fused_experts=not gpt_oss and any(_FUSED.match(n.replace(_MM_PREFIX, "model.", 1))
+                                                          for n in names))
 
 
 @lru_cache(maxsize=16)
@@ -105,6 +127,12 @@ class FolderReader:
             if name is None:
                 kept_out.append(folder_name)
                 continue
+            oss = _OSS.match(name) if self.format.gpt_oss else None
+            if oss is not None:
+                parts = _OSS_PARTS[oss[2] + oss[3]]
+                experts = reader.shape(folder_name)[0] if parts else 0
+                self._names += [f"{oss[1]}.{e}.{p}" for e in range(experts) for p in parts]
+                continue
             fused = _FUSED.match(name)
             if fused is None:
                 self._names.append(name)
@@ -134,6 +162,55 @@ class FolderReader:
         return (self.format.to_folder(f"{match[1]}.gate_up_proj"), (experts, 2 * rows, shape[1]),
                 int(match[2]), offset)
 
+    def _oss_shapes(self, block: str, proj: str, kind: str,
+                    shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """The folder tensors (full shapes) behind one gpt-oss expert tensor of per-expert ``shape``."""
+        experts = self.reader.shape(f"{block}.down_proj_bias")[0]
+        fused = "down_proj" if proj == "down_proj" else "gate_up_proj"
+        if kind == "bias":
+            return {f"{block}.{fused}_bias": (experts, shape[0] * (1 if fused == "down_proj" else 2))}
+        rows, cols = (shape[0], shape[1]) if fused == "down_proj" else (2 * shape[0], shape[1])
+        if not self.format.mxfp4:
+            return {f"{block}.{fused}": (experts, cols, rows)}
+        if cols % 32:
+            raise ValueError(f"tensor {block}.{fused}_blocks: MXFP4 blocks of 32 need an input width "
+                             f"divisible by 32, the model config implies {cols}")
+        return {f"{block}.{fused}_blocks": (experts, rows, cols // 32, 16),
+                f"{block}.{fused}_scales": (experts, rows, cols // 32)}
+
+    def _read_oss(self, match: re.Match, shape: tuple[int, ...], dim: int, start: int,
+                  stop: int) -> torch.Tensor:
+        """Rows (``dim`` 0) or columns [start, stop) of one expert's gate / up / down weight or bias."""
+        block, e, proj, kind = match[1], int(match[2]), match[3], match[4]
+        folder = self._oss_shapes(block, proj, kind, shape)
+        self.reader.check(folder)
+        (name, full), *rest = folder.items()
+        off = int(proj == "up_proj")
+        if kind == "bias":  # [E, 2I] interleaved / [E, H]
+            if proj == "down_proj":
+                return self.reader.read_index(name, full, (e, slice(start, stop)))
+            return self.reader.read_index(name, full, (e, slice(2 * start, 2 * stop)))[off::2]
+        if not self.format.mxfp4:  # [E, H, 2I] interleaved / [E, I, H]: the transposes
+            if proj == "down_proj":
+                index = (e, slice(None), slice(start, stop)) if dim == 0 else (e, slice(start, stop))
+                return self.reader.read_index(name, full, index).T
+            return self.reader.read_index(name, full, (e, slice(None), slice(2 * start, 2 * stop))).T[off::2]
+        scales, scales_shape = rest[0]
+        if proj != "down_proj":  # rows [2 start, 2 stop) of [E, 2I, H]
+            index = (e, slice(2 * start, 2 * stop))
+            w = dequantize(self.reader.read_index(name, full, index),
+                           self.reader.read_index(scales, scales_shape, index))
+            return w[off::2]
+        if dim == 0:
+            index = (e, slice(start, stop))
+            return dequantize(self.reader.read_index(name, full, index),
+                              self.reader.read_index(scales, scales_shape, index))
+        g0, g1 = start // 32, -(-stop // 32)  # the blocks of 32 that hold columns [start, stop)
+        index = (e, slice(None), slice(g0, g1))
+        w = dequantize(self.reader.read_index(name, full, index),
+                       self.reader.read_index(scales, scales_shape, index))
+        return w[:, start - 32 * g0:stop - 32 * g0]
+
     def __enter__(self) -> FolderReader:
         return self
 
@@ -147,6 +224,10 @@ class FolderReader:
     def check(self, expected: dict[str, tuple[int, ...]]) -> None:
         """Every tensor of ``expected`` (engine names, per-expert shapes) exists with that shape."""
         for name, shape in expected.items():
+            oss = _OSS_EXPERT.match(name) if self.format.gpt_oss else None
+            if oss is not None:
+                self.reader.check(self._oss_shapes(oss[1], oss[3], oss[4], shape))
+                continue
             fused = self._fused(name, shape)
             if fused is None:
                 self.reader.check({self.format.to_folder(name): shape})
@@ -155,7 +236,13 @@ class FolderReader:
 
     def read(self, name: str, expected_shape: tuple[int, ...], dim: int = 0,
              start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """``HFCheckpointReader.read`` by the engine's name (an expert's slice of a fused tensor)."""
+        """``HFCheckpointReader.read`` by the engine's name (an expert's slice of a fused tensor; gpt-oss's
+        transposed and interleaved, MXFP4 dequantised to fp32)."""
+        oss = _OSS_EXPERT.match(name) if self.format.gpt_oss else None
+        if oss is not None:
+            if start is None and stop is None:
+                start, stop = 0, expected_shape[dim]
+            return self._read_oss(oss, expected_shape, dim, start, stop).contiguous()
         fused = self._fused(name, expected_shape)
         if fused is None:
             return self.reader.read(self.format.to_folder(name), expected_shape, dim, start, stop)
@@ -172,6 +259,9 @@ def folder_stream(stream: Iterator[tuple[str, torch.Tensor]], fmt: FolderFormat,
                   num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
     """``stream`` (engine names, checkpoint order) in the folder's names: the prefix, and with fused
     experts a layer's ``gate_up_proj`` / ``down_proj`` after its last expert. Memory: one layer's experts."""
+    if fmt.gpt_oss:
+        yield from _oss_stream(stream, fmt, num_experts)
+        return
     pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
     for name, t in stream:
         match = _EXPERT.match(name) if fmt.fused_experts else None
@@ -189,3 +279,37 @@ def folder_stream(stream: Iterator[tuple[str, torch.Tensor]], fmt: FolderFormat,
                                                                        for e in range(num_experts)])
     if pending:
         raise ValueError(f"stream: experts of {sorted(pending)} missing")
+
+
+def _oss_stream(stream: Iterator[tuple[str, torch.Tensor]], fmt: FolderFormat,
+                num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`folder_stream` for gpt-oss folders: a layer's ``gate_up_proj`` ``[E, H, 2I]`` (interleaved),
+    ``gate_up_proj_bias``, ``down_proj`` ``[E, I, H]`` and ``down_proj_bias`` after its last expert,
+    dequantised names whether or not the folder is MXFP4. Memory: one layer's experts."""
+    pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for name, t in stream:
+        match = _OSS_EXPERT.match(name)
+        if match is None:
+            yield fmt.to_folder(name), t
+            continue
+        parts = pending.setdefault(match[1], {})
+        parts[(int(match[2]), f"{match[3]}.{match[4]}")] = t
+        if len(parts) < 6 * num_experts:
+            continue
+        del pending[match[1]]
+
+        experts, block = range(num_experts), match[1]
+        gate_up = torch.stack([_interleave(parts, e, "weight").T for e in experts])
+        yield f"{block}.gate_up_proj", gate_up.contiguous()
+        yield f"{block}.gate_up_proj_bias", torch.stack([_interleave(parts, e, "bias") for e in experts])
+        down = torch.stack([parts[(e, "down_proj.weight")].T for e in experts])
+        yield f"{block}.down_proj", down.contiguous()
+        yield f"{block}.down_proj_bias", torch.stack([parts[(e, "down_proj.bias")] for e in experts])
+    if pending:
+        raise ValueError(f"stream: experts of {sorted(pending)} missing")
+
+
+def _interleave(parts: dict[tuple[int, str], torch.Tensor], e: int, kind: str) -> torch.Tensor:
+    """Expert ``e``'s gate and up ``kind`` (weight / bias) as rows ``gate_0, up_0, gate_1, ...``."""
+    g, u = parts[(e, f"gate_proj.{kind}")], parts[(e, f"up_proj.{kind}")]
+    return torch.stack([g, u], dim=1).reshape(2 * g.shape[0], *g.shape[1:])

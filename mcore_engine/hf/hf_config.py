@@ -35,6 +35,7 @@ from mcore_engine.hf.families import (
     rope_params,
     text_config,
 )
+from mcore_engine.hf.gpt_oss import gpt_oss_from_hf, gpt_oss_to_hf, yarn_to_hf
 from mcore_engine.hf.hybrid import gdn_from_hf, gdn_to_hf
 from mcore_engine.hf.mapping import head_dim, source_family
 
@@ -73,7 +74,7 @@ def _rope(hf_config: Mapping[str, Any], family: Family) -> tuple[float, float | 
     params = rope_params(hf_config)
     rope_type = params.get("rope_type") or params.get("type") or "default"
     theta = float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
-    if rope_type == "default" or family.rope == "mla":
+    if rope_type == "default" or family.rope in ("mla", "yarn"):  # YaRN: the gpt_oss dialect's
         return theta, None
     if family.rope != "llama3":
         raise ValueError(f"rope_scaling: rope type {rope_type!r} is not supported for {family.model_type} "
@@ -91,6 +92,8 @@ def _rope(hf_config: Mapping[str, Any], family: Family) -> tuple[float, float | 
 def _rope_parameters(cfg: ModelConfig, family: Family) -> dict[str, Any]:
     if family.rope == "mla":
         return mla_rope_parameters(cfg)
+    if family.rope == "yarn":
+        return yarn_to_hf(cfg)
     if family.rope == "partial":
         require(cfg.rope_scaling_factor is None, f"ModelConfig.rope_scaling_factor: {family.model_type} here "
                 "has unscaled (partial) RoPE", "model.rope_scaling_factor")
@@ -199,6 +202,7 @@ MOE_DIALECTS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[..., dict[
     "qwen": (_qwen_from_hf, _qwen_to_hf),
     "mixtral": (_mixtral_from_hf, _mixtral_to_hf),
     "deepseek": (deepseek_moe_from_hf, deepseek_moe_to_hf),
+    "gpt_oss": (gpt_oss_from_hf, gpt_oss_to_hf),  # with its attention (sinks, windows, biases, YaRN)
 }
 
 
@@ -218,7 +222,7 @@ def from_hf_config(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfi
         raise ValueError(f"hidden_act: {hf_config['hidden_act']!r} is not supported (expected 'silu')")
     if hf_config.get("mlp_bias"):
         raise ValueError("mlp_bias: MLP biases are not supported")
-    if family.qkv_bias is False and hf_config.get("attention_bias"):
+    if family.qkv_bias is False and not family.biases and hf_config.get("attention_bias"):
         raise ValueError("attention_bias: the output-projection bias it implies is not supported")
     if family.qkv_bias is True and not hf_config.get("qkv_bias", True):
         raise ValueError(f"qkv_bias: {family.model_type} without QKV biases is not supported")
@@ -308,6 +312,8 @@ def to_hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
         out.update(mla_to_hf(cfg))
     if family.moe is not None:
         out.update(MOE_DIALECTS[family.moe][1](cfg, family, base))
+    if out.get("quantization_config", {}) is None:  # written dequantised (gpt_oss's MXFP4 experts)
+        out.pop("quantization_config")
     if family.moe_fixed and out.get("intermediate_size") is None:
         out.pop("intermediate_size")
     if family.hybrid:

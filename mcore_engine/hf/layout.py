@@ -61,7 +61,7 @@ def shard_from_hf(rule: TensorRule, read: Reader, cfg: ModelConfig, tp_rank: int
     if rule.kind == "row":
         n = local_shape[1]
         return read(names[0], 1, tp_rank * n, (tp_rank + 1) * n)
-    if rule.kind == "column":
+    if rule.kind in ("column", "heads"):
         n = local_shape[0]
         return read(names[0], 0, tp_rank * n, (tp_rank + 1) * n)
     if rule.kind == "gate_up":
@@ -101,7 +101,7 @@ def hf_from_gathered(rule: TensorRule, full: torch.Tensor, cfg: ModelConfig,
     tensors as ``full``, vocab as the view ``full[:vocab_size]``, qkv and gate/up as one new copy.
     """
     names, rest = rule.hf_names, full.shape[1:]
-    if rule.kind in ("replicated", "row", "column"):
+    if rule.kind in ("replicated", "row", "column", "heads"):
         return [(names[0], full)]
     if rule.kind == "vocab":
         return [(names[0], full[:cfg.vocab_size])]

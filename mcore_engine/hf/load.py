@@ -1,6 +1,7 @@
 """Import a Hugging Face Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / Mixtral / DeepSeek-V3 / GLM-4.5
-/ Qwen3.5 / Qwen3.5-MoE / Qwen3-Next folder into this rank's GPTModel chunks (router expert biases,
-which are buffers, included); a vision-language folder's language model only (``hf.folder``).
+/ Qwen3.5 / Qwen3.5-MoE / Qwen3-Next / gpt-oss (MXFP4 experts dequantised) folder into this rank's
+GPTModel chunks (router expert biases, which are buffers, included); a vision-language folder's
+language model only (``hf.folder``).
 
 No collectives: each rank reads only its shards' rows / columns, of routed experts only its
 expert-parallel rank's experts and its expert-tensor-parallel slice (memory: its shards plus one
@@ -36,7 +37,12 @@ _MATCHING_FIELDS = {"num_layers": "num_layers", "hidden_size": "hidden_size",
                     "qk_layernorm": "qk_layernorm", "kv_channels": "kv_channels",
                     "rotary_percent": "rotary_percent", "mla": "mla",
                     "zero_centered_norm": "zero_centered_norm",
-                    "attention_output_gate": "attention_output_gate"}
+                    "attention_output_gate": "attention_output_gate",
+                    # gpt-oss
+                    "add_bias_linear": "add_bias_linear", "attention_sinks": "attention_sinks",
+                    "sliding_window": "sliding_window", "sliding_window_pattern": "sliding_window_pattern",
+                    "glu_activation": "glu_activation", "glu_linear_offset": "glu_linear_offset",
+                    "glu_clamp": "glu_clamp", "yarn": "yarn"}
 # MoEConfig fields that must agree (routing and expert shapes).
 _MOE_MATCHING_FIELDS = ("num_experts", "router_topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size",
                         "shared_expert_gate", "router_pre_softmax", "router_score_function",

@@ -12,6 +12,14 @@ tensor-parallel layout (``kind``):
 - ``"gate_up"``: SwiGLU ``linear_fc1``; rank ``r`` holds ``cat([gate[r], up[r]])``.
 - ``"column"``: one Hugging Face tensor split on dim 0 (MLA's projections; a parameter not marked
   ``tensor_model_parallel``, as Transformer Engine's replicated down projections, is replicated).
+- ``"heads"``: per-head values split on dim 0 (gpt-oss's ``self_attn.sinks`` = the core attention's
+  ``softmax_offset``, which Megatron-Core does not mark).
+
+gpt-oss (``cfg.add_bias_linear``) adds the biases: ``linear_qkv.bias`` as the q / k / v biases,
+``linear_proj.bias`` (``o_proj.bias``) and an expert's ``linear_fc2.bias`` replicated, an expert's
+``linear_fc1.bias`` as ``gate_up``, the router's ``bias``; here its experts are one tensor per projection
+like the others' (``experts.{e}.gate_proj.weight`` / ``.bias`` ...); ``folder`` reads and writes its
+fused, interleaved (and MXFP4) layout.
 
 Local-spec and Transformer Engine norm names map to the same units. Layer names use the global layer
 index, expert names the global expert index; an expert's
@@ -97,6 +105,8 @@ _LAYER_UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
     "self_attention.q_layernorm.weight": ("replicated", ("self_attn.q_norm.weight",)),
     "self_attention.k_layernorm.weight": ("replicated", ("self_attn.k_norm.weight",)),
     "self_attention.linear_proj.weight": ("row", ("self_attn.o_proj.weight",)),
+    "self_attention.linear_proj.bias": ("replicated", ("self_attn.o_proj.bias",)),
+    "self_attention.core_attention.softmax_offset": ("heads", ("self_attn.sinks",)),
     "pre_mlp_layernorm.weight": ("replicated", ("post_attention_layernorm.weight",)),
     "mlp.linear_fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
     "mlp.linear_fc2.weight": ("row", ("mlp.down_proj.weight",)),
@@ -114,17 +124,21 @@ _MLA_UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
 # MoE layer units ("{e}": global expert index) -> (kind, Hugging Face suffixes); "{block}", "{gate}",
 # "{up}", "{down}", "{shared}" from the family's ``moe_names``.
 _MOE_UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "mlp.router.weight": ("replicated", ("{block}.gate.weight",)),
-    "mlp.router.expert_bias": ("replicated", ("{block}.gate.e_score_correction_bias",)),
+    "mlp.router.weight": ("replicated", ("{block}.{router}.weight",)),
+    "mlp.router.bias": ("replicated", ("{block}.{router}.bias",)),
+    "mlp.router.expert_bias": ("replicated", ("{block}.{router}.e_score_correction_bias",)),
     "mlp.experts.local_experts.{e}.linear_fc1.weight": (
         "gate_up", ("{block}.experts.{e}.{gate}.weight", "{block}.experts.{e}.{up}.weight")),
     "mlp.experts.local_experts.{e}.linear_fc2.weight": ("row", ("{block}.experts.{e}.{down}.weight",)),
+    "mlp.experts.local_experts.{e}.linear_fc1.bias": (
+        "gate_up", ("{block}.experts.{e}.{gate}.bias", "{block}.experts.{e}.{up}.bias")),
+    "mlp.experts.local_experts.{e}.linear_fc2.bias": ("replicated", ("{block}.experts.{e}.{down}.bias",)),
     "mlp.shared_experts.linear_fc1.weight": (
         "gate_up", ("mlp.{shared}.gate_proj.weight", "mlp.{shared}.up_proj.weight")),
     "mlp.shared_experts.linear_fc2.weight": ("row", ("mlp.{shared}.down_proj.weight",)),
     "mlp.shared_experts.gate_weight": ("replicated", ("mlp.shared_expert_gate.weight",)),
 }
-_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))$")
 # Transformer Engine spec: norms fused into the following linear layer.
 _TE_ALIASES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -242,9 +256,11 @@ def _mlp_suffixes(cfg: ModelConfig, layer: int) -> list[str]:
     moe = cfg.moe
     if moe is None or not moe.layer_pattern(cfg.num_layers)[layer]:
         return ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
-    out = ["mlp.router.weight"] + (["mlp.router.expert_bias"] if moe.router_expert_bias else [])
-    out += [f"mlp.experts.local_experts.{e}.linear_fc{i}.weight"
-            for e in range(moe.num_experts) for i in (1, 2)]
+    out = ["mlp.router.weight"] + (["mlp.router.bias"] if cfg.add_bias_linear else [])
+    out += ["mlp.router.expert_bias"] if moe.router_expert_bias else []
+    params = ("weight", "bias") if cfg.add_bias_linear else ("weight",)
+    out += [f"mlp.experts.local_experts.{e}.linear_fc{i}.{p}"
+            for e in range(moe.num_experts) for i in (1, 2) for p in params]
     if moe.shared_expert_ffn_hidden_size is not None:
         out += ["mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight"]
         if moe.shared_expert_gate:
@@ -260,8 +276,10 @@ def _attention_suffixes(cfg: ModelConfig) -> list[str]:
         kv = ["linear_kv_down_proj.weight", "kv_layernorm.weight", "linear_kv_up_proj.weight"]
         return [f"self_attention.{s}" for s in q + kv]
     out = ["self_attention.linear_qkv.weight"]
-    if cfg.add_qkv_bias:
+    if cfg.add_qkv_bias or cfg.add_bias_linear:
         out.append("self_attention.linear_qkv.bias")
+    if cfg.attention_sinks:
+        out.append("self_attention.core_attention.softmax_offset")
     if cfg.qk_layernorm:
         out += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
     return out
@@ -270,7 +288,9 @@ def _attention_suffixes(cfg: ModelConfig) -> list[str]:
 def model_units(cfg: ModelConfig) -> list[str]:
     """All units of the full model, in Hugging Face order (embedding, layers, norm, lm_head)."""
     attn = ["input_layernorm.weight"] + _attention_suffixes(cfg)
-    attn += ["self_attention.linear_proj.weight", "pre_mlp_layernorm.weight"]
+    attn += ["self_attention.linear_proj.weight"]
+    attn += ["self_attention.linear_proj.bias"] if cfg.add_bias_linear else []
+    attn += ["pre_mlp_layernorm.weight"]
     gdn = (["input_layernorm.weight", *gdn_units(source_family(cfg)), "pre_mlp_layernorm.weight"]
            if cfg.linear_attention is not None else [])
     units = ["embedding.word_embeddings.weight"]
@@ -298,7 +318,7 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
         "self_attn.o_proj.weight": (h, o_in), "mlp.gate_proj.weight": (ffn, h),
         "mlp.up_proj.weight": (ffn, h), "mlp.down_proj.weight": (h, ffn),
-        "score.weight": (1, h), "score.bias": (1,),
+        "score.weight": (1, h), "score.bias": (1,), "self_attn.o_proj.bias": (h,), "self_attn.sinks": (n,),
     }
     if cfg.mla is not None:
         by_suffix.update(_mla_shapes(cfg))
@@ -306,11 +326,14 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         fe = cfg.moe.ffn_hidden_size or ffn
         fs = cfg.moe.shared_expert_ffn_hidden_size
         for names in {f.moe_names for f in FAMILIES if f.moe_names is not None}:
-            by_suffix[f"{names.block}.gate.weight"] = (cfg.moe.num_experts, h)
-            by_suffix[f"{names.block}.gate.e_score_correction_bias"] = (cfg.moe.num_experts,)
+            by_suffix[f"{names.block}.{names.router}.weight"] = (cfg.moe.num_experts, h)
+            by_suffix[f"{names.block}.{names.router}.bias"] = (cfg.moe.num_experts,)
+            by_suffix[f"{names.block}.{names.router}.e_score_correction_bias"] = (cfg.moe.num_experts,)
             for proj in (names.gate, names.up):
                 by_suffix[f"{names.block}.experts.*.{proj}.weight"] = (fe, h)
+                by_suffix[f"{names.block}.experts.*.{proj}.bias"] = (fe,)
             by_suffix[f"{names.block}.experts.*.{names.down}.weight"] = (h, fe)
+            by_suffix[f"{names.block}.experts.*.{names.down}.bias"] = (h,)
             by_suffix.update({f"mlp.{names.shared}.gate_proj.weight": (fs, h),
                               f"mlp.{names.shared}.up_proj.weight": (fs, h),
                               f"mlp.{names.shared}.down_proj.weight": (h, fs)})
