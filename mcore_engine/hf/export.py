@@ -199,10 +199,11 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, out_di
     rank = dist.get_rank() if dist.is_initialized() else 0
     writer = ShardedSafetensorsWriter(out_dir, max_shard_bytes) if rank == 0 else None
     dtype = dtype or precision_dtype(cfg)
-    # the ranks of one full copy: data-parallel rank 0 (MoE: expert-data-parallel rank 0, whose
-    # expert-parallel group holds every expert)
-    first = (parallel_state.get_data_parallel_rank() if cfg.model.moe is None
-             else parallel_state.get_expert_data_parallel_rank())
+    # the ranks of one full copy: data-parallel rank 0 (MoE: and expert-data-parallel rank 0, whose
+    # expert-parallel group holds every expert; with expert TP 1 < TP, the TP group spans expert-DP)
+    first = parallel_state.get_data_parallel_rank()
+    if cfg.model.moe is not None:
+        first = min(first, parallel_state.get_expert_data_parallel_rank())
     if first == 0:
         for name, tensor in iter_hf_tensors(model_chunks, cfg, dtype=dtype, overrides=overrides,
                                             keep_fp32=True):
