@@ -165,7 +165,8 @@ def describes(f: Family, cfg: Any) -> bool:
     model, sigmoid routing every sigmoid-routed MoE, gpt-oss every model with linear biases or sinks;
     the rest by MoE or not, QKV bias and QK-norm."""
     if f.biases or cfg.add_bias_linear or cfg.attention_sinks:
-        return f.biases and cfg.moe is not None and cfg.mla is None and cfg.linear_attention is None
+        return (f.biases and cfg.add_bias_linear and cfg.attention_sinks and cfg.moe is not None
+                and cfg.mla is None and cfg.linear_attention is None)
     if f.mla or cfg.mla is not None:
         return f.mla and cfg.mla is not None
     if f.hybrid or cfg.linear_attention is not None:

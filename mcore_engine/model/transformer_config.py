@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -13,7 +12,13 @@ from mcore_engine.config import EngineConfig
 from mcore_engine.model.spec import has_te, qk_layernorm
 from mcore_engine.parallel.compat import apply_mla_compat, apply_moe_compat, mcore_version
 
-__all__ = ["build_transformer_config"]
+__all__ = ["build_transformer_config", "quick_gelu"]
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(1.702 x)`` in eager torch: Megatron-Core's (``fusions.fused_bias_geglu``) is
+    ``torch.compile``'d, whose C++ build fails on CPU under ``ATEN_CPU_CAPABILITY=default``."""
+    return x * torch.sigmoid(1.702 * x)
 
 
 def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:

@@ -10,13 +10,14 @@ import pytest
 
 from mcore_engine.hf.families import ARCHITECTURES, FAMILIES, family_of, hf_family_of
 from mcore_engine.hf.hf_config import MOE_DIALECTS, from_hf_config, to_hf_config
-from tests.hf import deepseek_models, models, qwen3_5_models
+from tests.hf import deepseek_models, gpt_oss_models, models, qwen3_5_models
 
 CONFIGS = {**{f: (lambda f=f: models.hf_config_dict(f)) for f in (*models.FAMILIES, *models.MOE_FAMILIES)},
            "deepseek_v3": lambda: deepseek_models.hf_config_dict("ds_qlora"),
            "glm4_moe": lambda: deepseek_models.hf_config_dict("glm"),
            **{qwen3_5_models.MODEL_TYPES[k]: (lambda k=k: qwen3_5_models.hf_config_dict(k))
-              for k in ("qwen3_5", "qwen3_5_moe", "qwen3_next")}}
+              for k in ("qwen3_5", "qwen3_5_moe", "qwen3_next")},
+           "gpt_oss": lambda: gpt_oss_models.hf_config().to_dict()}
 
 
 def test_rows_are_consistent():
@@ -24,7 +25,8 @@ def test_rows_are_consistent():
     for f in FAMILIES:
         assert f.moe in (None, *MOE_DIALECTS), f.model_type
         assert (f.moe is None) == (f.moe_names is None), f.model_type
-        assert f.shared_expert in (None, "gated", "ungated") and f.rope in ("llama3", "partial", "mla")
+        assert f.shared_expert in (None, "gated", "ungated")
+        assert f.rope in ("llama3", "partial", "mla", "yarn")
         assert ARCHITECTURES[f.architecture] == f.model_type
         value_arch = f.architecture.replace("ForCausalLM", "ForTokenClassification")
         assert (value_arch in ARCHITECTURES) == f.value_head

@@ -114,8 +114,10 @@ def test_units_names_and_te_aliases():
         "decoder.layers.5.input_layernorm.weight")
     assert canonical_unit("decoder.layers.1.mlp.linear_fc1.layer_norm_weight", 0) == (
         "decoder.layers.0.pre_mlp_layernorm.weight")
-    with pytest.raises(ValueError, match="linear_proj.bias"):
-        canonical_unit("decoder.layers.0.self_attention.linear_proj.bias", 0)
+    with pytest.raises(ValueError, match="linear_fc1.bias"):  # dense MLP biases: no family has them
+        canonical_unit("decoder.layers.0.mlp.linear_fc1.bias", 0)
+    # gpt-oss's o_proj bias is a unit, but not of a model without add_bias_linear
+    assert "decoder.layers.0.self_attention.linear_proj.bias" not in model_units(cfg)
     names = [n for u in model_units(cfg) for n in unit_rule(u, cfg).hf_names]
     assert names == list(hf_shapes(cfg))
     assert "model.layers.1.self_attn.k_norm.weight" in names and "lm_head.weight" in names
