@@ -121,9 +121,15 @@ def gpt_oss_from_hf(hf_config: Mapping[str, Any], family: Family) -> dict[str, A
 def gpt_oss_to_hf(cfg: ModelConfig, family: Family, base: Mapping[str, Any] | None) -> dict[str, Any]:
     """gpt-oss ``config.json`` fields of ``cfg``; ``ValueError`` naming the ``ModelConfig`` field that
     the family cannot express."""
-    from mcore_engine.hf.hf_config import _softmax_moe_to_hf  # the shared softmax-routing checks
-
-    out, moe = _softmax_moe_to_hf(cfg, family), cfg.moe
+    moe = cfg.moe
+    if moe.router_num_groups is not None or moe.router_expert_bias or moe.shared_expert_ffn_hidden_size:
+        raise ValueError("MoEConfig.router_num_groups / router_expert_bias / shared_expert_ffn_hidden_size: "
+                         "gpt_oss has no grouped routing, expert bias or shared expert")
+    if moe.router_score_function != "softmax" or moe.router_topk_scaling_factor not in (None, 1.0):
+        raise ValueError("MoEConfig.router_score_function / router_topk_scaling_factor: gpt_oss routes by "
+                         "softmax without scaling")
+    out = dict(num_experts_per_tok=moe.router_topk, router_aux_loss_coef=moe.aux_loss_coeff,
+               output_router_logits=False)
     if not all(moe.layer_pattern(cfg.num_layers)) or moe.router_pre_softmax:
         raise ValueError("MoEConfig.layer_freq / router_pre_softmax: gpt_oss has MoE in every layer and "
                          "softmax over the top-k logits")
