@@ -75,6 +75,27 @@ def test_gpt_oss_config_mapping():
     assert from_hf_config(quantized) == cfg and "quantization_config" not in to_hf_config(cfg, base=quantized)
 
 
+def test_gpt_oss_hub_config():
+    """A config.json as the Hub's gpt-oss-20b has it (``rope_scaling``, top-level ``rope_theta``, MXFP4)."""
+    hub = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+           "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+           "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+           "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
+           "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32,
+           "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 150000,
+           "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                            "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+           "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+           "tie_word_embeddings": False, "vocab_size": 201088, "quantization_config": M.MXFP4_CONFIG}
+    cfg = from_hf_config(hub)
+    assert cfg.rotary_base == 150000 and cfg.yarn.factor == 32.0 and not cfg.yarn.truncate
+    assert cfg.yarn.original_max_position_embeddings == 4096 and cfg.sliding_window == 128
+    assert cfg.sliding_window_pattern == [1, 0] * 12 and head_dim(cfg) == 64 and cfg.query_groups == 8
+    assert (cfg.moe.num_experts, cfg.moe.router_topk, cfg.moe.ffn_hidden_size) == (32, 4, 2880)
+    out = to_hf_config(cfg, base=hub)
+    assert "quantization_config" not in out and from_hf_config(out) == cfg
+
+
 @pytest.mark.parametrize("change,field", [
     ({"swiglu_alpha": 1.5}, "swiglu_alpha"),
     ({"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}, "layer_types"),
