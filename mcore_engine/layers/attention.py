@@ -5,6 +5,10 @@ Math, per sequence of (padded) length ``L``, query head ``h`` and its KV group `
 
     out[i, h] = softmax_j<=i(scale * q[i, h] . k[j, g]) @ v[:i+1, g]     # causal at GLOBAL positions
 
+Sliding window ``W`` (windowed layers): only keys ``i - W < j <= i`` of the sequence. Sinks (softmax
+type ``learnable`` / ``off-by-one``): a logit ``s_h`` per head in every row's denominator,
+``p[i, j] = exp(z[i, j]) / (sum_j' exp(z[i, j']) + exp(s_h))`` (transformers' gpt-oss ``sinks``).
+
 ``attention_mask`` is ignored: masking is always causal inside each sequence (``thd``: the blocks of
 ``cu_seqlens_q_padded``, else ``cu_seqlens_q``; ``bshd``: each row). For right-padded sequences this
 is exact on the real tokens (padding keys come after every real query); padding queries attend
@@ -26,13 +30,20 @@ reordered to global order; then per sequence and local query chunk ``j`` (global
   output and log-sum-exp (exact, the ring-attention identity).
 - ``j > 0`` elsewhere: ``F.scaled_dot_product_attention`` with ``causal_lower_right`` (native in the
   CUDA flash / memory-efficient kernels; K/V heads repeated for GQA there).
+- with a window that bites or sinks: :func:`~mcore_engine.layers.attention_blocks.block_attention`
+  on the key range ``[max(0, j c - W + 1), (j + 1) c)`` (a window crosses the CP split by reading the
+  gathered keys of the chunk before), query blocks against their band (CPU flash kernels; elsewhere
+  fp32 matmuls per block: correct, not fast, untested on GPUs); the sink enters each row's merged
+  log-sum-exp once. Its gradient is the local queries' share (the engine sums it over DP x CP).
 
 Memory saved for backward, per layer: the local queries, the gathered K/V (``cp x`` the local K/V;
 a copy padded to one head dim when ``k_channels != v_channels``), the output and an fp32 log-sum-exp
-per query and head. No ``[s, s]`` tensor (Megatron's ``DotProductAttention`` keeps fp32
-``[b, np, s, s]`` probabilities). Cost: a Python loop over sequences (``thd``; about 120-170 us per
-sequence and layer for forward + backward on one CPU core), one or two SDPA calls per sequence and
-local chunk, one host read of ``cu_seqlens`` per layer; the gather order is cached for 16 packs.
+per query and head; windows and sinks add nothing but the ``[np]`` sinks. No ``[s, s]`` tensor
+(Megatron's ``DotProductAttention`` keeps fp32 ``[b, np, s, s]`` probabilities). Cost: a Python loop
+over sequences (``thd``; about 120-170 us per sequence and layer for forward + backward on one CPU
+core), one or two SDPA calls per sequence and local chunk (with a window: one per block of queries,
+``O(s (W + B))`` work), one host read of ``cu_seqlens`` per layer; the gather order is cached for 16
+packs.
 """
 
 from __future__ import annotations
