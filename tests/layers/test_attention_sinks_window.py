@@ -198,7 +198,7 @@ def test_matches_transformers_gpt_oss_eager(window):
     allowed = sliding_window_causal_mask_function(window)
     idx = torch.arange(s_len)
     mask = allowed(torch.tensor(0), torch.tensor(0), idx[:, None], idx[None, :])  # [s, s], True = visible
-    assert int(mask.sum()) < s_len * (s_len + 1) // 2  # the window bites
+    assert (int(mask.sum()) < s_len * (s_len + 1) // 2) == (window < s_len)  # the window bites if < s
     additive = torch.zeros(s_len, s_len, dtype=torch.float64).masked_fill(~mask,
                                                                           torch.finfo(torch.float64).min)
     hf_module = SimpleNamespace(num_key_value_groups=H // G, sinks=s, training=False)
