@@ -1,7 +1,7 @@
 """Benchmark: the engine's core attention (``SDPACoreAttention``) with a sliding window of 128 keys
 (and gpt-oss' attention sinks) against full causal attention, forward + backward on one sequence.
 
-    python tools/bench_attention_window.py            # 4096 and 16384 tokens, 3 repeats (~1-2 minutes)
+    python tools/bench_attention_window.py            # 4096 and 16384 tokens, 5 repeats (~3 minutes)
     python tools/bench_attention_window.py --quick    # 1024 and 4096 tokens, 1 repeat (seconds)
 
 One sequence (``bshd``, batch 1) of ``--lengths`` tokens, ``--heads`` query heads of 64 in
@@ -71,7 +71,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=None)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="1k / 4k tokens, one repeat")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "TOKENS"), help=argparse.SUPPRESS)

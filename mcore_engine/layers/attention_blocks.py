@@ -12,9 +12,10 @@ group ``g``::
 
 Pieces (``_plan``): with the CPU flash kernel and no window, the full prefix ``[k0, a)`` and the causal
 diagonal block ``[a, a + c)`` (two calls over all rows, merged by log-sum-exp); otherwise query blocks
-of ``B`` rows, each against the keys ``[max(k0, pos_first - W + 1), pos_last]`` with an additive band
-mask ``[B, B + W - 1]`` built per block (rebuilt in backward, never saved). Every row sees its own key,
-so no row is fully masked (the CPU flash kernel returns ``lse = 0`` for one).
+of ``B`` rows (64 for ``W <= 256``, else 128), each against the keys ``[max(k0, pos_first - W + 1),
+pos_last]`` with an additive band mask ``[B, B + W - 1]`` built per block (rebuilt in backward, never
+saved). Every row sees its own key, so no row is fully masked (the CPU flash kernel returns ``lse = 0``
+for one).
 
 Backward: each piece's kernel backward with the MERGED ``out`` and ``lse_t`` (its probabilities are
 ``exp(z - lse_t)`` and ``rowsum(dout * out)`` is the merged one: exact, the ring-attention identity);
@@ -34,9 +35,6 @@ from torch import Tensor
 
 __all__ = ["block_attention"]
 
-_MAX_BLOCK = 512
-
-
 def _plan(a: int, c: int, k0: int, window: int | None,
           two_pieces: bool) -> list[tuple[int, int, int, int, bool]]:
     """Pieces ``(r0, r1, j0, j1, causal)``: rows ``[r0, r1)`` attend key indices ``[j0, j1)`` (key index
@@ -44,7 +42,7 @@ def _plan(a: int, c: int, k0: int, window: int | None,
     flag), else :func:`_mask` decides."""
     if two_pieces:  # no window: full prefix + causal diagonal, both over every row
         return ([(0, c, 0, a - k0, False)] if a > k0 else []) + [(0, c, a - k0, a - k0 + c, True)]
-    block = min(c, max(64, min(window or 256, _MAX_BLOCK)))
+    block = 64 if window is not None and window <= 256 else 128  # fastest on CPU (W = 16 .. 1024)
     pieces = []
     for r0 in range(0, c, block):
         r1 = min(c, r0 + block)
