@@ -144,6 +144,26 @@ def test_thd_matches_float64_reference(window, sinks):
     _check(bf16, expected, REL_TOL[torch.bfloat16], f"thd bf16 W={window} sinks={sinks}")
 
 
+def test_thd_generic_kernels_through_the_module(monkeypatch):
+    """The module's route with the fp32 math kernels (what GPUs without Transformer Engine run)."""
+    import mcore_engine.layers.attention as attention
+    from mcore_engine.layers.attention_blocks import block_attention
+
+    calls = []
+
+    def generic(*args, **kwargs):
+        calls.append(1)
+        return block_attention(*args, **(kwargs | {"cpu_flash": False}))
+
+    monkeypatch.setattr(attention, "block_attention", generic)
+    t = sum(THD_LENGTHS)
+    q, k, v, s, grad = _inputs((t, H, D), (t, G, D), seed=40)
+    expected = _reference_grads(q, k, v, s, grad, THD_LENGTHS, 6, thd=True)
+    _check(_module_grads(_module(6, s), q, k, v, s, grad, torch.float32, _packed(THD_LENGTHS)), expected,
+           FP32_TOL, "thd fp32, math kernels")
+    assert calls
+
+
 @pytest.mark.parametrize("window", [None, 1, 5, 100])
 def test_bshd_matches_float64_reference(window):
     s_len, b = 70, 3
