@@ -7,9 +7,10 @@ mscale) against ``GptOssRotaryEmbedding`` (``truncate`` False and True); the fol
 MXFP4) against the mapping, and wrong blocks / scales / sinks shapes refused before anything loads.
 
 One launch on 2 gloo ranks: the tiny random gpt-oss (``tests.hf.gpt_oss_models``: window 4, sinks,
-biases, the clamp at 7 active) at DP=2, TP=2 + SP (MXFP4 folder), EP=2 (MXFP4 folder) and PP=2:
-``infer_batch`` log-probs and entropy against ``transformers`` eager (fp32, rel 1e-4) on sequences
-longer than the window and the YaRN original context, each rank reading only its experts,
+biases, the clamp at 7 active) packed (thd, the SDPA core attention) at DP=2, TP=2 + SP (MXFP4 folder),
+EP=2 (MXFP4 folder) and PP=2, and bshd on Megatron-Core's DotProductAttention: ``infer_batch``
+log-probs and entropy against ``transformers`` eager, one sequence at a time (fp32, rel 1e-4), on
+sequences longer than the window and the YaRN original context, each rank reading only its experts,
 ``per_tensor_generator`` / the bucketed sync in the dequantised folder's names and tensors (bit for
 bit), and ``export_hf`` -> a dequantised folder that ``from_pretrained`` loads to identical logits.
 """
@@ -34,12 +35,12 @@ from tests.utils import assert_rel_close, run_distributed
 
 TOL = 1e-4
 LENGTHS = (13, 9, 21)  # beyond the window (4) and the YaRN original context (16)
-# the engine's core attention for gpt-oss: Megatron-Core's DotProductAttention (sinks, windows), bshd
-ATTENTION = dict(core_attention="local")
-DATA_FORMAT = "bshd"
-# (folder, tp, ep, pp, sequence parallel, export)
-LAYOUTS = (("dense", 1, 1, 1, False, False), ("mxfp4", 2, 1, 1, True, True),
-           ("mxfp4", 1, 2, 1, False, False), ("dense", 1, 1, 2, False, True))
+# (folder, tp, ep, pp, sequence parallel, data format, core attention, export): the project's SDPA
+# core attention packed (thd) on every layout, and Megatron-Core's DotProductAttention (bshd) as a
+# second implementation of sinks and windows
+LAYOUTS = (("dense", 1, 1, 1, False, "thd", "sdpa", False), ("mxfp4", 2, 1, 1, True, "thd", "sdpa", True),
+           ("mxfp4", 1, 2, 1, False, "thd", "sdpa", False), ("dense", 1, 1, 2, False, "thd", "sdpa", True),
+           ("dense", 1, 1, 1, False, "bshd", "local", False))
 
 
 def _config_dict(**overrides) -> dict:
@@ -238,9 +239,11 @@ def test_gpt_oss_folder_names_and_bad_shapes(saved, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- launch
-def _engine_config(folder: Path, tp: int, ep: int, pp: int, sp: bool) -> EngineConfig:
-    model = from_hf_config(read_hf_config(folder), hf_path=str(folder), **ATTENTION)
-    return EngineConfig(model=model, data_format=DATA_FORMAT, parallel=ParallelConfig(
+def _engine_config(folder: Path, tp: int, ep: int, pp: int, sp: bool, data_format: str,
+                   attention: str) -> EngineConfig:
+    model = from_hf_config(read_hf_config(folder), hf_path=str(folder), core_attention=attention)
+    # the three sequences in one micro-batch: packed (thd) / padded (bshd) together
+    return EngineConfig(model=model, data_format=data_format, micro_batch_size=3, parallel=ParallelConfig(
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
         pipeline_model_parallel_size=pp, sequence_parallel=sp))
 
@@ -268,10 +271,10 @@ def _check(rank: int, world_size: int, root: Path) -> None:
         return original_read_index(self, name, shape, index)
 
     HFCheckpointReader.read_index = recording_read_index
-    for folder, tp, ep, pp, sp, export in LAYOUTS:
-        what = f"{folder} tp={tp} ep={ep} pp={pp} sp={sp} rank={rank}"
+    for folder, tp, ep, pp, sp, data_format, attention, export in LAYOUTS:
+        what = f"{folder} tp={tp} ep={ep} pp={pp} sp={sp} {data_format} {attention} rank={rank}"
         experts_read.clear()
-        engine = MegatronEngine(_engine_config(root / folder, tp, ep, pp, sp))
+        engine = MegatronEngine(_engine_config(root / folder, tp, ep, pp, sp, data_format, attention))
         engine.initialize()
         assert set(experts_read) == ({0, 1, 2, 3} if ep == 1 else {2 * rank, 2 * rank + 1}), what
 
@@ -305,7 +308,7 @@ def test_gpt_oss_engine_layouts_sync_and_export(saved):
     ref = torch.load(saved / "reference.pt")
     dense = load_file(str(saved / "dense" / "model.safetensors"))
     source_config = read_hf_config(saved / "dense")
-    for folder, tp, ep, pp, _, export in LAYOUTS:
+    for folder, tp, ep, pp, *_, export in LAYOUTS:
         if not export:
             continue
         out = saved / f"export_{folder}_tp{tp}_ep{ep}_pp{pp}"
