@@ -12,7 +12,8 @@ EP=2 (MXFP4 folder) and PP=2, and bshd on Megatron-Core's DotProductAttention: `
 log-probs and entropy against ``transformers`` eager, one sequence at a time (fp32, rel 1e-4), on
 sequences longer than the window and the YaRN original context, each rank reading only its experts,
 ``per_tensor_generator`` / the bucketed sync in the dequantised folder's names and tensors (bit for
-bit), and ``export_hf`` -> a dequantised folder that ``from_pretrained`` loads to identical logits.
+bit), ``export_hf`` -> a dequantised folder that ``from_pretrained`` loads to identical logits, and a
+training step on the MXFP4 folder at TP=2 + SP that moves the sinks and every kind of bias.
 """
 
 from __future__ import annotations
@@ -295,9 +296,26 @@ def _check(rank: int, world_size: int, root: Path) -> None:
         assert list(bucketed) == list(streamed), what
         if export:
             engine.export_hf(root / f"export_{folder}_tp{tp}_ep{ep}_pp{pp}")
+        if sp:  # the MXFP4 folder trains packed at TP=2 + SP: sinks, expert and router biases move
+            _train_step(engine, what)
         del engine
         destroy_distributed()
     HFCheckpointReader.read_index = original_read_index
+
+
+def _train_step(engine, what: str) -> None:
+    from mcore_engine.hf.mapping import unwrap_chunk
+    from tests.engine_setup import make_batch, policy_loss
+
+    params = dict(unwrap_chunk(engine.model[0]).named_parameters())
+    before = {n: p.detach().clone() for n, p in params.items()}
+    out = engine.forward_backward_batch(make_batch(5, lengths=list(LENGTHS)), policy_loss)
+    engine.optimizer_step()
+    assert torch.isfinite(torch.as_tensor(out["loss"])), what
+    for key in ("core_attention.softmax_offset", "linear_fc1.bias", "linear_fc2.bias", "router.bias",
+                "linear_qkv.bias", "linear_proj.bias"):
+        moved = [n for n, p in params.items() if key in n and not torch.equal(p.detach(), before[n])]
+        assert moved, f"{key} did not train, {what}"
 
 
 def test_gpt_oss_engine_layouts_sync_and_export(saved):
