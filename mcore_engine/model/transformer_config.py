@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -14,6 +13,13 @@ from mcore_engine.model.spec import has_te, qk_layernorm
 from mcore_engine.parallel.compat import apply_mla_compat, apply_moe_compat, mcore_version
 
 __all__ = ["build_transformer_config"]
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(1.702 x)`` (gpt-oss's GLU gate activation), eager. Megatron-Core's ``quick_gelu``
+    is ``torch.compile``'d: on CPU it compiles on the first call (~4 s per process) and again for new
+    sequence lengths; its fused GLU kernels (``bias_activation_fusion``) are not used here."""
+    return x * torch.sigmoid(1.702 * x)
 
 
 def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
