@@ -51,13 +51,13 @@ PACK = [1, 3, 4, 5, 17, 9]  # one token, shorter than / as long as / one past th
 
 # name, config kwargs, tolerance
 LAYOUTS = [
-    ("tp2-sp", dict(tp=2, sp=True, etp=1), TOL),
-    ("tp2-sp-bshd", dict(tp=2, sp=True, etp=1, data_format="bshd"), TOL),
+    ("tp2-sp", dict(tp=2, sp=True), TOL),  # expert TP 1: biased experts' default
+    ("tp2-sp-bshd", dict(tp=2, sp=True, data_format="bshd"), TOL),
     ("ep2", dict(ep=2), TOL),
     ("tp2-sp-ep2", dict(tp=2, sp=True, ep=2, etp=1), TOL),
     ("pp2", dict(pp=2), TOL),
     ("dp2-distopt", dict(distopt=True), TOL),
-    ("tp2-sp-bf16", dict(tp=2, sp=True, etp=1, precision="bf16"), REL_TOL[torch.bfloat16]),
+    ("tp2-sp-bf16", dict(tp=2, sp=True, precision="bf16"), REL_TOL[torch.bfloat16]),
 ]
 if CORE_ATTENTION == "sdpa":
     LAYOUTS += [("cp2", dict(cp=2), TOL), ("cp2-bshd", dict(cp=2, data_format="bshd"), TOL)]
@@ -65,7 +65,7 @@ if CORE_ATTENTION == "sdpa":
 # whose routing is not returned, are routed afresh: other expert GEMM sizes, other last bits)
 REPLAY = {"ep2": None, "tp2-sp-ep2": TOL}
 # a checkpoint after step 2 -> (the saver's layout, the layout that loads it)
-SAVERS = {"tp2-sp": (dict(tp=2, sp=True, etp=1), dict()), "ep2": (dict(ep=2), dict())}
+SAVERS = {"tp2-sp": (dict(tp=2, sp=True), dict()), "ep2": (dict(ep=2), dict())}
 
 
 def _config(*, distopt: bool = False, **kwargs):
@@ -320,9 +320,15 @@ BAD = {  # what -> (build the config, field names the error must carry)
     "glu fields without the gated MLP": (lambda: _model(swiglu=False), ["swiglu", "glu_activation"]),
     "EP that does not divide the experts": (lambda: _config(ep=3), ["expert_model_parallel_size",
                                                                    "num_experts"]),
-    "biased experts split over expert TP": (lambda: _config(tp=2), ["expert_tensor_parallel_size",
-                                                                    "add_bias_linear"]),
+    "biased experts split over expert TP": (lambda: _config(tp=2, etp=2), ["expert_tensor_parallel_size",
+                                                                           "add_bias_linear"]),
 }
+
+
+def test_gpt_oss_expert_tp_defaults_to_one():
+    """Biased experts cannot be split over TP (Megatron-Core): their expert TP defaults to 1."""
+    assert _config(tp=2, sp=True).parallel.expert_tensor_size == 1
+    assert config("moe", tp=2, sp=True).parallel.expert_tensor_size == 2  # unbiased: TP, as before
 
 
 @pytest.mark.parametrize("what", list(BAD))
