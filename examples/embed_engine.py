@@ -1,6 +1,7 @@
 """How an RL framework embeds the engine: one PPO update on a TensorDict batch of variable-length
 sequences. Run: torchrun --standalone --nproc_per_node=2 examples/embed_engine.py [engine config]
-(default configs/tiny_cpu_tp2.yaml; configs/tiny_cpu_qwen3_5.yaml: the Qwen3.5-style hybrid)"""
+(default configs/tiny_cpu_tp2.yaml; configs/tiny_cpu_qwen3_5.yaml: the Qwen3.5-style hybrid;
+configs/tiny_cpu_gpt_oss.yaml: gpt-oss-style sinks, windows and clamped-GLU MoE)"""
 
 import sys
 

@@ -13,7 +13,7 @@ CONFIG_DIR = Path(__file__).parent.parent / "configs"
 # The EngineConfig files (other YAMLs in configs/, e.g. the demo job's, have their own schema).
 CONFIGS = [CONFIG_DIR / n for n in ("tiny_cpu_tp2.yaml", "tiny_cpu_pp2.yaml", "tiny_cpu_moe.yaml",
                                     "tiny_cpu_moe_tp2_sp.yaml", "tiny_cpu_cp2.yaml", "tiny_cpu_deepseek.yaml",
-                                    "tiny_cpu_qwen3_5.yaml", "qwen2_0p5b_tp2.yaml")]
+                                    "tiny_cpu_qwen3_5.yaml", "tiny_cpu_gpt_oss.yaml", "qwen2_0p5b_tp2.yaml")]
 MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=250,
              max_sequence_length=128)
 
