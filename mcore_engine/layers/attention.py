@@ -5,6 +5,10 @@ Math, per sequence of (padded) length ``L``, query head ``h`` and its KV group `
 
     out[i, h] = softmax_j<=i(scale * q[i, h] . k[j, g]) @ v[:i+1, g]     # causal at GLOBAL positions
 
+Sliding window ``W`` (windowed layers): only keys ``i - W < j <= i`` of the sequence. Sinks (softmax
+type ``learnable`` / ``off-by-one``): a logit ``s_h`` per head in every row's denominator,
+``p[i, j] = exp(z[i, j]) / (sum_j' exp(z[i, j']) + exp(s_h))`` (transformers' gpt-oss ``sinks``).
+
 ``attention_mask`` is ignored: masking is always causal inside each sequence (``thd``: the blocks of
 ``cu_seqlens_q_padded``, else ``cu_seqlens_q``; ``bshd``: each row). For right-padded sequences this
 is exact on the real tokens (padding keys come after every real query); padding queries attend
@@ -26,13 +30,20 @@ reordered to global order; then per sequence and local query chunk ``j`` (global
   output and log-sum-exp (exact, the ring-attention identity).
 - ``j > 0`` elsewhere: ``F.scaled_dot_product_attention`` with ``causal_lower_right`` (native in the
   CUDA flash / memory-efficient kernels; K/V heads repeated for GQA there).
+- with a window that bites or sinks: :func:`~mcore_engine.layers.attention_blocks.block_attention`
+  on the key range ``[max(0, j c - W + 1), (j + 1) c)`` (a window crosses the CP split by reading the
+  gathered keys of the chunk before), query blocks against their band (CPU flash kernels; elsewhere
+  fp32 matmuls per block: correct, not fast, untested on GPUs); the sink enters each row's merged
+  log-sum-exp once. Its gradient is the local queries' share (the engine sums it over DP x CP).
 
 Memory saved for backward, per layer: the local queries, the gathered K/V (``cp x`` the local K/V;
 a copy padded to one head dim when ``k_channels != v_channels``), the output and an fp32 log-sum-exp
-per query and head. No ``[s, s]`` tensor (Megatron's ``DotProductAttention`` keeps fp32
-``[b, np, s, s]`` probabilities). Cost: a Python loop over sequences (``thd``; about 120-170 us per
-sequence and layer for forward + backward on one CPU core), one or two SDPA calls per sequence and
-local chunk, one host read of ``cu_seqlens`` per layer; the gather order is cached for 16 packs.
+per query and head; windows and sinks add nothing but the ``[np]`` sinks. No ``[s, s]`` tensor
+(Megatron's ``DotProductAttention`` keeps fp32 ``[b, np, s, s]`` probabilities). Cost: a Python loop
+over sequences (``thd``; about 120-170 us per sequence and layer for forward + backward on one CPU
+core), one or two SDPA calls per sequence and local chunk (with a window: one per block of queries,
+``O(s (W + B))`` work), one host read of ``cu_seqlens`` per layer; the gather order is cached for 16
+packs.
 """
 
 from __future__ import annotations
@@ -46,13 +57,20 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import is_layer_window_attention
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    is_layer_window_attention,
+    make_sharded_tensors_for_checkpoint,
+)
 from megatron.core.utils import divide
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
+
+from mcore_engine.layers.attention_blocks import block_attention
 
 __all__ = ["SDPACoreAttention", "cp_local_index"]
 
@@ -138,50 +156,22 @@ class _GatherFromContextParallel(torch.autograd.Function):
         return out, None, None
 
 
-class _PrefixCausalAttentionCPU(torch.autograd.Function):
-    """``q [b, h, c, d]`` attends to ``k, v [b, hk, p + c, d]``: all of the first ``p`` keys, the last
-    ``c`` causally (query ``i`` sits at key position ``p + i``). CPU flash kernels, GQA native.
-
-    1. ``o1, l1 = flash(q, k[:p], v[:p])``; ``o2, l2 = flash(q, k[p:], v[p:], causal)``.
-    2. ``lse = logaddexp(l1, l2)``; ``out = o1 exp(l1 - lse) + o2 exp(l2 - lse)`` (fp32, then q's dtype).
-    Backward: each part's flash backward with the merged ``out`` and ``lse`` (its probabilities are
-    ``exp(s - lse)``, and ``rowsum(dout * out)`` is the merged one); dq summed, dk / dv concatenated.
-    """
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, prefix: int, scale: float) -> Tensor:
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        # --- 1. the two parts ---
-        o1, l1 = flash(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
-        o2, l2 = flash(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)
-        # --- 2. merge ---
-        lse = torch.logaddexp(l1, l2)
-        out = (o1.float() * (l1 - lse).exp().unsqueeze(-1)
-               + o2.float() * (l2 - lse).exp().unsqueeze(-1)).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.prefix, ctx.scale = prefix, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
-        q, k, v, out, lse = ctx.saved_tensors
-        p, scale = ctx.prefix, ctx.scale
-        flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        grad = grad.contiguous()
-        dq1, dk1, dv1 = flash_bwd(grad, q, k[:, :, :p], v[:, :, :p], out, lse, 0.0, False, scale=scale)
-        dq2, dk2, dv2 = flash_bwd(grad, q, k[:, :, p:], v[:, :, p:], out, lse, 0.0, True, scale=scale)
-        return dq1 + dq2, torch.cat([dk1, dk2], 2), torch.cat([dv1, dv2], 2), None, None
-
-
-def _attend(q: Tensor, k: Tensor, v: Tensor, prefix: int, scale: float, cpu_kernels: bool) -> Tensor:
-    """``q [c, b, h, d]``, ``k, v [prefix + c, b, hk, d]`` -> ``[b, h, c, d]``: query ``i`` attends to
-    keys ``0 .. prefix + i``. ``cpu_kernels``: the prefix merge, else ``causal_lower_right`` (``hk = h``)."""
+def _attend(q: Tensor, k: Tensor, v: Tensor, prefix: int, scale: float, cpu_kernels: bool,
+            k_start: int = 0, window: int | None = None, sinks: Tensor | None = None) -> Tensor:
+    """``q [c, b, h, d]`` at positions ``prefix ..``, ``k, v [prefix + c - k_start, b, hk, d]`` at positions
+    ``k_start ..`` -> ``[b, h, c, d]``: query ``i`` attends to keys ``0 .. prefix + i`` (with ``window``:
+    the last ``window`` of them), ``sinks [h]`` in the denominators. No window / sink: ``is_causal`` SDPA,
+    the CPU prefix merge or ``causal_lower_right`` (``hk = h``); else :func:`block_attention`."""
     q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))
+    if window is not None and window >= prefix + q.size(2):
+        window = None  # every query sees its whole prefix
+    if window is not None or sinks is not None:
+        return block_attention(q, k, v, sinks, prefix, k_start, window, scale, cpu_flash=cpu_kernels)
     gqa = q.size(1) != k.size(1)
     if prefix == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    if cpu_kernels:
-        return _PrefixCausalAttentionCPU.apply(q, k, v, prefix, scale)
+    if cpu_kernels:  # the full prefix and the causal diagonal, merged by log-sum-exp
+        return block_attention(q, k, v, None, prefix, 0, None, scale, cpu_flash=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.size(2), k.size(2)),
                                           scale=scale)
 
@@ -200,8 +190,13 @@ class SDPACoreAttention(MegatronModule):
     local tokens.
     ``scale``: ``softmax_scale`` else ``1 / sqrt(k_channels or kv_channels)``; Megatron's
     ``apply_query_key_layer_scaling`` cancels out of the scores (the kernels scale in fp32).
-    ``cp_comm_type`` is ignored (K/V are always all-gathered). ``ValueError`` for dropout > 0,
-    non-causal masks, cross attention, sliding windows, non-vanilla softmax and qk-clip.
+    ``cp_comm_type`` is ignored (K/V are always all-gathered).
+    Sliding window (this layer windowed by ``is_layer_window_attention(config.window_size,
+    config.window_attn_skip_freq, layer_number)``, ``window_size = (W - 1, 0)``): query ``i`` sees keys
+    ``i - W < j <= i`` of its own sequence. ``softmax_type``: ``"learnable"`` owns ``softmax_offset``
+    ``[np / tp]`` (a sink logit per head in every softmax denominator, gpt-oss' ``sinks``; TP-split on
+    dim 0, gradient exact, in ``sharded_state_dict``), ``"off-by-one"`` a fixed 0 logit. ``ValueError``
+    for dropout > 0, non-causal masks or windows, cross attention and qk-clip.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
@@ -236,6 +231,27 @@ class SDPACoreAttention(MegatronModule):
         self.hidden_size_per_partition = self.num_attention_heads_per_partition * self.v_channels
         self.softmax_scale = (1.0 / math.sqrt(self.k_channels) if softmax_scale is None
                               else float(softmax_scale))
+
+        # --- sliding window (keys per query, itself included) and the sink logits ---
+        windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq,
+                                             self.layer_number)
+        self.window = config.window_size[0] + 1 if windowed and config.window_size[0] >= 0 else None
+        device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() \
+            else torch.cuda.current_device()
+        n = self.num_attention_heads_per_partition
+        if config.softmax_type == "off-by-one":  # a fixed 0 logit
+            self.register_buffer("softmax_offset", torch.zeros(n, dtype=config.params_dtype, device=device),
+                                 persistent=False)
+        elif config.softmax_type == "learnable":
+            tp_rank = dist.get_rank(tp_group) if tp > 1 else 0
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(n, dtype=config.params_dtype, device=device))
+            set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+            if config.perform_initialization:  # all heads from the default generator, then this rank's
+                with torch.no_grad():
+                    full = config.init_method(torch.empty(config.num_attention_heads, dtype=torch.float32))
+                    self.softmax_offset.copy_(full[tp_rank * n: (tp_rank + 1) * n])
+        else:
+            self.softmax_offset = None
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                 attn_mask_type: AttnMaskType | None = None, attention_bias: Tensor | None = None,
@@ -284,8 +300,10 @@ class SDPACoreAttention(MegatronModule):
             for j in chunks:
                 q = next(q_pieces)
                 if c:
-                    outs.append(_attend(q, k_seq[: (j + 1) * c], v_seq[: (j + 1) * c], j * c,
-                                        self.softmax_scale, cpu_kernels))
+                    lo = 0 if self.window is None else max(0, j * c - self.window + 1)
+                    outs.append(_attend(q, k_seq[lo: (j + 1) * c], v_seq[lo: (j + 1) * c], j * c,
+                                        self.softmax_scale, cpu_kernels, lo, self.window,
+                                        self.softmax_offset))
 
         # --- 4. [b, np, c, h] pieces -> [sq, b, np * hv] (thd: [t, np * hv], as Transformer Engine's) ---
         if not outs:  # an empty pack
@@ -295,6 +313,14 @@ class SDPACoreAttention(MegatronModule):
         if packed_seq_params is not None:
             return out.reshape(out.size(0), -1)
         return out.reshape(out.size(0), out.size(1), -1)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+        """``softmax_offset`` (learnable softmax) TP-sharded along dim 0; nothing else is stored."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"softmax_offset": 0}, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
 
     def _bshd_lengths(self, query: Tensor) -> list[int]:
         """``[S]``: every row is one sequence of global length ``S = sq * cp``."""
@@ -354,8 +380,10 @@ def _check_supported(config: TransformerConfig, layer_number: int, attn_mask_typ
         f"attention dropout {dropout} (only 0.0)": dropout != 0.0,
         f"attention_type {attention_type!r} (only 'self')": attention_type != "self",
         f"attn_mask_type {attn_mask_type} (only causal)": attn_mask_type not in _CAUSAL_TYPES,
-        f"softmax_type {config.softmax_type!r} (only 'vanilla')": config.softmax_type != "vanilla",
-        "sliding-window attention": window,
+        f"softmax_type {config.softmax_type!r} (only 'vanilla', 'off-by-one', 'learnable')":
+            config.softmax_type not in ("vanilla", "off-by-one", "learnable"),
+        f"window_size {config.window_size} (only (left, 0): causal)":
+            window and (len(config.window_size) != 2 or config.window_size[1] != 0),
         "qk_clip / log_max_attention_logit (no max-logit tracking)":
             bool(config.qk_clip or config.log_max_attention_logit),
     }

@@ -230,8 +230,7 @@ def _cp1_checks(rank: int, world: int) -> None:
         ours(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
     with pytest.raises(ValueError, match="global pack size"):
         ours(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=_packed([3, 4]))
-    refused = ((dict(attention_dropout=0.1), "dropout"), (dict(softmax_type="off-by-one"), "softmax_type"),
-               (dict(window_size=(4, 0)), "sliding-window"),
+    refused = ((dict(attention_dropout=0.1), "dropout"), (dict(window_size=(4, 2)), "window_size"),
                (dict(context_parallel_size=2), "context_parallel_size=2"))
     for bad, match in refused:
         with pytest.raises(ValueError, match=match):
