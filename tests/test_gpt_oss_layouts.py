@@ -13,10 +13,10 @@ experts' fc1 unscaled (in bf16 weights of ~0.5 have an ulp of about lr: two bf16
 3% after one step), both replaying one routing (R3; bf16 flips near-tied routing choices, and an
 expert that gains or loses a token has another gradient).
 
-Launch 2 (two gloo ranks) replays the references on identical weights: TP=2 + SP (thd, bshd; the
-experts at expert TP 1, the biased experts' default), EP=2, TP=2 + SP with EP=2, PP=2, CP=2 (thd,
-bshd; with the SDPA core attention), DP=2 with the distributed optimizer, TP=2 + SP in bf16; each:
-outputs, loss, grad norm, routing, every gradient of step 1, the weights after each step
+Launch 2 (two gloo ranks) replays the references on identical weights: TP=2 + SP (thd, bshd, thd on
+Megatron's ``DotProductAttention``; the experts at expert TP 1, the biased experts' default), EP=2,
+TP=2 + SP with EP=2, PP=2, CP=2 (thd, bshd), DP=2 with the distributed optimizer, TP=2 + SP in bf16;
+each: outputs, loss, grad norm, routing, every gradient of step 1, the weights after each step
 (``tests.compare``: fp32 1e-5, two Adam steps 1e-4; bf16 per-tensor budgets from the one-rank bf16
 run). Router replay at EP=2 bit for bit, at TP=2 + SP with EP=2 the routing bit for bit.
 Checkpoints after two steps at TP=2 + SP and EP=2 load at TP=1 / EP=1 (DP=2) to the saver's
@@ -46,8 +46,6 @@ from tests.engine_setup import (
 from tests.parallel_setup import TOL, check_layout_tensors, compare, config, run_steps, same_tensors
 from tests.utils import REL_TOL, assert_identical, assert_rel_close, run_distributed
 
-# Megatron's DotProductAttention (sinks, windows; bshd and, with the engine's mask, thd; CP = 1)
-CORE_ATTENTION = "local"
 CLAMP = 7.0
 FC1_SCALE = 9.0  # the experts' fc1 outputs ~N(0, 3.5): a few percent of gates / ups beyond the clamp
 FLAGS = dict(calculate_entropy=True, temperature=0.8)
@@ -57,14 +55,16 @@ PACK = [1, 3, 4, 5, 17, 9]  # one token, shorter than / as long as / one past th
 LAYOUTS = [
     ("tp2-sp", dict(tp=2, sp=True), TOL),  # expert TP 1: biased experts' default
     ("tp2-sp-bshd", dict(tp=2, sp=True, data_format="bshd"), TOL),
+    # Megatron's DotProductAttention: its softmax_offset TP-split, the window per packed sequence
+    ("tp2-sp-local", dict(tp=2, sp=True, core_attention="local"), TOL),
     ("ep2", dict(ep=2), TOL),
     ("tp2-sp-ep2", dict(tp=2, sp=True, ep=2, etp=1), TOL),
     ("pp2", dict(pp=2), TOL),
+    ("cp2", dict(cp=2), TOL),  # a window that crosses the CP split, sinks in the log-sum-exp merge
+    ("cp2-bshd", dict(cp=2, data_format="bshd"), TOL),
     ("dp2-distopt", dict(distopt=True), TOL),
     ("tp2-sp-bf16", dict(tp=2, sp=True, precision="bf16"), REL_TOL[torch.bfloat16]),
 ]
-if CORE_ATTENTION == "sdpa":
-    LAYOUTS += [("cp2", dict(cp=2), TOL), ("cp2-bshd", dict(cp=2, data_format="bshd"), TOL)]
 # router replay: bit for bit; under SP the routing bit for bit, the rest to fp32 1e-5 (padding slots,
 # whose routing is not returned, are routed afresh: other expert GEMM sizes, other last bits)
 REPLAY = {"ep2": None, "tp2-sp-ep2": TOL}
@@ -72,11 +72,11 @@ REPLAY = {"ep2": None, "tp2-sp-ep2": TOL}
 SAVERS = {"tp2-sp": (dict(tp=2, sp=True), dict()), "ep2": (dict(ep=2), dict())}
 
 
-def _config(*, distopt: bool = False, **kwargs):
-    """``config("gpt-oss", **kwargs)`` with ``CORE_ATTENTION`` and the distributed optimizer."""
+def _config(*, distopt: bool = False, core_attention: str = "sdpa", **kwargs):
+    """``config("gpt-oss", **kwargs)`` with the distributed optimizer and ``core_attention``."""
     cfg = config("gpt-oss", **kwargs)
-    model = dataclasses.replace(cfg.model, core_attention=CORE_ATTENTION)
     optimizer = dataclasses.replace(cfg.optimizer, use_distributed_optimizer=distopt)
+    model = dataclasses.replace(cfg.model, core_attention=core_attention)
     return dataclasses.replace(cfg, model=model, optimizer=optimizer)
 
 

@@ -158,14 +158,13 @@ class MoEConfig(Block):
         require(self.num_experts % ep == 0, f"MoEConfig.num_experts ({self.num_experts}) must be divisible "
                 f"by ParallelConfig.expert_model_parallel_size ({ep})",
                 "parallel.expert_model_parallel_size", "model.moe.num_experts")
-        require(not model.add_bias_linear or etp == 1, "ModelConfig.add_bias_linear with MoE needs "
-                f"ParallelConfig.expert_tensor_parallel_size 1, got {etp} (it defaults to "
-                "tensor_model_parallel_size): Megatron-Core shards no expert bias; set it to 1",
-                "parallel.expert_tensor_parallel_size", "model.add_bias_linear")
         ffn = self.ffn_hidden_size or model.ffn_size
         require(ffn % etp == 0, f"MoEConfig.ffn_hidden_size ({ffn}) must be divisible by "
                 f"ParallelConfig.expert_tensor_parallel_size ({etp})",
                 "parallel.expert_tensor_parallel_size", "model.moe.ffn_hidden_size")
+        require(not getattr(model, "add_bias_linear", False) or etp == 1, "ModelConfig.add_bias_linear: "
+                f"Megatron-Core's expert biases need ParallelConfig.expert_tensor_parallel_size 1, got {etp} "
+                "(set it to 1 at TP > 1)", "parallel.expert_tensor_parallel_size", "model.add_bias_linear")
         shared = self.shared_expert_ffn_hidden_size
         require(shared is None or shared % tp == 0, f"MoEConfig.shared_expert_ffn_hidden_size ({shared}) "
                 f"must be divisible by ParallelConfig.tensor_model_parallel_size ({tp})",
