@@ -387,14 +387,16 @@ def test_verl_main_ppo_grpo_qwen3_5(tmp_path):
 def test_verl_main_ppo_grpo_gpt_oss(tmp_path):
     """GRPO (n=4, KL loss, so a reference policy) on a tiny gpt-oss (``GptOssForCausalLM``: attention
     sinks, a 4-token sliding window on layer 0, YaRN, biases everywhere, 4 experts top-2 with the
-    clamped SwiGLU) with the packaged config and nothing else (packed: ``use_remove_padding``), actor
+    clamped SwiGLU) with the packaged config (packed: ``use_remove_padding``; activation recompute off,
+    as for every MoE: the core does not recompute MoE layers), actor
     and reference at TP=2 + SP on two ranks (the experts at expert TP 1, the biased experts'
     default); the rollout is ``transformers`` decoding token by token (eager attention with its
     sliding-window cache), the engine computes whole packed sequences: verl's own
     ``rollout_probs_diff_max`` is the train / decode gap (fp32). The weight sync speaks the folder's
     own names (fused ``gate_up_proj`` and its bias, ``sinks``, the router's bias), first equal to the
     folder, the last to the export."""
-    run = run_trainer(str(tmp_path), gpt_oss=True, tp=2)
+    run = run_trainer(str(tmp_path), gpt_oss=True, tp=2,  # MoE layers are not recomputed (as for R3)
+                      extra=("actor_rollout_ref.model.enable_gradient_checkpointing=False",))
     steps = run["steps"]
     finite_metrics(steps)
     check_engines(run, {("language_model", False), ("language_model", True)}, tp=2)
