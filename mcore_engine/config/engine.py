@@ -80,6 +80,9 @@ class EngineConfig(Block):
         self._ints("logits_chunk_size", optional=True)
         self._bools("forward_only")
         m, p = self.model, self.parallel
+        if p.expert_tensor_parallel_size is None and m.moe is not None and m.add_bias_linear:
+            # Megatron-Core splits no expert bias: biased experts (gpt-oss) default to ETP = 1
+            self.parallel = p = dataclasses.replace(p, expert_tensor_parallel_size=1)
         for block in (p, *m.blocks()):
             block.check(m, p)
         check_recompute(self)

@@ -30,7 +30,8 @@ class ParallelConfig(Block):
     expert_model_parallel_size: int = 1
     """EP: ranks that split each MoE layer's experts (carved out of TP x DP, as Megatron does)."""
     expert_tensor_parallel_size: int | None = None
-    """ETP: ranks that shard each expert's FFN; ``None`` means ``tensor_model_parallel_size``.
+    """ETP: ranks that shard each expert's FFN; ``None`` means ``tensor_model_parallel_size`` (1 for
+    biased experts, ``model.add_bias_linear``: Megatron-Core splits no expert bias).
     Per pipeline stage ``tp * cp * dp == etp * ep * edp`` (edp: the experts' data-parallel size)."""
     context_parallel_size: int = 1
     """CP: ranks that split every sequence (load-balanced: 2 x CP chunks, rank r holds r and

@@ -83,10 +83,39 @@ def build_model_chunks(cfg: EngineConfig) -> list[GPTModel]:
         if cfg.model.head == "value" and model.post_process:
             attach_value_head(model, cfg)  # mcore_engine.layers.value_head: replicated Linear(H, 1)
         _cast_params(model, config.params_dtype)
+        _expert_grad_groups(model, cfg)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def _expert_grad_groups(model: torch.nn.Module, cfg: EngineConfig) -> None:
+    """Reduce the routed experts' gradients over the expert data-parallel group, never over TP.
+
+    Megatron-Core marks expert parameters ``allreduce`` (the dense data-parallel group) unless
+    ``expert_model_parallel_size > 1``: at EP = 1 with ``expert_tensor_parallel_size < tp`` the
+    experts are replicated over TP ranks that route other tokens (sequence parallelism), which the
+    dense group leaves out (each rank kept its own partial gradient). And a biased expert's
+    ``linear_fc2.bias`` carries ``sequence_parallel``, so ``finalize_model_grads`` summed it over
+    the TP ranks, which at EP > 1 hold other experts; the expert optimizer, which reduces its grad
+    norm over the expert TP x EP x PP group, counted that bias on TP rank 0 only (Megatron's test for
+    a TP duplicate looks at the dense TP rank). Here: ``allreduce`` off at EP = 1 with ETP < TP (DDP
+    then reduces them over the expert data-parallel group, TP included), ``sequence_parallel`` off
+    on every expert parameter (each expert sees all its tokens), and every expert parameter marked
+    ``tensor_model_parallel`` as Megatron marks the expert weights (split over the expert-TP group,
+    which is 1 for biased experts: counted on every rank)."""
+    par = cfg.parallel
+    over_tp = par.expert_model_parallel_size == 1 and par.expert_tensor_size != par.tensor_model_parallel_size
+    for name, param in model.named_parameters():
+        if ".experts." not in name:
+            continue
+        if over_tp:
+            param.allreduce = False
+        if getattr(param, "sequence_parallel", False):
+            param.sequence_parallel = False
+        if not getattr(param, "tensor_model_parallel", False):
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
 
 
 def _cast_params(model: torch.nn.Module, dtype: torch.dtype) -> None:

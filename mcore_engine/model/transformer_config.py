@@ -21,6 +21,13 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(1.702 x)`` (gpt-oss's GLU gate activation), eager. Megatron-Core's ``quick_gelu``
+    is ``torch.compile``'d: on CPU it compiles on the first call (~4 s per process) and again for new
+    sequence lengths; its fused GLU kernels (``bias_activation_fusion``) are not used here."""
+    return x * torch.sigmoid(1.702 * x)
+
+
 def build_transformer_config(cfg: EngineConfig) -> TransformerConfig:
     """Megatron-Core ``TransformerConfig`` for ``cfg`` (no dropout; biases, attention sinks, windows,
     the gated MLP's activation and YaRN as ``model`` says; the recompute fields; a hybrid decoder's

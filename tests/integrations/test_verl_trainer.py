@@ -19,6 +19,8 @@ reference and critic on this backend, the reference and critic in the actor's dt
   experts (and routes unlike the trainer), the actor replays them in its old-log-prob pass and update.
 - GRPO on a tiny hybrid Qwen3.5 (three Gated DeltaNet layers, one gated attention layer) at TP=2 + SP:
   the rollout decodes with transformers' recurrent rule, the actor computes with the chunked one.
+- GRPO on a tiny gpt-oss (attention sinks, a 4-token window, YaRN, the biased clamped-SwiGLU MoE) at
+  TP=2 + SP, packed: the rollout decodes with transformers' eager attention and its window cache.
 
 What verl lacks on CPU is added in ``tests/integrations/verl_trainer_harness.py`` (loaded by every
 Ray process through verl's ``VERL_USE_EXTERNAL_MODULES`` plugin hook). The checks read what verl
@@ -41,6 +43,7 @@ pytest.importorskip("ray")
 from tests.integrations.verl_trainer_harness import ROUTING_ENV  # noqa: E402
 from tests.integrations.verl_trainer_setup import (  # noqa: E402
     make_dataset,
+    make_gpt_oss_model,
     make_model,
     make_moe_model,
     make_qwen3_5_model,
@@ -65,6 +68,8 @@ def run_trainer(work: str, **kw) -> dict:
         env[ROUTING_ENV] = kw.pop("rollout_routing", "native")
     elif kw.pop("qwen3_5", False):  # a hybrid Qwen3.5 student (Gated DeltaNet + gated attention)
         make_qwen3_5_model(student, seed=0)
+    elif kw.pop("gpt_oss", False):  # a gpt-oss student (sinks, a sliding window, biased MoE)
+        make_gpt_oss_model(student, seed=0)
     else:
         make_model(student, seed=0)
     make_tokenizer(tokenizer_dir(work))
@@ -376,3 +381,45 @@ def test_verl_main_ppo_grpo_qwen3_5(tmp_path):
         "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean",
         "rollout_corr/log_ppl_diff_max", "rollout_corr/kl", "actor/ppo_kl", "actor/kl_loss",
         "actor/grad_norm", "timing_s/step")})
+
+
+@pytest.mark.slow
+def test_verl_main_ppo_grpo_gpt_oss(tmp_path):
+    """GRPO (n=4, KL loss, so a reference policy) on a tiny gpt-oss (``GptOssForCausalLM``: attention
+    sinks, a 4-token sliding window on layer 0, YaRN, biases everywhere, 4 experts top-2 with the
+    clamped SwiGLU) with the packaged config (packed: ``use_remove_padding``; activation recompute off,
+    as for every MoE: the core does not recompute MoE layers), actor
+    and reference at TP=2 + SP on two ranks (the experts at expert TP 1, the biased experts'
+    default); the rollout is ``transformers`` decoding token by token (eager attention with its
+    sliding-window cache), the engine computes whole packed sequences: verl's own
+    ``rollout_probs_diff_max`` is the train / decode gap (fp32). The weight sync speaks the folder's
+    own names (fused ``gate_up_proj`` and its bias, ``sinks``, the router's bias), first equal to the
+    folder, the last to the export."""
+    run = run_trainer(str(tmp_path), gpt_oss=True, tp=2,  # MoE layers are not recomputed (as for R3)
+                      extra=("actor_rollout_ref.model.enable_gradient_checkpointing=False",))
+    steps = run["steps"]
+    finite_metrics(steps)
+    check_engines(run, {("language_model", False), ("language_model", True)}, tp=2)
+    check_weight_sync(run)  # every tensor of the folder, sinks and biases included, in its own names
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(run["student"], "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    own = ("self_attn.sinks", "self_attn.q_proj.bias", "self_attn.o_proj.bias", "mlp.router.bias",
+           "mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias")
+    assert {f"model.layers.{i}.{n}" for i in range(2) for n in own} <= names, sorted(names)
+    for step, m in steps.items():
+        assert m["training/rollout_probs_diff_valid"] == 1, step
+        # the rollout's (token by token, cached) and the actor's (packed) log-probs, fp32: |p_rollout -
+        # p_actor| per token (measured 3.7e-9), per-sequence mean log-prob, mean log-ratio
+        assert m["training/rollout_probs_diff_max"] < 1e-6, (step, m["training/rollout_probs_diff_max"])
+        assert abs(m["rollout_corr/log_ppl_diff_max"]) < 1e-5 and abs(m["rollout_corr/kl"]) < 1e-6, step
+        assert abs(m["actor/ppo_kl"]) < 1e-6 and m["actor/pg_clipfrac"] == 0, step  # first pass == old
+        assert m["critic/score/max"] > m["critic/score/min"], "rule-based rewards must vary"
+        assert 0 < m["actor/grad_norm"] < 10, (step, m["actor/grad_norm"])
+        assert m["critic/advantages/max"] > 0 > m["critic/advantages/min"], "GRPO advantages"
+    assert steps[1]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # ref == actor before the first update
+    assert steps[2]["actor/kl_loss"] > 0  # the actor moved away from the reference
+    print({key: [steps[s][key] for s in sorted(steps)] for key in (
+        "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean", "rollout_corr/kl",
+        "actor/ppo_kl", "actor/kl_loss", "actor/grad_norm", "timing_s/step")})

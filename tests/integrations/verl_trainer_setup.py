@@ -1,5 +1,5 @@
 """Assets and command line of the verl trainer test (``test_verl_trainer.py``): a tiny random Qwen2
-student and teacher (and a Qwen3-MoE and a Qwen3.5 student) with a character-level tokenizer, a
+student and teacher (and a Qwen3-MoE, a Qwen3.5 and a gpt-oss student) with a character-level tokenizer, a
 parquet prompt set, and the ``python -m verl.trainer.main_ppo`` command line: the packaged config that
 puts actor, reference (and critic) on the ``mcore_engine`` backend (the one a user passes, README "Use
 it from verl"), the overrides of a tiny fp32 CPU run, and the rollout / teacher on the harness's
@@ -107,6 +107,38 @@ def make_qwen3_5_model(path: str, seed: int) -> None:
         # the rollout samples that token (~1 in 250) and Megatron's embedding, which has no
         # padding_idx, then back-propagates through the input RMSNorm of a zero vector (x 1/sqrt(eps)):
         # a grad norm of ~550 that the clip turns into a lost step. Trained rows are not zero.
+        model.model.embed_tokens.weight[cfg.pad_token_id].normal_(0.0, cfg.initializer_range)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model.save_pretrained(path)
+
+
+def make_gpt_oss_model(path: str, seed: int) -> None:
+    """A tiny random gpt-oss causal LM (``GptOssForCausalLM``): 2 layers, the first with a 4-token
+    sliding window (prompts and responses are longer), YaRN RoPE, 4 query / 2 key-value heads of 16,
+    hidden 64, 4 experts (width 32), top-2, untied lm-head, fp32. The attention sinks ``N(0, 1)`` and
+    every bias (q / k / v / o, router, experts) ``N(0, 0.1)`` (the init leaves the biases at 0 and
+    the sinks ~0.02), the routers drawn with std 0.2 (no near-ties), the pad token's embedding not
+    zero (see :func:`make_qwen3_5_model`)."""
+    from transformers import GenerationConfig, GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                       num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, sliding_window=4,
+                       layer_types=["sliding_attention", "full_attention"], max_position_embeddings=128,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False, rope_parameters=yarn,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = GptOssForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(0.0, 1.0)
+            elif name.endswith(("bias", "_bias")):
+                p.normal_(0.0, 0.1)
+            elif name.endswith("router.weight"):
+                p.normal_(0.0, 0.2)
         model.model.embed_tokens.weight[cfg.pad_token_id].normal_(0.0, cfg.initializer_range)
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model.save_pretrained(path)
