@@ -16,15 +16,10 @@ __all__ = ["build_transformer_config", "quick_gelu"]
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    """``x * sigmoid(1.702 x)`` in eager torch: Megatron-Core's (``fusions.fused_bias_geglu``) is
-    ``torch.compile``'d, whose C++ build fails on CPU under ``ATEN_CPU_CAPABILITY=default``."""
-    return x * torch.sigmoid(1.702 * x)
-
-
-def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     """``x * sigmoid(1.702 x)`` (gpt-oss's GLU gate activation), eager. Megatron-Core's ``quick_gelu``
     is ``torch.compile``'d: on CPU it compiles on the first call (~4 s per process) and again for new
-    sequence lengths; its fused GLU kernels (``bias_activation_fusion``) are not used here."""
+    sequence lengths, and its C++ build fails under ``ATEN_CPU_CAPABILITY=default``; its fused GLU
+    kernels (``bias_activation_fusion``) are not used here."""
     return x * torch.sigmoid(1.702 * x)
 
 

@@ -127,7 +127,8 @@ def test_gpt_oss_to_hf_and_layout_refusals():
     with pytest.raises(ValueError, match="expert_model_parallel_size"):
         EngineConfig(model=cfg, parallel=ParallelConfig(expert_model_parallel_size=3))
     with pytest.raises(ValueError, match="expert_tensor_parallel_size"):
-        EngineConfig(model=cfg, parallel=ParallelConfig(tensor_model_parallel_size=2))
+        EngineConfig(model=cfg, parallel=ParallelConfig(tensor_model_parallel_size=2,
+                                                         expert_tensor_parallel_size=2))
 
 
 # ----------------------------------------------------------------------------------------- MXFP4
