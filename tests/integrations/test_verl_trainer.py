@@ -343,6 +343,27 @@ def test_verl_main_ppo_grpo_moe_r3(tmp_path):
         "actor/kl_loss")}, counts)
 
 
+def check_decode_gap_run(steps: dict) -> None:
+    """A two-step GRPO run whose rollout decodes token by token while the actor computes packed
+    sequences, fp32: verl's train / decode gap (``|p_rollout - p_actor|`` per token, per-sequence mean
+    log-prob, mean log-ratio) at rounding level, the first actor pass equal to the old log-probs,
+    rewards with spread, finite non-zero gradients, KL loss 0 then > 0."""
+    for step, m in steps.items():
+        assert m["training/rollout_probs_diff_valid"] == 1, step
+        assert m["training/rollout_probs_diff_max"] < 1e-6, (step, m["training/rollout_probs_diff_max"])
+        assert abs(m["rollout_corr/log_ppl_diff_max"]) < 1e-5 and abs(m["rollout_corr/kl"]) < 1e-6, step
+        assert abs(m["actor/ppo_kl"]) < 1e-6 and m["actor/pg_clipfrac"] == 0, step  # first pass == old
+        assert m["critic/score/max"] > m["critic/score/min"], "rule-based rewards must vary"
+        assert 0 < m["actor/grad_norm"] < 10, (step, m["actor/grad_norm"])
+        assert m["critic/advantages/max"] > 0 > m["critic/advantages/min"], "GRPO advantages"
+    assert steps[1]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # ref == actor before the first update
+    assert steps[2]["actor/kl_loss"] > 0  # the actor moved away from the reference
+    print({key: [steps[s][key] for s in sorted(steps)] for key in (
+        "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean",
+        "rollout_corr/log_ppl_diff_max", "rollout_corr/kl", "actor/ppo_kl", "actor/kl_loss",
+        "actor/grad_norm", "timing_s/step")})
+
+
 @pytest.mark.slow
 def test_verl_main_ppo_grpo_qwen3_5(tmp_path):
     """GRPO (n=4, KL loss, so a reference policy) on a tiny hybrid Qwen3.5 (``Qwen3_5ForCausalLM``:
@@ -364,23 +385,10 @@ def test_verl_main_ppo_grpo_qwen3_5(tmp_path):
     gdn = ("A_log", "dt_bias", "conv1d.weight", "in_proj_qkv.weight", "in_proj_z.weight", "norm.weight")
     assert {f"model.layers.{i}.linear_attn.{n}" for i in range(3) for n in gdn} <= names, sorted(names)
     assert "model.layers.3.self_attn.q_proj.weight" in names
-    for step, m in steps.items():
-        assert m["training/rollout_probs_diff_valid"] == 1, step
-        # the rollout's (recurrent, token by token) and the actor's (chunked, packed) log-probs:
-        # |p_rollout - p_actor| per token, per-sequence mean log-prob, mean log-ratio
-        assert m["training/rollout_probs_diff_max"] < 1e-6, (step, m["training/rollout_probs_diff_max"])
-        assert abs(m["rollout_corr/log_ppl_diff_max"]) < 1e-5 and abs(m["rollout_corr/kl"]) < 1e-6, step
-        assert abs(m["actor/ppo_kl"]) < 1e-6 and m["actor/pg_clipfrac"] == 0, step  # first pass == old
-        assert m["critic/score/max"] > m["critic/score/min"], "rule-based rewards must vary"
-        # transformers' gradient of this loss is ~0.9 (a zero embedding row sampled gives ~550)
-        assert 0 < m["actor/grad_norm"] < 10, (step, m["actor/grad_norm"])
-        assert m["critic/advantages/max"] > 0 > m["critic/advantages/min"], "GRPO advantages"
-    assert steps[1]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # ref == actor before the first update
-    assert steps[2]["actor/kl_loss"] > 0  # the actor moved away from the reference
-    print({key: [steps[s][key] for s in sorted(steps)] for key in (
-        "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean",
-        "rollout_corr/log_ppl_diff_max", "rollout_corr/kl", "actor/ppo_kl", "actor/kl_loss",
-        "actor/grad_norm", "timing_s/step")})
+    # the rollout decodes token by token with transformers' recurrent rule, the actor runs the chunked
+    # rule on packed sequences; transformers' gradient of this loss is ~0.9 (a zero embedding row
+    # sampled gives ~550)
+    check_decode_gap_run(steps)
 
 
 @pytest.mark.slow
@@ -408,18 +416,6 @@ def test_verl_main_ppo_grpo_gpt_oss(tmp_path):
     own = ("self_attn.sinks", "self_attn.q_proj.bias", "self_attn.o_proj.bias", "mlp.router.bias",
            "mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias")
     assert {f"model.layers.{i}.{n}" for i in range(2) for n in own} <= names, sorted(names)
-    for step, m in steps.items():
-        assert m["training/rollout_probs_diff_valid"] == 1, step
-        # the rollout's (token by token, cached) and the actor's (packed) log-probs, fp32: |p_rollout -
-        # p_actor| per token (measured 3.7e-9), per-sequence mean log-prob, mean log-ratio
-        assert m["training/rollout_probs_diff_max"] < 1e-6, (step, m["training/rollout_probs_diff_max"])
-        assert abs(m["rollout_corr/log_ppl_diff_max"]) < 1e-5 and abs(m["rollout_corr/kl"]) < 1e-6, step
-        assert abs(m["actor/ppo_kl"]) < 1e-6 and m["actor/pg_clipfrac"] == 0, step  # first pass == old
-        assert m["critic/score/max"] > m["critic/score/min"], "rule-based rewards must vary"
-        assert 0 < m["actor/grad_norm"] < 10, (step, m["actor/grad_norm"])
-        assert m["critic/advantages/max"] > 0 > m["critic/advantages/min"], "GRPO advantages"
-    assert steps[1]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # ref == actor before the first update
-    assert steps[2]["actor/kl_loss"] > 0  # the actor moved away from the reference
-    print({key: [steps[s][key] for s in sorted(steps)] for key in (
-        "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean", "rollout_corr/kl",
-        "actor/ppo_kl", "actor/kl_loss", "actor/grad_norm", "timing_s/step")})
+    # the rollout decodes token by token (eager attention, its sliding-window cache), the actor runs
+    # whole packed sequences (measured rollout_probs_diff_max 3.7e-9)
+    check_decode_gap_run(steps)
