@@ -368,3 +368,14 @@ def test_gpt_oss_config_refused_by_field(what):
         build()
     for field in fields:
         assert field in str(err.value), f"{what}: {field!r} not named in {err.value}"
+
+
+def test_sinks_and_windows_keep_the_engine_attention_where_te_imports(monkeypatch):
+    """Transformer Engine's layer spec is used when it imports, but never for sinks or windows."""
+    from mcore_engine.model import spec
+
+    monkeypatch.setattr(spec, "has_te", lambda: True)
+    assert not spec.uses_te_spec(_config())
+    assert not spec.uses_te_spec(_model(attention_sinks=False))  # the window alone
+    assert not spec.uses_te_spec(_model(sliding_window=None, sliding_window_pattern=None))  # sinks alone
+    assert spec.uses_te_spec(_model(attention_sinks=False, sliding_window=None, sliding_window_pattern=None))

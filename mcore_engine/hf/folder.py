@@ -199,16 +199,16 @@ class FolderReader:
         if proj != "down_proj":  # rows [2 start, 2 stop) of [E, 2I, H]
             index = (e, slice(2 * start, 2 * stop))
             w = dequantize(self.reader.read_index(name, full, index),
-                           self.reader.read_index(scales, scales_shape, index))
+                           self.reader.read_index(scales, scales_shape, index), name=scales)
             return w[off::2]
         if dim == 0:
             index = (e, slice(start, stop))
             return dequantize(self.reader.read_index(name, full, index),
-                              self.reader.read_index(scales, scales_shape, index))
+                              self.reader.read_index(scales, scales_shape, index), name=scales)
         g0, g1 = start // 32, -(-stop // 32)  # the blocks of 32 that hold columns [start, stop)
         index = (e, slice(None), slice(g0, g1))
         w = dequantize(self.reader.read_index(name, full, index),
-                       self.reader.read_index(scales, scales_shape, index))
+                       self.reader.read_index(scales, scales_shape, index), name=scales)
         return w[:, start - 32 * g0:stop - 32 * g0]
 
     def __enter__(self) -> FolderReader:

@@ -108,9 +108,12 @@ def gpt_oss_from_hf(hf_config: Mapping[str, Any], family: Family) -> dict[str, A
     experts = hf_config.get("num_local_experts", hf_config.get("num_experts"))
     if experts is None:
         raise ValueError("num_local_experts: a gpt_oss config needs num_local_experts")
+    # transformers adds the load-balancing loss only with output_router_logits (the Hub's: false, with a
+    # coefficient of 0.9 that would otherwise dominate an RL gradient)
+    aux = float(hf_config.get("router_aux_loss_coef", 0.0)) if hf_config.get("output_router_logits") else 0.0
     moe = MoEConfig(num_experts=int(experts), router_topk=int(hf_config["num_experts_per_tok"]),
                     ffn_hidden_size=int(hf_config["intermediate_size"]), router_pre_softmax=False,
-                    aux_loss_coeff=float(hf_config.get("router_aux_loss_coef", 0.0)), layer_freq=1)
+                    aux_loss_coeff=aux, layer_freq=1)
     return dict(moe=moe, add_qkv_bias=False, add_bias_linear=True, attention_sinks=True,
                 sliding_window=int(window) if any(pattern) else None,
                 sliding_window_pattern=None if all(pattern) or not any(pattern) else pattern,
@@ -128,8 +131,10 @@ def gpt_oss_to_hf(cfg: ModelConfig, family: Family, base: Mapping[str, Any] | No
     if moe.router_score_function != "softmax" or moe.router_topk_scaling_factor not in (None, 1.0):
         raise ValueError("MoEConfig.router_score_function / router_topk_scaling_factor: gpt_oss routes by "
                          "softmax without scaling")
-    out = dict(num_experts_per_tok=moe.router_topk, router_aux_loss_coef=moe.aux_loss_coeff,
-               output_router_logits=False)
+    # an engine without the aux loss keeps the folder's coefficient, switched off as it was
+    out = dict(num_experts_per_tok=moe.router_topk, output_router_logits=moe.aux_loss_coeff > 0)
+    if moe.aux_loss_coeff > 0:
+        out["router_aux_loss_coef"] = moe.aux_loss_coeff
     if not all(moe.layer_pattern(cfg.num_layers)) or moe.router_pre_softmax:
         raise ValueError("MoEConfig.layer_freq / router_pre_softmax: gpt_oss has MoE in every layer and "
                          "softmax over the top-k logits")

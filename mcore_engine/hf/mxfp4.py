@@ -24,10 +24,12 @@ FP4_VALUES = (+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
-def dequantize(blocks: torch.Tensor, scales: torch.Tensor,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32,
+               name: str = "scales") -> torch.Tensor:
     """``W [..., R, 32 G]`` in ``dtype`` from ``blocks [..., R, G, 16]`` and ``scales [..., R, G]``
-    (see the module docstring); ``ValueError`` when the shapes disagree."""
+    (see the module docstring); ``ValueError`` when the shapes disagree or a scale gives a
+    non-finite weight (the E8M0 NaN code 255, or an exponent beyond ``dtype``'s range), naming
+    ``name``."""
     if blocks.dim() < 2 or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
         raise ValueError(f"blocks / scales: expected blocks [..., R, G, 16] and scales [..., R, G], got "
                          f"{tuple(blocks.shape)} and {tuple(scales.shape)}")
@@ -39,6 +41,10 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor,
     out[:, 0::2] = lut[(blocks & 0x0F).to(torch.int)]
     out[:, 1::2] = lut[(blocks >> 4).to(torch.int)]
     torch.ldexp(out, exp, out=out)
+    if not bool(torch.isfinite(out).all()):
+        bad = sorted({int(v) for v in scales.reshape(-1, 1)[~torch.isfinite(out).all(-1, keepdim=True)]})
+        raise ValueError(f"{name}: scale byte(s) {bad[:4]} give non-finite weights (255 is E8M0's NaN; "
+                         f"an exponent byte - 127 must stay within {dtype}'s range)")
     return out.reshape(*prefix, g * 2 * b)
 
 

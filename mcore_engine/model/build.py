@@ -21,7 +21,7 @@ from mcore_engine.model.head import (
     lm_head_weight,
     output_hidden_states,
 )
-from mcore_engine.model.spec import decoder_spec, has_te, mtp_source_spec
+from mcore_engine.model.spec import decoder_spec, has_te, mtp_source_spec, uses_te_spec
 from mcore_engine.model.transformer_config import build_transformer_config
 from mcore_engine.parallel.cpu_device import apply_cpu_device_layer
 
@@ -61,7 +61,7 @@ def build_model_chunks(cfg: EngineConfig) -> list[GPTModel]:
         vp_stage = stage if vpp is not None else None
         spec = decoder_spec(cfg, config, vp_stage)
         mtp_spec = None if not cfg.model.mtp_num_layers else mtp_block_spec(  # None but on the last stage
-            config, mtp_source_spec(cfg, config, vp_stage), vp_stage, te=has_te())
+            config, mtp_source_spec(cfg, config, vp_stage), vp_stage, te=uses_te_spec(cfg))
         model = (GPTModel if mtp_spec is None else MTPGPTModel)(
             config=config,
             transformer_layer_spec=spec,

@@ -23,7 +23,7 @@ from mcore_engine.layers.mla import LatentNorm, MLASelfAttention
 from mcore_engine.layers.norm import TorchNorm, with_torch_norms
 from mcore_engine.layers.packed_attention import PackedDotProductAttention
 
-__all__ = ["decoder_spec", "has_te", "mtp_source_spec", "qk_layernorm"]
+__all__ = ["decoder_spec", "has_te", "mtp_source_spec", "qk_layernorm", "uses_te_spec"]
 
 
 def has_te() -> bool:
@@ -33,6 +33,13 @@ def has_te() -> bool:
     except Exception:
         return False
     return True
+
+
+def uses_te_spec(cfg: EngineConfig) -> bool:
+    """Transformer Engine's layer spec: when it imports, except for attention sinks or sliding windows
+    (gpt-oss), which always take the local spec and the engine's own core attention (packed thd and
+    CP with sinks; Transformer Engine's attention has no packed path for them on many versions)."""
+    return has_te() and not (cfg.model.attention_sinks or cfg.model.sliding_window is not None)
 
 
 def qk_layernorm(cfg: EngineConfig) -> bool:
@@ -48,7 +55,7 @@ def decoder_spec(cfg: EngineConfig, config: TransformerConfig, vp_stage: int | N
     """The layer spec (Transformer Engine, dense) or this stage's block spec: the local layer spec
     repeated (dense) or Megatron's ``get_gpt_decoder_block_spec`` (MoE, by ``moe.layer_freq``), with
     the local modules of the module docstring; a hybrid decoder's GDN layers replace their mixer."""
-    te = has_te()
+    te = uses_te_spec(cfg)
     hybrid = cfg.model.linear_attention is not None
     if cfg.model.moe is None:
         if te and not hybrid:
@@ -134,7 +141,7 @@ def _layer_spec(cfg: EngineConfig) -> ModuleSpec:
     ``model.mla`` is set."""
     m = cfg.model
     kwargs = dict(qk_layernorm=qk_layernorm(cfg), multi_latent_attention=m.mla is not None)
-    if has_te():
+    if uses_te_spec(cfg):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(**kwargs)

@@ -94,8 +94,13 @@ def test_gpt_oss_hub_config():
     assert cfg.yarn.original_max_position_embeddings == 4096 and cfg.sliding_window == 128
     assert cfg.sliding_window_pattern == [1, 0] * 12 and head_dim(cfg) == 64 and cfg.query_groups == 8
     assert (cfg.moe.num_experts, cfg.moe.router_topk, cfg.moe.ffn_hidden_size) == (32, 4, 2880)
+    assert cfg.moe.aux_loss_coeff == 0.0  # transformers adds no aux loss without output_router_logits
     out = to_hf_config(cfg, base=hub)
     assert "quantization_config" not in out and from_hf_config(out) == cfg
+    assert out["router_aux_loss_coef"] == 0.9 and out["output_router_logits"] is False
+    with_aux = from_hf_config({**hub, "output_router_logits": True})
+    assert with_aux.moe.aux_loss_coeff == 0.9
+    assert to_hf_config(with_aux, base=hub)["output_router_logits"] is True
 
 
 @pytest.mark.parametrize("change,field", [
@@ -149,6 +154,11 @@ def test_mxfp4_dequantize_matches_transformers(dtype):
     assert (dequantize(*quantize(w)) - w).abs().max() <= w.abs().max() / 6
     with pytest.raises(ValueError, match="blocks"):
         dequantize(blocks, scales[..., :1])
+    nan_scale = scales.clone()
+    nan_scale[1, 4, 0] = 255  # E8M0's NaN code
+    blocks[1, 4, 0] = 0x77  # nonzero codes (6.0)
+    with pytest.raises(ValueError, match=r"experts.down_proj_scales: scale byte\(s\) \[255\]"):
+        dequantize(blocks, nan_scale, dtype, name="experts.down_proj_scales")
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize(torch.randn(4, 40))
 
