@@ -6,6 +6,8 @@ decoder (``model.linear_attention``) the Gated DeltaNet layers where its layer p
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
@@ -104,9 +106,18 @@ def mtp_source_spec(cfg: EngineConfig, config: TransformerConfig, vp_stage: int 
 def _biased_experts(layer_specs: list[ModuleSpec]) -> None:
     """The local experts' ``linear_fc2`` that lets Megatron add their bias (see the class)."""
     for spec in layer_specs:
-        experts = getattr(spec.submodules.mlp.submodules, "experts", None)
-        if experts is not None and experts.submodules is not None:
-            experts.submodules.linear_fc2 = BiasedExpertRowParallelLinear
+        experts = getattr(_submodules(spec.submodules.mlp), "experts", None)
+        experts = _submodules(experts) if experts is not None else None
+        if experts is not None:
+            experts.linear_fc2 = BiasedExpertRowParallelLinear
+
+
+def _submodules(spec: Any) -> Any:
+    """A spec's submodules: a ``ModuleSpec``'s field (Megatron-Core 0.16) or a ``functools.partial``'s
+    ``submodules`` keyword (0.19's MoE specs)."""
+    if isinstance(spec, functools.partial):
+        return spec.keywords.get("submodules")
+    return getattr(spec, "submodules", None)
 
 
 def _gdn_module() -> type:
