@@ -55,15 +55,15 @@ def _mask(a: int, k0: int, piece: tuple[int, int, int, int, bool], window: int |
           device: torch.device) -> Tensor | None:
     """Additive ``[r1 - r0, j1 - j0]`` mask (0 / -inf) of ``pos - W < key <= pos``; None if all visible."""
     r0, r1, j0, j1, causal = piece
-    if causal:
+    last_key_first_row = k0 + j1 - 1 <= a + r0  # every key at or before the first query
+    inside_window = window is None or k0 + j0 > a + r1 - 1 - window  # ... and within the last's window
+    if causal or (last_key_first_row and inside_window):  # all visible: no mask, no host sync
         return None
     pos = torch.arange(a + r0, a + r1, device=device)[:, None]
     key = torch.arange(k0 + j0, k0 + j1, device=device)[None, :]
     visible = key <= pos
     if window is not None:
         visible &= key > pos - window
-    if bool(visible.all()):
-        return None
     return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
 
 
