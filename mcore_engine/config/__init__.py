@@ -11,6 +11,7 @@ from mcore_engine.config.moe import MoEConfig
 from mcore_engine.config.optimizer import OptimizerConfig
 from mcore_engine.config.parallel import ParallelConfig
 from mcore_engine.config.rope import YaRNConfig
+from mcore_engine.config.vision import VisionConfig
 
 __all__ = ["ConfigError", "EngineConfig", "GDNConfig", "LoRAConfig", "MLAConfig", "ModelConfig", "MoEConfig",
-           "OptimizerConfig", "ParallelConfig", "YaRNConfig"]
+           "OptimizerConfig", "ParallelConfig", "VisionConfig", "YaRNConfig"]

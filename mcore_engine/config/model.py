@@ -13,6 +13,7 @@ from mcore_engine.config.mla import MLAConfig
 from mcore_engine.config.moe import MoEConfig
 from mcore_engine.config.mtp import MTP
 from mcore_engine.config.rope import YaRNConfig
+from mcore_engine.config.vision import VisionConfig
 
 __all__ = ["ModelConfig"]
 
@@ -113,6 +114,11 @@ class ModelConfig(Block):
     mla: MLAConfig | None = None
     """Multi-latent attention (DeepSeek-V3; a mapping in YAML) instead of grouped-query attention;
     ``None``: GQA."""
+    vision: VisionConfig | None = None
+    """The vision tower and mRoPE of a vision-language model (a mapping in YAML; filled from a
+    vision-language ``hf_path``); ``None``: a text model."""
+    freeze_vision_tower: bool = False
+    """Keep the vision tower's weights fixed: no gradients, no optimizer state."""
     mtp_num_layers: int = 0
     """Multi-token prediction modules (``num_nextn_predict_layers``; checks: ``config.mtp``): module
     ``i`` predicts token ``t + 1 + i`` from the trunk's hidden state and the embedding of token
@@ -131,7 +137,8 @@ class ModelConfig(Block):
                    "make_vocab_size_divisible_by")
         self._ints("num_query_groups", "ffn_hidden_size", "kv_channels", optional=True)
         self._bools("swiglu", "tie_word_embeddings", "add_qkv_bias", "qk_layernorm", "fused_lm_head",
-                    "attention_output_gate", "zero_centered_norm", "add_bias_linear", "attention_sinks")
+                    "attention_output_gate", "zero_centered_norm", "add_bias_linear", "attention_sinks",
+                    "freeze_vision_tower")
         self._check_gpt_oss_fields()
         self._require(self.kv_channels is not None or self.mla is not None
                       or self.hidden_size % self.num_attention_heads == 0,
@@ -163,6 +170,10 @@ class ModelConfig(Block):
         self._block("mla", MLAConfig)
         self._block("linear_attention", GDNConfig)
         self._block("yarn", YaRNConfig)
+        self._block("vision", VisionConfig)
+        self._require(self.vision is not None or not self.freeze_vision_tower, "ModelConfig."
+                      "freeze_vision_tower needs a vision tower (ModelConfig.vision)", "freeze_vision_tower",
+                      "vision")
         self._require(self.yarn is None or self.rope_scaling_factor is None, "ModelConfig.yarn and "
                       "ModelConfig.rope_scaling_factor are two RoPE scalings: set one", "yarn",
                       "rope_scaling_factor")
@@ -195,7 +206,8 @@ class ModelConfig(Block):
 
     def blocks(self) -> list[Any]:
         """The feature blocks this model uses, each with ``check(model, parallel)``."""
-        return [b for b in (self.mla, self.lora, self.moe, self.linear_attention) if b is not None] + [MTP]
+        return [b for b in (self.mla, self.lora, self.moe, self.linear_attention, self.vision)
+                if b is not None] + [MTP]
 
     @property
     def query_groups(self) -> int:
