@@ -15,6 +15,7 @@ verl's normalisation (:class:`~mcore_engine.integrations.verl_loss.VerlLossBridg
 sees ``batch_num_tokens`` (the core's ``ctx.global_num_tokens``) and ``dp_size``; its loss ``L_i``
 enters the core as ``L_i / dp_size``, since the core sums gradients over micro-batches and DP ranks
 (verl's Megatron engine: ``L_i * num_micro_batch`` under Megatron's ``1 / num_micro_batch`` and DP mean).
+Images (``multi_modal_inputs``) and verl's ``[4, L]`` mRoPE positions: ``verl_multimodal``.
 MoE routing replay: ``verl_router_replay``. Offload, weight sync, checkpoints and LoRA: ``verl_state``.
 """
 
@@ -45,6 +46,7 @@ from mcore_engine.integrations.verl_config import (
     router_replay_mode,
 )
 from mcore_engine.integrations.verl_loss import VerlLossBridge, _topk_clamp, verl_results
+from mcore_engine.integrations.verl_multimodal import prepare_multimodal
 from mcore_engine.integrations.verl_router_replay import prepare_routing
 from mcore_engine.integrations.verl_state import VerlEngineState
 
@@ -183,6 +185,7 @@ class McoreEngineVerl(VerlEngineState, BaseEngine):
         if bool(fused) != bool(self.config.model.fused_lm_head):
             raise ValueError(f"use_fused_kernels={fused!r} on the batch must match "
                              "engine_config.use_fused_kernels")
+        prepare_multimodal(data)  # images and 3-D positions in the core's layout (verl_multimodal)
         clamp = _topk_clamp(loss_function)
         if clamp is not None:
             tu.assign_non_tensor(data, distillation_log_prob_min_clamp=clamp)

@@ -1,0 +1,122 @@
+"""Images in verl's batches, as the core takes them (``verl.py`` calls :func:`prepare_multimodal`).
+
+verl 0.9.1's agent loop gives every sample a ``multi_modal_inputs`` dict (its processor's output
+without ``input_ids`` / ``attention_mask``: ``pixel_values`` ``[n_patches, C * t * p * p]``,
+``image_grid_thw`` ``[n_images, 3]``, the video pair, plus its own ``images_seqlens`` bookkeeping;
+``{}`` when the sample has no media) and, for a processor with ``get_rope_index`` (Qwen2-VL family),
+``position_ids`` ``[4, L]`` per sample: row 0 the text position ``0 .. L-1``, rows 1-3 the mRoPE
+``(t, h, w)`` positions. ``left_right_2_no_padding`` makes them a nested ``[B, 4, j]`` (ragged
+dimension 2); the ``TrainingWorker`` hands both to the engine unchanged.
+
+The core's batch (interface 5): ``multi_modal_inputs`` one entry per sample, a dict of the media
+keys or None; ``position_ids`` per token with a trailing 3, ``[B, j, 3]`` jagged like ``input_ids``
+(or ``[B, S, 3]`` padded). So, per sample: the dict keeps the media keys, drops ``images_seqlens``
+(``image_grid_thw``'s per-image ``t * h * w``, recomputed where needed) and becomes None without media;
+the position rows ``[-3:]`` are transposed to ``[j, 3]``. verl's positions are honoured, not
+recomputed: they are ``transformers``' ``get_rope_index`` of the checkpoint, what the rollout used.
+A batch whose samples all lack media loses the key (a text batch, also for text-only models: verl
+sends ``{}`` entries there too). Memory: one copy of the position rows (``3 * tokens`` int64).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+__all__ = ["MEDIA_KEYS", "VERL_DERIVED_KEYS", "media_entries", "positions_3d", "prepare_multimodal"]
+
+MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+"""The per-sample keys the core's vision path reads (interface 5)."""
+VERL_DERIVED_KEYS = ("images_seqlens",)
+"""verl's bookkeeping beside them (its FLOPs counter): derived from ``image_grid_thw``, dropped."""
+
+
+def _entries(value: Any, batch_size: int) -> list[Any]:
+    items = list(value.tolist() if isinstance(value, NonTensorStack) else value)
+    items = [item.data if isinstance(item, NonTensorData) else item for item in items]
+    if len(items) != batch_size:
+        raise ValueError(f"multi_modal_inputs must have one entry per sample ({batch_size}), "
+                         f"got {len(items)}")
+    return items
+
+
+def media_entries(value: Any, batch_size: int) -> list[dict[str, torch.Tensor] | None]:
+    """verl's per-sample ``multi_modal_inputs`` -> the core's: a dict of the :data:`MEDIA_KEYS` it
+    has (``images_seqlens`` dropped), None for a sample without media (None or ``{}``). A key outside
+    both lists, or a media value that is not a tensor, raises ``ValueError`` naming the sample."""
+    out: list[dict[str, torch.Tensor] | None] = []
+    for i, item in enumerate(_entries(value, batch_size)):
+        if item is None:
+            out.append(None)
+            continue
+        if not hasattr(item, "items"):
+            raise ValueError(f"multi_modal_inputs[{i}] must be a dict of tensors or None, "
+                             f"got {type(item).__name__}")
+        unknown = sorted(set(item.keys()) - set(MEDIA_KEYS) - set(VERL_DERIVED_KEYS))
+        if unknown:
+            raise ValueError(f"multi_modal_inputs[{i}] has keys {unknown} the mcore_engine backend does not "
+                             f"take (expected some of {list(MEDIA_KEYS)})")
+        media = {k: item[k] for k in MEDIA_KEYS if k in item and item[k] is not None}
+        for key, tensor in media.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"multi_modal_inputs[{i}][{key!r}] must be a tensor, "
+                                 f"got {type(tensor).__name__}")
+        out.append(media or None)
+    return out
+
+
+def positions_3d(position_ids: torch.Tensor, lengths: list[int] | None = None) -> torch.Tensor:
+    """verl's per-sample ``[R, L]`` positions (R = 4: text row + mRoPE ``t, h, w``; R = 3: ``t, h, w``)
+    as the core's per-token ``(t, h, w)``: nested ``[B, R, j]`` -> jagged ``[B, j, 3]`` (ragged dim 1,
+    like ``input_ids``); dense ``[B, R, S]`` -> ``[B, S, 3]``. ``lengths``: the samples' token counts
+    (``input_ids``'), checked. Any other shape raises ``ValueError``."""
+    if position_ids.dim() != 3:
+        raise ValueError("position_ids must be [B, 3 or 4, L] per sample for 3-D positions, "
+                         f"got {position_ids.dim()} dims")
+    if position_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"position_ids must be int64 (or int32), got {position_ids.dtype}")
+    if position_ids.is_nested:
+        rows = [p for p in position_ids.unbind()]
+    else:
+        rows = list(position_ids.unbind(0))
+    for i, p in enumerate(rows):
+        if p.dim() != 2 or p.shape[0] not in (3, 4):
+            raise ValueError(f"position_ids[{i}] must be [4, L] (text row + t, h, w) or [3, L], "
+                             f"got {list(p.shape)}")
+        if lengths is not None and p.shape[1] != lengths[i]:
+            raise ValueError(f"position_ids[{i}] has {p.shape[1]} positions but input_ids[{i}] has "
+                             f"{lengths[i]} tokens")
+    per_token = [p[-3:].transpose(0, 1).to(torch.int64).contiguous() for p in rows]
+    if position_ids.is_nested:
+        return torch.nested.as_nested_tensor(per_token, layout=torch.jagged)
+    return torch.stack(per_token)
+
+
+def _lengths(input_ids: torch.Tensor) -> list[int]:
+    if input_ids.is_nested:
+        return input_ids.offsets().diff().tolist()
+    return [input_ids.shape[-1]] * input_ids.shape[0]
+
+
+def prepare_multimodal(data: TensorDict) -> TensorDict:
+    """In place: ``multi_modal_inputs`` as :func:`media_entries` (removed when no sample has media) and
+    3-D ``position_ids`` as :func:`positions_3d`; a text batch (``position_ids`` ``[B, j]``, no media)
+    is left as it is. Returns ``data``."""
+    entries = positions = None
+    if "multi_modal_inputs" in data.keys():
+        entries = media_entries(data.get("multi_modal_inputs"), data.batch_size[0])
+    if "position_ids" in data.keys() and data["position_ids"].dim() == 3:
+        position_ids = data["position_ids"]
+        if position_ids.is_nested:
+            position_ids._ragged_idx = 2  # verl's maybe_fix_3d_position_ids: lost in pickling
+        positions = positions_3d(position_ids, _lengths(data["input_ids"]))
+    if entries is not None:  # checked everything above: now change the batch
+        del data["multi_modal_inputs"]
+        if any(e is not None for e in entries):
+            data["multi_modal_inputs"] = NonTensorStack(*[NonTensorData(e) for e in entries],
+                                                        batch_size=data.batch_size[:1])
+    if positions is not None:
+        data["position_ids"] = positions
+    return data
