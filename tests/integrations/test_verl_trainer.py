@@ -52,8 +52,10 @@ from tests.integrations.verl_trainer_setup import (  # noqa: E402
     trainer_command,
     trainer_env,
 )
+from tests.integrations.verl_vlm_setup import make_vlm_dataset, make_vlm_folder  # noqa: E402
 
 STEPS = 2
+VLM_PROMPT_LENGTH = 32  # <|vision_start|> + 4..9 image tokens + <|vision_end|> + "colour?:"
 PER_STEP = 4 * 4  # prompts x rollout.n
 TIMEOUT = 900
 
@@ -70,10 +72,16 @@ def run_trainer(work: str, **kw) -> dict:
         make_qwen3_5_model(student, seed=0)
     elif kw.pop("gpt_oss", False):  # a gpt-oss student (sinks, a sliding window, biased MoE)
         make_gpt_oss_model(student, seed=0)
+    elif kw.pop("vlm", False):  # a Qwen2.5-VL student with its processor files; an image dataset
+        make_vlm_folder(student, seed=0)
+        kw.update(tokenizer_path=student, prompt_length=VLM_PROMPT_LENGTH)
     else:
         make_model(student, seed=0)
     make_tokenizer(tokenizer_dir(work))
-    make_dataset(data)
+    if kw.get("tokenizer_path") == student:
+        make_vlm_dataset(data)
+    else:
+        make_dataset(data)
     if kw.pop("distill", False):
         make_model(teacher, seed=1)
         kw["teacher_dir"] = teacher
@@ -419,3 +427,73 @@ def test_verl_main_ppo_grpo_gpt_oss(tmp_path):
     # the rollout decodes token by token (eager attention, its sliding-window cache), the actor runs
     # whole packed sequences (measured rollout_probs_diff_max 3.7e-9)
     check_decode_gap_run(steps)
+
+
+def check_media(run: dict) -> dict[str, int]:
+    """What verl's workers handed the core engine, as the harness recorded it before every pass: each
+    pass of the actor (old log-probs, update) and the reference carried every sample's image
+    (``multi_modal_inputs`` entries with ``pixel_values`` and ``image_grid_thw`` only: verl's
+    ``images_seqlens`` dropped; ``pixel_values`` one row per patch of the grid, 1176 = 3 * 2 * 14^2
+    features) and the ``(t, h, w)`` positions ``[j, 3]`` of verl's ``[4, L]`` rows, equal to
+    ``transformers``' ``get_rope_index`` of the sample (the image tokens on the merged-patch grid)."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(run["student"], dtype=torch.float32)
+    image_token = model.config.image_token_id
+    passes = run["records"]("media")
+    actor = sorted((p["forward_only"], len(p["samples"])) for p in passes if not p["engine_forward_only"])
+    reference = [p for p in passes if p["engine_forward_only"]]
+    assert {fo for fo, _ in actor} == {False, True} and len(reference) >= STEPS, (actor, len(reference))
+    samples = grids = 0
+    for p in passes:
+        for s in p["samples"]:
+            assert s["keys"] == ["image_grid_thw", "pixel_values"], s["keys"]
+            grid = torch.tensor(s["image_grid_thw"])
+            assert s["pixel_values"] == [int(grid.prod(-1).sum()), 1176], (s["pixel_values"], grid)
+            ids = torch.tensor(s["ids"])
+            assert int((ids == image_token).sum()) == int(grid.prod(-1).sum()) // 4
+            types = (ids == image_token).long()[None]
+            want, _ = model.model.get_rope_index(ids[None], mm_token_type_ids=types, image_grid_thw=grid)
+            assert torch.equal(torch.tensor(s["positions"]), want[:, 0].T), "positions != get_rope_index"
+            samples += 1
+            grids += len(grid)
+    return {"samples": samples, "images": grids}
+
+
+@pytest.mark.slow
+def test_verl_main_ppo_grpo_vlm(tmp_path):
+    """GRPO (n=4, KL loss, so a reference policy) on a tiny Qwen2.5-VL with the packaged config and a
+    synthetic image dataset (16 solid-colour PNGs of 56x56 .. 84x84 px through verl's
+    ``RLHFDataset``; the rule reward: the share of the response's characters in the colour's name),
+    actor and reference at TP=2 + SP. verl's agent loop renders the prompt through the processor
+    (``<|image_pad|>`` per merged patch), the ``hf_cpu`` rollout samples with ``transformers`` on the
+    images, verl recomputes each sample's ``multi_modal_inputs`` and its ``[4, L]`` mRoPE positions,
+    and the adapter hands them to the engine (check_media), which runs the vision tower: verl's
+    ``rollout_probs_diff_max`` is the engine's log-probs against ``transformers``' on the same images
+    and weights. The weight sync carries the folder's names (``visual.*`` included), the tower trains
+    (its weights move every step). The harness works around verl 0.9.1 + ``transformers`` 5.24 (its
+    post-processing decode drops the image placeholders) and the missing torchvision / qwen_vl_utils."""
+    run = run_trainer(str(tmp_path), vlm=True, tp=2)
+    steps = run["steps"]
+    finite_metrics(steps)
+    check_engines(run, {("language_model", False), ("language_model", True)}, tp=2)
+    check_weight_sync(run)  # the first sync is the folder, visual.* included; the last is the export
+    from safetensors.torch import load_file
+
+    events = run["records"]("hf_cpu_server_0_0")
+    assert all(e.get("image_grid_thw") for e in events if e["event"] == "generate"), "rollout without images"
+    files = [load_file(e["file"]) for e in events if e["event"] == "update_weights"]
+    visual = [k for k in files[0] if k.startswith("visual.")]
+    assert len(visual) > 10, sorted(files[0])
+    for before, after in zip(files, files[1:], strict=False):  # the tower trains (not frozen by default)
+        assert max(float((after[k] - before[k]).norm() / before[k].norm()) for k in visual) > 1e-4
+    check_media(run)
+    for step, m in steps.items():
+        assert m["training/rollout_probs_diff_valid"] == 1, step
+        assert m["training/rollout_probs_diff_max"] < 1e-4, step  # engine + tower == transformers
+        assert m["critic/score/max"] > m["critic/score/min"], "rule-based rewards must vary"
+        assert m["critic/advantages/max"] > 0 > m["critic/advantages/min"], "GRPO advantages"
+        assert m["actor/grad_norm"] > 0 and math.isfinite(m["actor/pg_loss"]), step
+    assert steps[1]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)
+    assert steps[2]["actor/kl_loss"] > 0

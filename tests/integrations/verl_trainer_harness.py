@@ -53,6 +53,7 @@ does, as for a user.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import threading
@@ -178,19 +179,18 @@ class HFRolloutServer:
     def __init__(self, name: str, model_path: str, teacher: bool = False, prompt_length: int = 512,
                  response_length: int = 512, max_model_len: int | None = None,
                  return_routed_experts: bool = False) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.name, self.teacher = name, teacher
         # R3: the routing of every token fed (rollout.enable_rollout_routing_replay), as vLLM returns it
         self.return_routed_experts = return_routed_experts
         self.routing = os.environ.get(ROUTING_ENV, "native")
         from tests.integrations.verl_peft import PeftReceiver
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.model = _load_rollout_model(model_path)
+        self.images = _image_processor(self.model, model_path)  # None: a text model
         self.receiver = PeftReceiver(self.model, name)  # LoRA syncs: PEFT adapters on this model
         # the replica's rollout config (RolloutConfig), as vLLM's server reads it
         self.prompt_length, self.response_length = prompt_length, response_length
-        self.max_model_len = max_model_len or self.model.config.max_position_embeddings
+        self.max_model_len = max_model_len or self.model.config.get_text_config().max_position_embeddings
         self.awake = True
         self.version = 0  # weight updates received
         self.global_steps = None
@@ -267,17 +267,20 @@ class HFRolloutServer:
         if not self.awake:
             raise RuntimeError(f"{self.name}: generate() while asleep (verl wakes replicas in the "
                                "weight sync)")
-        if image_data or video_data or kwargs.get("audio_data"):
-            raise ValueError(f"{self.name}: text only")
+        if video_data or kwargs.get("audio_data") or (image_data and self.images is None):
+            raise ValueError(f"{self.name}: {'images only' if self.images is not None else 'text only'}")
         prompt_ids = [int(t) for t in prompt_ids]
+        media = self._media(prompt_ids, image_data) if image_data else {}
         with self.lock, torch.no_grad():
             if sampling_params.get("prompt_logprobs") is not None:
                 out = self._prompt_logprobs(prompt_ids, int(sampling_params["prompt_logprobs"]))
             else:
-                out = self._sample(prompt_ids, sampling_params)
+                out = self._sample(prompt_ids, sampling_params, media)
         record = {"event": "generate", "version": self.version, "global_steps": self.global_steps,
                   "prompt_len": len(prompt_ids), "response_len": len(out["token_ids"]),
                   "prompt_ids": prompt_ids, "token_ids": out["token_ids"]}
+        if media:
+            record["image_grid_thw"] = media["image_grid_thw"].tolist()
         if out.get("routed_experts") is not None:
             record["routed_experts"] = out["routed_experts"].tolist()
         _report(self.name, record)
@@ -300,7 +303,18 @@ class HFRolloutServer:
             wanted = min(self.response_length, self.prompt_length + self.response_length - prompt_len)
         return max(1, min(wanted, room))
 
-    def _sample(self, prompt_ids: list[int], sp: dict[str, Any]) -> dict:
+    def _media(self, prompt_ids: list[int], images: list) -> dict[str, torch.Tensor]:
+        """The images through the folder's image processor (``pixel_values``, ``image_grid_thw``), as
+        vLLM's multimodal input processing; the prompt must hold one ``<|image_pad|>`` per merged patch."""
+        out = self.images(images=list(images), return_tensors="pt")
+        media = {"pixel_values": out["pixel_values"].float(), "image_grid_thw": out["image_grid_thw"]}
+        pads = sum(t == self.model.config.image_token_id for t in prompt_ids)
+        want = int(media["image_grid_thw"].prod(-1).sum()) // self.images.merge_size ** 2
+        if pads != want:
+            raise ValueError(f"{self.name}: {pads} image tokens in the prompt, the images make {want}")
+        return media
+
+    def _sample(self, prompt_ids: list[int], sp: dict[str, Any], media: dict | None = None) -> dict:
         """Sample with the KV cache; an MoE model routes by the server's routing policy
         (:data:`ROUTING_ENV`), and with ``return_routed_experts`` the routing of every token fed
         (prompt + response but the last token: ``[P + R - 1, L_moe, k]``, vLLM's) comes back."""
@@ -309,12 +323,12 @@ class HFRolloutServer:
         moe = getattr(self.model.config, "num_experts_per_tok", None) is not None
         hooks = RouteHooks(self.model, self.routing) if moe else contextlib.nullcontext()
         with hooks:
-            out = self._sample_tokens(prompt_ids, sp)
+            out = self._sample_tokens(prompt_ids, sp, media or {})
         if moe and self.return_routed_experts:
             out["routed_experts"] = hooks.routes().to(torch.int32).numpy()
         return out
 
-    def _sample_tokens(self, prompt_ids: list[int], sp: dict[str, Any]) -> dict:
+    def _sample_tokens(self, prompt_ids: list[int], sp: dict[str, Any], media: dict) -> dict:
         temperature = float(sp.get("temperature", 1.0))
         max_new = self._max_new_tokens(len(prompt_ids), sp)
         top_k, top_p = int(sp.get("top_k", -1)), float(sp.get("top_p", 1.0))
@@ -325,9 +339,13 @@ class HFRolloutServer:
         tokens, logps = [], []
         past = None
         for _ in range(max_new):
-            out = self.model(input_ids=ids if past is None else ids[:, -1:], past_key_values=past,
-                             use_cache=True)
-            past = out.past_key_values
+            if media:  # a VLM: the whole sequence each token (transformers' mRoPE positions from scratch)
+                types = (ids == self.model.config.image_token_id).long()
+                out = self.model(input_ids=ids, mm_token_type_ids=types, use_cache=False, **media)
+            else:
+                out = self.model(input_ids=ids if past is None else ids[:, -1:], past_key_values=past,
+                                 use_cache=True)
+                past = out.past_key_values
             logits = out.logits[0, -1].float()
             if temperature <= 0:
                 token = int(logits.argmax())
@@ -368,6 +386,25 @@ class HFRolloutServer:
         prompt_logprobs = vals.tolist() + [[0.0] * width]
         return {"token_ids": [int(logp[-1].argmax())], "log_probs": None, "stop_reason": "completed",
                 "extra_fields": {"prompt_ids": prompt_ids, "prompt_logprobs": prompt_logprobs}}
+
+
+def _load_rollout_model(path: str):
+    """The folder's ``transformers`` model, fp32, eval: a vision-language folder (``vision_config``) as
+    ``AutoModelForImageTextToText``, any other as ``AutoModelForCausalLM``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    vlm = getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+    auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+    return auto.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _image_processor(model, path: str):
+    """A vision-language folder's image processor (its ``preprocessor_config.json``), or None."""
+    if getattr(model.config, "vision_config", None) is None:
+        return None
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(path)
 
 
 def _server_name(replica_rank: int, node_rank: int = 0, teacher: bool = False, suffix: str = "") -> str:
@@ -492,6 +529,133 @@ def _allow_teacher_rollout() -> None:
     DistillationTeacherModelConfig._validate_topk_logprobs = _validate_topk_logprobs
 
 
+# ------------------------------------------------------------------------------------------ images
+def build_processor_without_video(path: str):
+    """The folder's multimodal processor (``AutoProcessor``'s class for its ``model_type``) from its
+    tokenizer and image processor, without a video processor: ``transformers``' video processors need
+    torchvision, which does not import here, and ``ProcessorMixin.__init__``'s class check of the
+    ``video_processor`` argument does too (skipped for None)."""
+    import transformers
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer, ProcessorMixin
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[AutoConfig.from_pretrained(path).model_type])
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    check = ProcessorMixin.check_argument_for_proper_class
+
+    def check_but_absent_video(self, name, arg):
+        return None if name == "video_processor" and arg is None else check(self, name, arg)
+
+    ProcessorMixin.check_argument_for_proper_class = check_but_absent_video
+    try:
+        return cls(image_processor=AutoImageProcessor.from_pretrained(path), tokenizer=tokenizer,
+                   video_processor=None, chat_template=tokenizer.chat_template)
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check
+
+
+def _processor_without_torchvision() -> None:
+    """verl builds the processor with ``AutoProcessor.from_pretrained`` (``hf_processor``) and, when that
+    fails, silently runs without one (no images). Without torchvision it fails for every Qwen-VL folder
+    (the video processor); then a vision-language folder gets :func:`build_processor_without_video`
+    and verl's ``hf_processor`` goes on as usual (binds the model's ``get_rope_index``)."""
+    from transformers import AutoConfig, AutoProcessor
+
+    original = AutoProcessor.from_pretrained.__func__
+    if getattr(original, "_cpu_harness", False):
+        return
+
+    def from_pretrained(cls, path, *args, **kwargs):
+        try:
+            return original(cls, path, *args, **kwargs)
+        except Exception:
+            try:
+                vlm = getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+            except Exception:
+                vlm = False
+            if not vlm or importlib.util.find_spec("torchvision") is not None:
+                raise
+            return build_processor_without_video(path)
+
+    from_pretrained._cpu_harness = True
+    AutoProcessor.from_pretrained = classmethod(from_pretrained)
+
+
+def _qwen_vl_utils_stand_in() -> None:
+    """verl's ``RLHFDataset`` takes images out of the chat messages with ``qwen_vl_utils.
+    process_vision_info`` (not installed here). For images already sized to a multiple of
+    ``image_patch_size * 2`` (the test's) it returns them as RGB ``PIL`` images, which this stand-in
+    does (it refuses other sizes and videos); installed only when the package is missing."""
+    if importlib.util.find_spec("qwen_vl_utils") is not None:
+        return
+    import sys
+    import types
+
+    def process_vision_info(messages, image_patch_size: int = 14, return_video_metadata: bool = False, **kw):
+        images = []
+        for message in messages:
+            content = message.get("content")
+            for block in content if isinstance(content, list) else []:
+                if block.get("type") == "video":
+                    raise ValueError("qwen_vl_utils stand-in (test harness): no videos")
+                if block.get("type") != "image":
+                    continue
+                image = block["image"].convert("RGB")
+                factor = image_patch_size * 2
+                if image.width % factor or image.height % factor:
+                    raise ValueError(f"qwen_vl_utils stand-in (test harness): image {image.size} is not a "
+                                     f"multiple of {factor} px (it does not resize)")
+                images.append(image)
+        return (images or None), None
+
+    module = types.ModuleType("qwen_vl_utils")
+    module.process_vision_info = process_vision_info
+    sys.modules["qwen_vl_utils"] = module
+
+
+def _multi_modal_inputs_keep_placeholders() -> None:
+    """verl 0.9.1's agent loop recomputes each sample's ``multi_modal_inputs`` after the rollout
+    (``AgentLoopWorker._compute_multi_modal_inputs``): it decodes the sample with
+    ``skip_special_tokens=True``, which drops Qwen's ``<|image_pad|>`` (a special token), and calls the
+    processor on that text and the images. ``transformers`` < 5.11 (verl's pin) let that through;
+    5.24 refuses ("Found total 0 <|image_pad|> tokens and 1 images"). Here the decode keeps the image
+    and video placeholders (other special tokens still dropped), so the processor gets the text it
+    expects; the features are the same (the processor's ``input_ids`` are discarded either way)."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.utils.tokenizer import get_processor_token_id
+
+    original = AgentLoopWorker._compute_multi_modal_inputs
+    if getattr(original, "_cpu_harness", False):
+        return
+
+    class _KeepPlaceholders:
+        def __init__(self, tokenizer, keep: set[int]):
+            self.tokenizer, self.keep = tokenizer, keep
+
+        def __getattr__(self, name):
+            return getattr(self.tokenizer, name)
+
+        def decode(self, ids, skip_special_tokens: bool = False, **kw):
+            if skip_special_tokens:
+                drop = set(self.tokenizer.all_special_ids) - self.keep
+                ids = [t for t in ids if t not in drop]
+            return self.tokenizer.decode(ids, skip_special_tokens=False, **kw)
+
+    def _compute_multi_modal_inputs(self, output, input_ids):
+        if self.processor is None:
+            return original(self, output, input_ids)
+        keep = {get_processor_token_id(self.processor, k) for k in ("image", "video")} - {None}
+        tokenizer = self.tokenizer
+        self.tokenizer = _KeepPlaceholders(tokenizer, keep)
+        try:
+            return original(self, output, input_ids)
+        finally:
+            self.tokenizer = tokenizer
+
+    _compute_multi_modal_inputs._cpu_harness = True
+    AgentLoopWorker._compute_multi_modal_inputs = _compute_multi_modal_inputs
+
+
 def _record_engines() -> None:
     """Record each engine verl's workers build (``EngineRegistry.new``: model type, backend, class, TP
     size, sequence parallelism and precision of the core config) in
@@ -517,6 +681,8 @@ def _record_engines() -> None:
                             "precision": getattr(getattr(engine, "config", None), "precision", None)})
         if getattr(getattr(getattr(engine, "config", None), "model", None), "moe", None) is not None:
             _record_routing(type(engine.engine))
+        if hasattr(engine, "engine"):
+            _record_media(type(engine.engine))
         return engine
 
     new._cpu_harness = True
@@ -548,6 +714,35 @@ def _record_routing(core_class: type) -> None:
     core_class.forward_backward_batch = forward_backward_batch
 
 
+def _record_media(core_class: type) -> None:
+    """Record, for every pass of the core engine (``MegatronEngine.forward_backward_batch``) whose batch
+    carries images or 3-D positions, what the adapter handed it, before it runs: per sample the token
+    ids, the ``(t, h, w)`` positions, ``image_grid_thw`` and the ``pixel_values`` shape, in
+    ``media.jsonl`` (the test recomputes the positions with ``transformers``)."""
+    original = core_class.forward_backward_batch
+    if getattr(original, "_cpu_harness_media", False):
+        return
+
+    def forward_backward_batch(self, batch, loss_fn=None, forward_only=False, **kwargs):
+        keys = set(batch.keys())
+        if os.environ.get(REPORT_ENV) and ("multi_modal_inputs" in keys or batch["position_ids"].dim() == 3):
+            media = batch.get("multi_modal_inputs").tolist() if "multi_modal_inputs" in keys else None
+            samples = []
+            for i, ids in enumerate(batch["input_ids"].unbind()):
+                m = None if media is None else media[i]
+                samples.append({"ids": ids.tolist(), "positions": batch["position_ids"][i].tolist(),
+                                "keys": None if m is None else sorted(m),
+                                "image_grid_thw": None if m is None else m["image_grid_thw"].tolist(),
+                                "pixel_values": None if m is None else list(m["pixel_values"].shape)})
+            _report("media", {"pid": os.getpid(), "engine_forward_only": bool(self.config.forward_only),
+                              "forward_only": bool(forward_only), "samples": samples})
+        return original(self, batch, loss_fn, forward_only, **kwargs)
+
+    forward_backward_batch._cpu_harness = getattr(original, "_cpu_harness", False)
+    forward_backward_batch._cpu_harness_media = True
+    core_class.forward_backward_batch = forward_backward_batch
+
+
 def _install() -> None:
     global HFReplica, HFServerAdapter
     _register_platform()
@@ -556,6 +751,9 @@ def _install() -> None:
     HFServerAdapter = _make_adapter_class()
     _register_rollout()
     _allow_teacher_rollout()
+    _processor_without_torchvision()
+    _qwen_vl_utils_stand_in()
+    _multi_modal_inputs_keep_placeholders()
     _record_engines()
 
 

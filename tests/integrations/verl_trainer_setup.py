@@ -168,15 +168,18 @@ def make_dataset(path: str, n: int = 16, seed: int = 0) -> None:
 
 
 def trainer_command(work: str, model_dir: str, data_file: str, *, steps: int, teacher_dir: str | None = None,
-                    critic: bool = False, tp: int = 1, cp: int = 1, extra: tuple[str, ...] = ()) -> list[str]:
+                    critic: bool = False, tp: int = 1, cp: int = 1, extra: tuple[str, ...] = (),
+                    prompt_length: int = 16, tokenizer_path: str | None = None) -> list[str]:
     """``python -m verl.trainer.main_ppo`` with the backend's config (:data:`CONFIG`: verl's
     ``ppo_megatron_trainer`` with every role on mcore_engine, no per-role strategy overrides) and the
     overrides of a tiny CPU run: fp32 (the actor's dtype, which reference and critic follow), GRPO
     (n=4) with a KL loss (so a reference policy), 4 prompts a step, responses of at most 12 tokens;
     ``teacher_dir``: verl's on-policy distillation with that teacher (top-k forward KL); ``critic``:
     verl's critic (``critic.enable``) too; ``tp`` x ``cp`` ranks, actor / reference / critic at TP
-    ``tp`` and CP ``cp``, one rollout replica over all of them; ``extra``: more overrides (e.g. LoRA's)."""
+    ``tp`` and CP ``cp``, one rollout replica over all of them; ``extra``: more overrides (e.g. LoRA's);
+    ``prompt_length``: data's and rollout's; ``tokenizer_path``: default :func:`tokenizer_dir`."""
     arr = "actor_rollout_ref"
+    tokenizer_path = tokenizer_path or tokenizer_dir(work)
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *CONFIG,
            "trainer.use_v1=False", "trainer.device=cpu", f"trainer.n_gpus_per_node={tp * cp}",
            "trainer.nnodes=1",
@@ -188,9 +191,9 @@ def trainer_command(work: str, model_dir: str, data_file: str, *, steps: int, te
            "+ray_kwargs.ray_init.num_cpus=32", "+ray_kwargs.ray_init.num_gpus=4",
            "+ray_kwargs.ray_init.include_dashboard=False",
            f"data.train_files={data_file}", f"data.val_files={data_file}", "data.train_batch_size=4",
-           "data.max_prompt_length=16", "data.max_response_length=12", "data.dataloader_num_workers=0",
-           "data.shuffle=False",
-           f"{arr}.model.path={model_dir}", f"{arr}.model.tokenizer_path={tokenizer_dir(work)}",
+           f"data.max_prompt_length={prompt_length}", "data.max_response_length=12",
+           "data.dataloader_num_workers=0", "data.shuffle=False",
+           f"{arr}.model.path={model_dir}", f"{arr}.model.tokenizer_path={tokenizer_path}",
            f"{arr}.model.use_remove_padding=True",
            f"{arr}.actor.ppo_mini_batch_size=4", f"{arr}.actor.ppo_micro_batch_size_per_gpu=8",
            f"{arr}.actor.use_dynamic_bsz=False", f"{arr}.actor.optim.lr=1e-2",
@@ -205,14 +208,14 @@ def trainer_command(work: str, model_dir: str, data_file: str, *, steps: int, te
            f"{arr}.rollout.temperature=1.0", f"{arr}.rollout.top_p=1.0", f"{arr}.rollout.top_k=-1",
            f"{arr}.rollout.calculate_log_probs=True", f"{arr}.rollout.tensor_model_parallel_size={tp * cp}",
            f"{arr}.rollout.log_prob_micro_batch_size_per_gpu=8", f"{arr}.rollout.agent.num_workers=1",
-           f"{arr}.rollout.prompt_length=16", f"{arr}.rollout.response_length=12",
+           f"{arr}.rollout.prompt_length={prompt_length}", f"{arr}.rollout.response_length=12",
            f"{arr}.rollout.checkpoint_engine.backend=naive", f"{arr}.rollout.free_cache_engine=True",
            "reward.num_workers=1", f"reward.custom_reward_function.path={REWARD_FILE}",
            "reward.custom_reward_function.name=compute_score",
            "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False"]
     if critic:
         cmd += ["critic.enable=True", f"critic.model.path={model_dir}",
-                f"critic.model.tokenizer_path={tokenizer_dir(work)}",
+                f"critic.model.tokenizer_path={tokenizer_path}",
                 "critic.ppo_micro_batch_size_per_gpu=8",
                 "critic.optim.lr=1e-2", "critic.optim.lr_warmup_steps_ratio=0",
                 "critic.megatron.use_distributed_optimizer=False",
