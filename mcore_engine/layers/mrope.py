@@ -18,7 +18,7 @@ class MultimodalRotaryEmbedding(torch.nn.Module):
         if self.interleaved:
             out = freqs[0].clone()
             for ax in (1, 2):
-                idx = torch.arange(ax, 3 * self.section[ax], 3)
+                idx = slice(ax, 3 * self.section[ax], 3)
                 out[..., idx] = freqs[ax][..., idx]
         else:
             out = torch.cat([m[i % 3] for i, m in enumerate(freqs.split(self.section, dim=-1))], dim=-1)
