@@ -70,28 +70,62 @@ def media_entries(value: Any, batch_size: int) -> list[dict[str, torch.Tensor] |
 def positions_3d(position_ids: torch.Tensor, lengths: list[int] | None = None) -> torch.Tensor:
     """verl's per-sample ``[R, L]`` positions (R = 4: text row + mRoPE ``t, h, w``; R = 3: ``t, h, w``)
     as the core's per-token ``(t, h, w)``: nested ``[B, R, j]`` -> jagged ``[B, j, 3]`` (ragged dim 1,
-    like ``input_ids``); dense ``[B, R, S]`` -> ``[B, S, 3]``. ``lengths``: the samples' token counts
-    (``input_ids``'), checked. Any other shape raises ``ValueError``."""
+    like ``input_ids``, same offsets); dense ``[B, R, S]`` -> ``[B, S, 3]``. ``lengths``: the samples'
+    token counts (``input_ids``'), checked. Any other shape raises ``ValueError``.
+
+    Nested input is read from its jagged storage (:func:`_nested_positions`), not unbound: ``unbind``
+    of a 3-D jagged tensor depends on its ``_ragged_idx``, which Ray's pickling loses (verl's
+    ``maybe_fix_3d_position_ids``), and verl's ``chunk_tensordict`` re-packs it per sample padded."""
     if position_ids.dim() != 3:
         raise ValueError("position_ids must be [B, 3 or 4, L] per sample for 3-D positions, "
                          f"got {position_ids.dim()} dims")
     if position_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"position_ids must be int64 (or int32), got {position_ids.dtype}")
     if position_ids.is_nested:
-        rows = [p for p in position_ids.unbind()]
+        return _nested_positions(position_ids, lengths)
+    if position_ids.shape[1] not in (3, 4):
+        raise ValueError("position_ids must be [B, 4 (text row + t, h, w) or 3, L], "
+                         f"got {list(position_ids.shape)}")
+    if lengths is not None and any(position_ids.shape[2] != n for n in lengths):
+        raise ValueError(f"position_ids has {position_ids.shape[2]} positions a sample but input_ids has "
+                         f"{lengths}")
+    return position_ids[:, -3:].transpose(1, 2).to(torch.int64).contiguous()
+
+
+def _nested_positions(position_ids: torch.Tensor, lengths: list[int] | None) -> torch.Tensor:
+    """The two jagged layouts verl 0.9.1 hands over, as jagged ``[B, j, 3]`` with ``input_ids``' offsets:
+
+    - ``values() [R, T]``, ``offsets()`` the samples' token counts (``left_right_2_no_padding``:
+      ragged dimension 2);
+    - ``values() [B * R, S]``, every offset step ``R``: each sample ``[R, S]`` padded to the longest
+      ``S`` (``verl.utils.tensordict_utils.chunk_tensordict``'s fallback for 3-D jagged tensors, used
+      when ``unbind`` fails, which it does once Ray has pickled the batch); the first ``lengths[i]``
+      columns are the sample's (``lengths`` needed).
+    """
+    values, offsets = position_ids.values(), position_ids.offsets()
+    counts = offsets.diff().tolist()
+    rows = values.shape[0] if values.dim() == 2 else 0
+    if rows in (3, 4) and values.shape[1] == int(offsets[-1]):
+        if lengths is not None:
+            for i, (n, want) in enumerate(zip(counts, lengths, strict=True)):
+                if n != want:
+                    raise ValueError(f"position_ids[{i}] has {n} positions but input_ids[{i}] has "
+                                     f"{want} tokens")
+        per_token = values[-3:].transpose(0, 1)
+    elif counts and len(set(counts)) == 1 and counts[0] in (3, 4) and rows == len(counts) * counts[0]:
+        if lengths is None or len(lengths) != len(counts) or max(lengths) > values.shape[1]:
+            raise ValueError(f"position_ids: per-sample padded [R={counts[0]}, {values.shape[1]}] rows "
+                             f"need the samples' lengths <= {values.shape[1]}, got {lengths}")
+        r = counts[0]
+        per_token = torch.cat([values[i * r + r - 3:(i + 1) * r, :n].transpose(0, 1)
+                               for i, n in enumerate(lengths)])
+        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64, device=values.device)
+        offsets[1:] = torch.tensor(lengths, device=values.device).cumsum(0)
     else:
-        rows = list(position_ids.unbind(0))
-    for i, p in enumerate(rows):
-        if p.dim() != 2 or p.shape[0] not in (3, 4):
-            raise ValueError(f"position_ids[{i}] must be [4, L] (text row + t, h, w) or [3, L], "
-                             f"got {list(p.shape)}")
-        if lengths is not None and p.shape[1] != lengths[i]:
-            raise ValueError(f"position_ids[{i}] has {p.shape[1]} positions but input_ids[{i}] has "
-                             f"{lengths[i]} tokens")
-    per_token = [p[-3:].transpose(0, 1).to(torch.int64).contiguous() for p in rows]
-    if position_ids.is_nested:
-        return torch.nested.as_nested_tensor(per_token, layout=torch.jagged)
-    return torch.stack(per_token)
+        raise ValueError(f"position_ids must be [B, 4 (text row + t, h, w) or 3, L] per sample, got a "
+                         f"jagged tensor with values {list(values.shape)} and offsets {offsets.tolist()}")
+    per_token = per_token.to(torch.int64).contiguous()
+    return torch.nested.nested_tensor_from_jagged(per_token, offsets=offsets.clone())
 
 
 def _lengths(input_ids: torch.Tensor) -> list[int]:
@@ -108,10 +142,7 @@ def prepare_multimodal(data: TensorDict) -> TensorDict:
     if "multi_modal_inputs" in data.keys():
         entries = media_entries(data.get("multi_modal_inputs"), data.batch_size[0])
     if "position_ids" in data.keys() and data["position_ids"].dim() == 3:
-        position_ids = data["position_ids"]
-        if position_ids.is_nested:
-            position_ids._ragged_idx = 2  # verl's maybe_fix_3d_position_ids: lost in pickling
-        positions = positions_3d(position_ids, _lengths(data["input_ids"]))
+        positions = positions_3d(data["position_ids"], _lengths(data["input_ids"]))
     if entries is not None:  # checked everything above: now change the batch
         del data["multi_modal_inputs"]
         if any(e is not None for e in entries):

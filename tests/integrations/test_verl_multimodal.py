@@ -87,6 +87,24 @@ def test_positions_and_media_as_the_core_takes_them(rows):
         sub["multi_modal_inputs"][0]["image_grid_thw"], originals[2]["image_grid_thw"])
 
 
+def test_positions_after_verl_rechunking():
+    """verl's ``chunk_tensordict`` fallback (taken once Ray's pickling has lost the 3-D jagged tensor's
+    ragged dimension): every sample ``[4, S]`` padded to the longest, re-packed along the rows
+    (``nested_tensor_from_tensor_list(..., ragged_idx=1)``: values ``[B * 4, S]``). The adapter cuts
+    each sample back to its ``input_ids`` length."""
+    from verl.utils import tensordict_utils as tu
+
+    td, valid = verl_batch(6, [image(4, [[1, 2, 2]]), None, image(5, [[1, 4, 2]])])
+    padded = td["position_ids"].to_padded_tensor(0)  # [B, 4, S]
+    td["position_ids"] = tu.nested_tensor_from_tensor_list(list(padded.unbind(0)), ragged_idx=1)
+    assert td["position_ids"].values().shape == (3 * 4, padded.shape[-1])
+    prepare_multimodal(td)
+    pos = td["position_ids"]
+    assert pos.offsets().equal(td["input_ids"].offsets())
+    for (want, _), got in zip(valid, pos.unbind(), strict=True):
+        assert torch.equal(got, want[-3:].T)
+
+
 def test_text_batches_are_left_alone():
     """verl's agent loop gives text samples ``{}`` (no processor): no media -> no key; 2-D positions
     (text models) untouched."""
@@ -114,10 +132,13 @@ def test_bad_input_names_sample_and_field():
         media_entries([{"pixel_values": torch.zeros(4, 2), "image_grid_thw": [[1, 2, 2]]}], 1)
     with pytest.raises(ValueError, match="one entry per sample"):
         media_entries([None], 2)
-    with pytest.raises(ValueError, match=r"position_ids\[1\] must be \[4, L\]"):
-        bad = [torch.zeros(4, 6, dtype=torch.long), torch.zeros(5, 6, dtype=torch.long)]
+    with pytest.raises(ValueError, match=r"position_ids must be \[B, 4 \(text row \+ t, h, w\) or 3, L\]"):
+        bad = [torch.zeros(5, 6, dtype=torch.long), torch.zeros(5, 7, dtype=torch.long)]
         positions_3d(torch.nested.as_nested_tensor(bad, layout=torch.jagged))
-    with pytest.raises(ValueError, match=r"position_ids\[0\] has 6 positions but input_ids\[0\] has 5"):
+    with pytest.raises(ValueError, match=r"position_ids\[1\] has 7 positions but input_ids\[1\] has 5"):
+        good = [torch.zeros(4, 6, dtype=torch.long), torch.zeros(4, 7, dtype=torch.long)]
+        positions_3d(torch.nested.as_nested_tensor(good, layout=torch.jagged), [6, 5])
+    with pytest.raises(ValueError, match=r"position_ids has 6 positions a sample but input_ids has \[5\]"):
         positions_3d(torch.zeros(1, 4, 6, dtype=torch.long), [5])
     with pytest.raises(ValueError, match="int64"):
         positions_3d(torch.zeros(1, 4, 6))
@@ -125,4 +146,4 @@ def test_bad_input_names_sample_and_field():
     keys = set(td.keys())
     with pytest.raises(ValueError, match=r"multi_modal_inputs\[1\]"):
         prepare_multimodal(td)
-    assert set(td.keys()) == keys and td["position_ids"]._ragged_idx == 2  # nothing changed
+    assert set(td.keys()) == keys and td["position_ids"].shape[1] == 4  # nothing changed

@@ -482,7 +482,8 @@ def test_verl_main_ppo_grpo_vlm(tmp_path):
     from safetensors.torch import load_file
 
     events = run["records"]("hf_cpu_server_0_0")
-    assert all(e.get("image_grid_thw") for e in events if e["event"] == "generate"), "rollout without images"
+    grids = [e.get("image_grid_thw") for e in events if e["event"] == "generate"]
+    assert all(grids) and len({str(g) for g in grids}) == 4, "the rollout saw each image size"
     files = [load_file(e["file"]) for e in events if e["event"] == "update_weights"]
     visual = [k for k in files[0] if k.startswith("visual.")]
     assert len(visual) > 10, sorted(files[0])

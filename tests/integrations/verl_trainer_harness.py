@@ -187,6 +187,13 @@ class HFRolloutServer:
 
         self.model = _load_rollout_model(model_path)
         self.images = _image_processor(self.model, model_path)  # None: a text model
+        # a VLM's vision placeholders are never sampled (a bad-words list): a trained model does not
+        # emit them, this random one would (~1 in 60 tokens), and verl's post-processing would then
+        # count one more image placeholder than images
+        cfg = self.model.config
+        self.banned = [] if self.images is None else [
+            getattr(cfg, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                      "vision_end_token_id") if getattr(cfg, k, None) is not None]
         self.receiver = PeftReceiver(self.model, name)  # LoRA syncs: PEFT adapters on this model
         # the replica's rollout config (RolloutConfig), as vLLM's server reads it
         self.prompt_length, self.response_length = prompt_length, response_length
@@ -353,6 +360,8 @@ class HFRolloutServer:
             else:
                 scaled = logits / temperature
                 probs = torch.softmax(scaled, -1)
+                if self.banned:  # never the vision placeholders (the reported log-prob is unfiltered)
+                    probs[self.banned] = 0.0
                 if top_k > 0:
                     kth = probs.topk(top_k).values[-1]
                     probs = torch.where(probs >= kth, probs, 0.0)
@@ -656,6 +665,41 @@ def _multi_modal_inputs_keep_placeholders() -> None:
     AgentLoopWorker._compute_multi_modal_inputs = _compute_multi_modal_inputs
 
 
+def _repair_3d_position_ids() -> None:
+    """verl 0.9.1 carries a VLM's ``position_ids`` as a 3-D jagged tensor ``[B, 4, j]`` (ragged
+    dimension 2), whose ``unbind`` fails once pickled (Ray's transport loses the ragged dimension:
+    verl's ``maybe_fix_3d_position_ids`` sets it back). Its ``chunk_tensordict`` then takes a fallback
+    that re-packs every sample as ``[4, S]`` padded to the longest along the rows (values
+    ``[B * 4, S]``, every offset step 4; seen here in the dispatch of the old-log-prob and update
+    passes), which ``maybe_fix_3d_position_ids`` mislabels, and ``train_mini_batch``'s mini-batch
+    selection then fails in ``unbind``. Here ``maybe_fix_3d_position_ids`` first cuts such a tensor
+    back to each sample's ``input_ids`` length (ragged dimension 2 again); the adapter reads both
+    layouts on its own (``mcore_engine.integrations.verl_multimodal``)."""
+    import verl.utils.tensordict_utils as tu
+    import verl.workers.engine.base as engine_base
+    import verl.workers.engine_workers as engine_workers
+
+    original = tu.maybe_fix_3d_position_ids
+    if getattr(original, "_cpu_harness", False):
+        return
+
+    def maybe_fix_3d_position_ids(data):
+        pos = data["position_ids"] if "position_ids" in data.keys() else None
+        if pos is not None and pos.is_nested and pos.dim() == 3 and data["input_ids"].is_nested:
+            values, counts = pos.values(), pos.offsets().diff().tolist()
+            lengths = data["input_ids"].offsets().diff().tolist()
+            if counts != lengths and len(set(counts)) == 1 and values.shape[0] == len(counts) * counts[0]:
+                r = counts[0]
+                samples = [values[i * r:(i + 1) * r, :n] for i, n in enumerate(lengths)]
+                data["position_ids"] = tu.nested_tensor_from_tensor_list(samples, ragged_idx=2)
+                return
+        original(data)
+
+    maybe_fix_3d_position_ids._cpu_harness = True
+    for module in (tu, engine_base, engine_workers):
+        module.maybe_fix_3d_position_ids = maybe_fix_3d_position_ids
+
+
 def _record_engines() -> None:
     """Record each engine verl's workers build (``EngineRegistry.new``: model type, backend, class, TP
     size, sequence parallelism and precision of the core config) in
@@ -754,6 +798,7 @@ def _install() -> None:
     _processor_without_torchvision()
     _qwen_vl_utils_stand_in()
     _multi_modal_inputs_keep_placeholders()
+    _repair_3d_position_ids()
     _record_engines()
 
 

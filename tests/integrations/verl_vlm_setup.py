@@ -108,7 +108,8 @@ def make_vlm_dataset(path: str, n: int = 16, seed: int = 0) -> None:
     names = sorted(COLOURS)
     rows = []
     for i in range(n):
-        colour, size = names[i % len(names)], IMAGE_SIZES[(i // len(names)) % len(IMAGE_SIZES)]
+        # every colour and every size in each group of four prompts (a step's batch)
+        colour, size = names[i % len(names)], IMAGE_SIZES[(3 * i + i // 4) % len(IMAGE_SIZES)]
         rows.append({"data_source": "image_colour", "prompt": [{"role": "user", "content": "<image>colour?"}],
                      "images": [{"bytes": png(colour, size, seed + i)}], "ability": "vision",
                      "reward_model": {"style": "rule", "ground_truth": colour}, "extra_info": {"index": i}})
