@@ -7,7 +7,8 @@ Two models on the tiny GPT of ``tests.parallel_setup`` (4 layers, head dim 16, m
 sectioned mRoPE) on the dense QKV-bias model, and ``"vl3-moe"``, a Qwen3-VL-MoE tower (learned
 position embeddings, DeepStack into decoder layers 0 and 1, interleaved mRoPE) on the QK-norm MoE.
 
-Launch 1 (one gloo rank), per model: the fp32 reference (inference outputs, two ``train_batch`` steps,
+Launch 1 (one gloo rank), per model: a batch whose image grid disagrees with its pixels fails by
+sample and field and changes nothing; the fp32 reference (inference outputs, two ``train_batch`` steps,
 the first step's gradients, the weights after each step; the tower's weights move); each sequence of
 a pack equals itself alone (fp32 1e-6); a frozen tower (``freeze_vision_tower``) stays bit-identical
 over two steps, gets no gradient and no optimizer state, while the rest trains; for ``"vl25"`` also the
@@ -137,6 +138,26 @@ def _frozen(name: str, full0: dict) -> None:
     assert len(moved) > 10, "the language model did not train under a frozen tower"
 
 
+def _bad_batch_changes_nothing(engine, name: str) -> None:
+    """A grid that disagrees with its pixels fails ``train_batch`` by sample and field; the weights,
+    the optimizer state and the step counters are unchanged."""
+    import pytest
+    from tensordict import NonTensorData, NonTensorStack
+
+    from mcore_engine.data.multimodal import sample_entries
+    from tests.engine_setup import engine_snapshot, policy_loss
+    from tests.utils import assert_identical
+
+    batch = vl_batches(name)[0]
+    entries = sample_entries(batch)
+    entries[2] = {**entries[2], "image_grid_thw": entries[2]["image_grid_thw"] * torch.tensor([1, 2, 1])}
+    batch["multi_modal_inputs"] = NonTensorStack(*[NonTensorData(e) for e in entries])
+    before = engine_snapshot(engine, counters=True)
+    with pytest.raises(ValueError, match=r"multi_modal_inputs\[2\]\.image_grid_thw"):
+        engine.train_batch(batch, policy_loss)
+    assert_identical(engine_snapshot(engine, counters=True), before, f"{name}: a rejected image batch")
+
+
 def _reference(rank: int, world_size: int, path: str) -> None:
     from mcore_engine.parallel.platform import destroy_distributed
 
@@ -145,6 +166,7 @@ def _reference(rank: int, world_size: int, path: str) -> None:
         engine = _engine(vl_config(name))
         full0 = full_state(engine)
         assert _tower_keys(full0), "no vision tower on the one-rank engine"
+        _bad_batch_changes_nothing(engine, name)
         _pack_vs_alone(engine, vl_batches(name)[0])
         ref = {"full0": full0, **run_steps(engine, _kind(name), data=vl_batches(name))}
         ref["full2"] = full_state(engine)
