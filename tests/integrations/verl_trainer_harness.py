@@ -42,6 +42,15 @@ What verl lacks on CPU, and what is added here:
   log-prob cap for ``vllm`` / ``sglang`` by name and refuses other engines; ``hf_cpu`` is let
   through (it takes the top-k per request, as SGLang does).
 
+- **Images** (a vision-language folder: ``AutoModelForImageTextToText`` in the server, which takes the
+  request's ``image_data`` through the folder's image processor and never samples the vision
+  placeholder tokens): the multimodal processor without a video processor (torchvision does not
+  import here), a ``qwen_vl_utils.process_vision_info`` stand-in (not installed here), verl 0.9.1's
+  post-processing decode keeping the image placeholders (``transformers`` 5.24 refuses the processor
+  call otherwise), and ``maybe_fix_3d_position_ids`` repairing the per-sample padded 3-D positions
+  of verl's ``chunk_tensordict`` fallback. For every pass whose batch carries images the core
+  engine's input is recorded in ``media.jsonl`` (token ids, ``(t, h, w)`` positions, grids).
+
 The harness also records every engine verl's workers build (``EngineRegistry.new``) in
 ``engines.jsonl``, so the test can check that actor, reference and critic ran on ``mcore_engine``
 (and the actor with LoRA), and for an MoE model the routing each pass of the core engine used, per
