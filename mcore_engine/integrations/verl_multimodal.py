@@ -142,7 +142,10 @@ def prepare_multimodal(data: TensorDict) -> TensorDict:
     if "multi_modal_inputs" in data.keys():
         entries = media_entries(data.get("multi_modal_inputs"), data.batch_size[0])
     if "position_ids" in data.keys() and data["position_ids"].dim() == 3:
-        positions = positions_3d(data["position_ids"], _lengths(data["input_ids"]))
+        ids = data["input_ids"]
+        positions = positions_3d(data["position_ids"], _lengths(ids))
+        if positions.is_nested and ids.is_nested:  # input_ids' own offsets: the same ragged size j
+            positions = torch.nested.nested_tensor_from_jagged(positions.values(), offsets=ids.offsets())
     if entries is not None:  # checked everything above: now change the batch
         del data["multi_modal_inputs"]
         if any(e is not None for e in entries):

@@ -74,6 +74,7 @@ def test_positions_and_media_as_the_core_takes_them(rows):
     pos = td["position_ids"]
     assert pos.is_nested and pos._ragged_idx == 1 and pos.dtype == torch.int64
     assert pos.offsets().equal(td["input_ids"].offsets())  # the layout of input_ids
+    assert pos.shape[:2] == td["input_ids"].shape and pos.shape[2] == 3  # [B, j, 3], the same j
     for (want, ids), got, have_ids in zip(valid, pos.unbind(), td["input_ids"].unbind(), strict=True):
         assert torch.equal(have_ids, ids)
         assert got.shape == (len(ids), 3) and torch.equal(got, want[-3:].T), "not rows (t, h, w) per token"
