@@ -158,6 +158,33 @@ def test_fixed_grids(model_type):
         assert got[0, 2:10].tolist() == [2] * 4 + [5] * 4
 
 
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_real_grids(model_type):
+    """The grids the image processor gives real photo sizes (``smart_resize``; patch 14 for Qwen2.5-VL,
+    16 otherwise) and a 6-frame video, in one sample, against transformers."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize  # no torchvision
+
+    patch = 14 if model_type == "qwen2_5_vl" else 16
+    sizes = ((480, 640), (1080, 1920), (200, 300), (90, 500))
+    images = [[1, *(x // patch for x in smart_resize(h, w, factor=2 * patch, max_pixels=1280 * 28 * 28))]
+              for h, w in sizes]
+    video = [3, *(x // patch for x in smart_resize(360, 640, factor=2 * patch))]
+    rng = random.Random(1)
+    ids = [rng.randrange(IMAGE) for _ in range(12)]
+    for g in images:
+        ids += [START] + [IMAGE] * (g[1] * g[2] // 4) + [END, 5, 6]
+    if model_type in PER_FRAME:
+        for _ in range(video[0]):
+            ids += [7, 8, START] + [VIDEO] * (video[1] * video[2] // 4) + [END]
+    else:
+        ids += [START] + [VIDEO] * (video[0] * video[1] * video[2] // 4) + [END]
+    ids = torch.tensor(ids + [9] * 20)
+    images, videos, seconds = torch.tensor(images), torch.tensor([video]), torch.tensor([2 / 2.0])
+    got = rope_index(ids, _vision(model_type), images, videos, seconds)
+    assert ids.numel() > 2000
+    assert torch.equal(got, _expected(model_type, 2, ids, images, videos, seconds))
+
+
 def test_text_only_and_rule():
     vision = _vision("qwen3_vl")
     ids = torch.tensor([3, 4, 5, 6])

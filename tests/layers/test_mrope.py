@@ -8,6 +8,7 @@ sequences alone; on two gloo ranks CP = 2 (bshd cut, thd whole pack cut by Megat
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -39,7 +40,7 @@ class _OneRank:
 # ----------------------------------------------------------------------------------------------------
 # References and inputs
 # ----------------------------------------------------------------------------------------------------
-def _hf(model_type: str):
+def _hf(model_type: str, shape: tuple | None = None):
     """``transformers``' text rotary module of ``model_type`` (tiny config) and its apply function."""
     import transformers as T
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m25
@@ -48,7 +49,7 @@ def _hf(model_type: str):
     from transformers.models.qwen3_vl import modeling_qwen3_vl as m3
     from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as m3moe
 
-    d, fraction, section, theta = SHAPES[model_type]
+    d, fraction, section, theta = shape or SHAPES[model_type]
     base = dict(hidden_size=HEADS * d, num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=d,
                 vocab_size=64, num_hidden_layers=1, intermediate_size=8)
     rope = {"rope_type": "default", "rope_theta": theta, "mrope_section": section}
@@ -68,17 +69,17 @@ def _hf(model_type: str):
     return rotary, module.apply_rotary_pos_emb
 
 
-def _ours(model_type: str, **kwargs) -> MultimodalRotaryEmbedding:
-    d, fraction, section, theta = SHAPES[model_type]
+def _ours(model_type: str, shape: tuple | None = None, **kwargs) -> MultimodalRotaryEmbedding:
+    d, fraction, section, theta = shape or SHAPES[model_type]
     return MultimodalRotaryEmbedding(d, fraction, theta, section, model_type != "qwen2_5_vl", **kwargs)
 
 
-def _megatron_config(model_type: str):
+def _megatron_config(model_type: str, shape: tuple | None = None):
     from megatron.core.transformer import TransformerConfig
 
-    d = SHAPES[model_type][0]
+    d, _, section, _ = shape or SHAPES[model_type]
     return TransformerConfig(num_layers=1, hidden_size=HEADS * d, num_attention_heads=HEADS, kv_channels=d,
-                             use_cpu_initialization=True, mrope_section=SHAPES[model_type][2])
+                             use_cpu_initialization=True, mrope_section=section)
 
 
 def _vision(model_type: str) -> VisionConfig:
@@ -136,9 +137,9 @@ def _qkg(b: int, s: int, d: int, seed: int):
     return [torch.randn(b, s, HEADS, d, generator=g, dtype=torch.float64) for _ in range(4)]
 
 
-def _run_hf(model_type: str, pos, q, k, gq, gk, dtype):
+def _run_hf(model_type: str, pos, q, k, gq, gk, dtype, shape: tuple | None = None):
     """transformers' rotated q, k ``[b, s, h, d]`` and their gradients, in ``dtype``."""
-    rotary, apply = _hf(model_type)
+    rotary, apply = _hf(model_type, shape)
     q, k = (x.detach().to(dtype).requires_grad_() for x in (q, k))
     cos, sin = rotary(q, pos)
     oq, ok = apply(q, k, cos, sin, unsqueeze_dim=2)
@@ -146,13 +147,13 @@ def _run_hf(model_type: str, pos, q, k, gq, gk, dtype):
     return [x.detach() for x in (oq, ok, q.grad, k.grad)]
 
 
-def _run_ours(model_type: str, pos, q, k, gq, gk, dtype, module=None):
+def _run_ours(model_type: str, pos, q, k, gq, gk, dtype, shape: tuple | None = None):
     """Our freqs through Megatron's apply_rotary_pos_emb (bshd), in transformers' ``[b, s, h, d]``."""
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
-    module = module or _ours(model_type)
-    config = _megatron_config(model_type)
-    freqs = module(pos, SHAPES[model_type][2], cp_group=None)
+    module = _ours(model_type, shape)
+    config = _megatron_config(model_type, shape)
+    freqs = module(pos, (shape or SHAPES[model_type])[2], cp_group=None)
     assert freqs.dtype == torch.float32 and freqs.shape == (pos.size(2), pos.size(1), 1, module.rot_dim)
     q, k = (x.detach().to(dtype).requires_grad_() for x in (q, k))
     oq, ok = (apply_rotary_pos_emb(x.transpose(0, 1), freqs, config, cp_group=_OneRank()).transpose(0, 1)
@@ -167,31 +168,74 @@ NAMES = ("q_out", "k_out", "dq", "dk")
 # ----------------------------------------------------------------------------------------------------
 # One process
 # ----------------------------------------------------------------------------------------------------
+def _compare(model_type: str, pos: torch.Tensor, seed: int, what: str, shape: tuple | None = None) -> None:
+    """float64 and fp32: equal to transformers in float64 (fp32 within its rounding); bf16: within the
+    error transformers' own bf16 makes against its float64. Values and q / k gradients."""
+    b, s = pos.shape[1:]
+    q, k, gq, gk = _qkg(b, s, (shape or SHAPES[model_type])[0], seed=seed)
+    snapshot = pos.clone()
+    ref = _run_hf(model_type, pos, q, k, gq, gk, torch.float64, shape)
+    got = _run_ours(model_type, pos, q, k, gq, gk, torch.float64, shape)
+    assert torch.equal(pos, snapshot), "position_ids were modified"
+    for name, a, e in zip(NAMES, got, ref, strict=True):
+        assert_rel_close(a, e, REL_TOL[torch.float64], f"{what} float64 {name}")
+    hf32 = _run_hf(model_type, pos, q, k, gq, gk, torch.float32, shape)
+    ours32 = _run_ours(model_type, pos, q, k, gq, gk, torch.float32, shape)
+    for name, a, e, h in zip(NAMES, ours32, ref, hf32, strict=True):
+        assert_rel_close(a, e, 1e-6, f"{what} fp32 {name} vs float64")
+        assert_rel_close(a, h, 1e-6, f"{what} fp32 {name} vs transformers fp32")
+    hf16 = _run_hf(model_type, pos, q, k, gq, gk, torch.bfloat16, shape)
+    ours16 = _run_ours(model_type, pos, q, k, gq, gk, torch.bfloat16, shape)
+    for name, a, e, h in zip(NAMES, ours16, ref, hf16, strict=True):
+        err, hf_err = rel_err(a, e), rel_err(h, e)
+        assert a.dtype == torch.bfloat16 and err <= 1.25 * hf_err + 1e-3, \
+            f"{what} bf16 {name}: {err:.3e} vs transformers' bf16 {hf_err:.3e}"
+
+
 @pytest.mark.parametrize("model_type", list(SHAPES))
 def test_matches_transformers(model_type):
-    """float64 and fp32: equal to transformers in float64 (fp32 within its rounding); bf16: within the
-    error transformers' own bf16 makes against its float64."""
-    d = SHAPES[model_type][0]
+    """Tiny heads; positions of random rope_index samples and arbitrary 3-D positions."""
     for i, pos in enumerate(_batch_positions(model_type, seed=len(model_type))):
-        b, s = pos.shape[1:]
-        q, k, gq, gk = _qkg(b, s, d, seed=i)
-        snapshot = pos.clone()
-        ref = _run_hf(model_type, pos, q, k, gq, gk, torch.float64)
-        got = _run_ours(model_type, pos, q, k, gq, gk, torch.float64)
-        assert torch.equal(pos, snapshot), "position_ids were modified"
-        for name, a, e in zip(NAMES, got, ref, strict=True):
-            assert_rel_close(a, e, REL_TOL[torch.float64], f"{model_type} float64 {name} (positions {i})")
-        hf32 = _run_hf(model_type, pos, q, k, gq, gk, torch.float32)
-        for name, a, e, h in zip(NAMES, _run_ours(model_type, pos, q, k, gq, gk, torch.float32), ref, hf32,
-                                 strict=True):
-            assert_rel_close(a, e, 1e-6, f"{model_type} fp32 {name} vs float64 (positions {i})")
-            assert_rel_close(a, h, 1e-6, f"{model_type} fp32 {name} vs transformers fp32 (positions {i})")
-        hf16 = _run_hf(model_type, pos, q, k, gq, gk, torch.bfloat16)
-        for name, a, e, h in zip(NAMES, _run_ours(model_type, pos, q, k, gq, gk, torch.bfloat16), ref, hf16,
-                                 strict=True):
-            err, hf_err = rel_err(a, e), rel_err(h, e)
-            assert a.dtype == torch.bfloat16 and err <= 1.25 * hf_err + 1e-3, \
-                f"{model_type} bf16 {name}: {err:.3e} vs transformers' bf16 {hf_err:.3e}"
+        _compare(model_type, pos, i, f"{model_type} (positions {i})")
+
+
+# The released checkpoints' attention: head dim, rotary fraction, mrope_section, rope theta
+REAL = {"qwen2_5_vl": (128, 1.0, [16, 24, 24], 1e6), "qwen3_vl": (128, 1.0, [24, 20, 20], 5e6),
+        "qwen3_5": (256, 0.25, [11, 11, 10], 1e7)}
+
+
+def _real_positions(model_type: str) -> torch.Tensor:
+    """rope_index of a chat-like sample with two photos at the processor's real grids (``smart_resize``
+    of 480x640 and 200x300 pixels; patch 14 for Qwen2.5-VL, 16 otherwise) and a 4-frame 2 fps video:
+    ``[3, 1, L]``, L about 600 (positions up to about 120: a vision run advances by max(h, w))."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize  # no torchvision
+
+    patch = 14 if model_type == "qwen2_5_vl" else 16
+    rng = random.Random(0)
+    text = lambda n: [rng.randrange(60) for _ in range(n)]  # noqa: E731
+    images = [[1, *(x // patch for x in smart_resize(h, w, factor=2 * patch))]
+              for h, w in ((480, 640), (200, 300))]
+    video = [2, *(x // patch for x in smart_resize(240, 320, factor=2 * patch))]
+    ids = text(20)
+    for g in images:
+        ids += [START] + [IMAGE] * (g[0] * g[1] * g[2] // 4) + [END] + text(7)
+    frame = video[1] * video[2] // 4
+    if model_type == "qwen2_5_vl":
+        ids += [START] + [VIDEO] * (video[0] * frame) + [END]
+    else:
+        for _ in range(video[0]):
+            ids += text(4) + [START] + [VIDEO] * frame + [END]
+    ids += text(30)
+    vision = dataclasses.replace(_vision(model_type), mrope_section=REAL[model_type][2])
+    pos = rope_index(torch.tensor(ids), vision, torch.tensor(images), torch.tensor([video]),
+                     torch.tensor([1.0]))  # 2 frames per grid at 2 fps
+    assert pos.shape[1] > 500 and int(pos.max()) > 100
+    return pos[:, None]
+
+
+@pytest.mark.parametrize("model_type", list(REAL))
+def test_real_layout_matches_transformers(model_type):
+    _compare(model_type, _real_positions(model_type), 0, f"{model_type} real layout", REAL[model_type])
 
 
 def test_pass_through_and_axis():
