@@ -5,9 +5,8 @@ With ``r = rot_dim / 2`` channel pairs, ``inv_freq[i] = rotary_base ** (-2 i / r
 Megatron's ``RotaryEmbedding`` and ``transformers``' default rope) and positions ``p [3, b, s]``
 (t, h, w)::
 
-    f[a, b, s, i] = float(p[a, b, s]) * inv_freq[i]                 # fp32, [3, b, s, r]
-    m[b, s, i]    = f[axis[i], b, s, i]                              # one axis per pair
-    freqs         = cat(m, m, -1).transpose(0, 1)[:, :, None]        # [s, b, 1, rot_dim]
+    m[s, b, i] = float(p[axis[i], b, s]) * inv_freq[i]          # fp32, [s, b, r]: one axis per pair
+    freqs      = cat(m, m, -1)[:, :, None]                       # [s, b, 1, rot_dim]
 
 ``axis`` (``mrope_section = [s_t, s_h, s_w]``, ``s_t + s_h + s_w = r``): sectioned (Qwen2.5-VL) pairs
 ``[0, s_t)`` -> t, ``[s_t, s_t + s_h)`` -> h, the rest -> w; interleaved (Qwen3-VL, Qwen3.5) pair ``i``
@@ -23,7 +22,7 @@ thd result is returned whole ``[T, 1, 1, rot_dim]``: Megatron-Core's ``_apply_ro
 (0.16 and 0.19) takes the whole pack's freqs when ``freqs.size(0) == cu_seqlens[-1]`` and cuts them
 per sequence and rank itself, so ``T`` must be the padded pack length (``cu_seqlens_q_padded[-1]``).
 
-Memory: the ``[3, b, s, r]`` fp32 products and the ``[s, b, 1, rot_dim]`` fp32 result.
+Memory: ``[s, b, r]`` fp32 angles and the ``[s, b, 1, rot_dim]`` fp32 result.
 """
 
 from __future__ import annotations
@@ -73,6 +72,7 @@ class MultimodalRotaryEmbedding(nn.Module):
         self.cp_group = cp_group
         # A plain attribute, not a buffer: a bf16 cast of the model must leave it fp32 (as Megatron's).
         self.inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self._axis = mrope_axis(self.mrope_section, self.interleaved)
 
     def _checked_section(self, mrope_section: Any) -> list[int]:
         ok = isinstance(mrope_section, Sequence) and len(mrope_section) == 3 and all(
@@ -94,15 +94,17 @@ class MultimodalRotaryEmbedding(nn.Module):
                              f"{position_ids.dtype} {tuple(position_ids.shape)}")
         section = self.mrope_section if mrope_section is None else self._checked_section(mrope_section)
         device = position_ids.device
-        if self.inv_freq.device != device:
-            self.inv_freq = self.inv_freq.to(device)
-        # --- 1. per-axis angles, fp32 as transformers: float(p) * inv_freq  [3, b, s, r] ---
-        angles = position_ids.float()[..., None] * self.inv_freq
-        # --- 2. each pair takes its axis' angle  [b, s, r] ---
-        axis = mrope_axis(section, self.interleaved).to(device)
-        mixed = angles.gather(0, axis.expand(1, *angles.shape[1:3], -1)).squeeze(0)
+        if self.inv_freq.device != device:  # once, at the first call on the model's device
+            self.inv_freq, self._axis = self.inv_freq.to(device), self._axis.to(device)
+        axis = self._axis
+        if section != self.mrope_section:
+            axis = mrope_axis(section, self.interleaved).to(device)
+        # --- 1. each pair's position: that of its axis  [s, b, r] ---
+        pair_pos = position_ids.float().index_select(0, axis).permute(2, 1, 0)
+        # --- 2. angles, fp32 as transformers: float(p) * inv_freq ---
+        angles = pair_pos * self.inv_freq
         # --- 3. Megatron's rotate-half layout  [s, b, 1, rot_dim] ---
-        emb = torch.cat((mixed, mixed), dim=-1).transpose(0, 1)[:, :, None, :].contiguous()
+        emb = torch.cat((angles, angles), dim=-1)[:, :, None, :]
         # --- 4. bshd at CP > 1: this rank's chunks r and 2 cp - 1 - r; a thd pack stays whole ---
         if not self.packed:
             group = next((g for g in (cp_group, self.cp_group) if g is not None), None)
