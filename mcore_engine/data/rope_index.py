@@ -14,8 +14,10 @@ A cursor ``p`` starts at 0::
 (computed in the same dtypes as ``transformers``, so the truncation agrees). Qwen3-VL / Qwen3.5 split
 every video into its frames (``t`` grids of ``(1, h, w)``, one run each: the processor writes a
 timestamp and ``<|vision_start|>`` before every frame), so their videos carry time only through the
-text timestamps. Note that ``p`` advances by ``max(H, W)`` after a vision run, whatever its ``t``
-(5.24's rule). A text-only sample gets ``arange(L)`` on all three axes.
+text timestamps (they ignore ``second_per_grid_ts``). After a vision run the text continues from
+``p + max(H, W)``: the image's largest position + 1 when ``t = 1``; 5.24 keeps that step for a
+Qwen2.5-VL video too, whose temporal positions can reach past it (older releases continued from the
+run's max + 1). A text-only sample gets ``arange(L)`` on all three axes.
 
 Memory: the ``[3, L]`` int64 result and O(L) temporaries; a Python loop over the vision runs only.
 """
