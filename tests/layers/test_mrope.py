@@ -2,9 +2,10 @@
 apply_rotary_pos_emb against ``transformers``' mRoPE (rotary module + apply_rotary_pos_emb of Qwen2.5-VL,
 Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE): values and q / k gradients in float64, fp32 and bf16,
 sectioned, interleaved and partial rotary, positions from rope_index on random image / video samples and
-arbitrary 3-D positions; text-only positions equal Megatron's RotaryEmbedding; a thd pack equals its
-sequences alone; on two gloo ranks CP = 2 (bshd cut, thd whole pack cut by Megatron, and GPTModel's own
-``mrope`` call) equals CP = 1 at this rank's slots; bad inputs."""
+arbitrary 3-D positions, and a real layout at the released head dims; a thd pack equals its sequences
+alone; on two gloo ranks CP = 2 (bshd cut, thd whole pack cut by Megatron, and GPTModel's own ``mrope``
+call) equals CP = 1 at this rank's slots, text-only positions equal Megatron's RotaryEmbedding at CP = 1
+and 2; bad inputs."""
 
 from __future__ import annotations
 
@@ -262,6 +263,8 @@ def test_module_state():
     assert torch.equal(module(pos.int()), want)
     module.packed = True  # CP = 1: no cut either way
     assert torch.equal(module(pos), want)
+    other = MultimodalRotaryEmbedding(24, 1.0, 5e5, [6, 3, 3], True)  # a section given to forward wins
+    assert torch.equal(module(pos, [6, 3, 3]), other(pos)) and not torch.equal(other(pos), want)
 
 
 def test_bad_input():
