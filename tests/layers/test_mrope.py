@@ -10,6 +10,7 @@ and 2; bad inputs."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 
 import pytest
@@ -338,9 +339,14 @@ def _apply(t, freqs, config, group, cu=None, grad=None):
     return out.detach(), t.grad
 
 
-def _gpt_rotary(model_type: str, module, input_ids, position_ids, packed=None):
-    """The ``rotary_pos_emb`` GPTModel's own forward hands its decoder with ``module`` as its
-    rotary_pos_emb (position_embedding_type "mrope"): captured by a pre-hook that stops the forward."""
+class _Stop(Exception):
+    """Raised by the decoder pre-hook once GPTModel has computed the rotary embedding."""
+
+
+@functools.cache
+def _gpt(model_type: str):
+    """A one-layer GPTModel with position_embedding_type "mrope" whose decoder pre-hook stores its
+    keyword arguments in ``model.captured`` and stops the forward (built once per rank process)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -350,20 +356,24 @@ def _gpt_rotary(model_type: str, module, input_ids, position_ids, packed=None):
                                use_cpu_initialization=True, mrope_section=section)
     model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=256,
                      position_embedding_type="mrope", rotary_percent=fraction, rotary_base=int(theta))
-    model.rotary_pos_emb = module
-    captured = {}
-
-    class _Stop(Exception):
-        pass
+    model.captured = {}
 
     def hook(_module, _args, kwargs):
-        captured.update(kwargs)
+        model.captured = kwargs
         raise _Stop
 
     model.decoder.register_forward_pre_hook(hook, with_kwargs=True)
+    return model
+
+
+def _gpt_rotary(model_type: str, module, input_ids, position_ids, packed=None):
+    """The ``rotary_pos_emb`` GPTModel's own forward hands its decoder with ``module`` as its
+    rotary_pos_emb."""
+    model = _gpt(model_type)
+    model.rotary_pos_emb = module
     with pytest.raises(_Stop):
         model(input_ids, position_ids, None, packed_seq_params=packed)
-    return captured["rotary_pos_emb"]
+    return model.captured["rotary_pos_emb"]
 
 
 def _cp2_checks(rank: int, world: int) -> None:
