@@ -144,8 +144,9 @@ def pack_micro_batch(mb: TensorDictBase, *, data_format: str, temperature: float
         mask_values = mask_values * user_mask.to(device)
     slot_positions = torch.arange(num_slots) - starts[slot_sequence]
     position_ids = slot_positions.reshape(shape).to(device)
-    if "position_ids" in mb.keys():
+    if "position_ids" in mb.keys():  # 3-D (t, h, w) positions [N, 3] go to data.multimodal instead
         user_positions = token_values(mb, "position_ids").to(device=device, dtype=torch.int64)
+    if "position_ids" in mb.keys() and user_positions.dim() == 1:
         position_ids = position_ids.reshape(-1).index_copy(0, token_index, user_positions).reshape(shape)
 
     # --- 2. attention: PackedSeqParams (thd) or a bool mask, True = masked (bshd) ---

@@ -137,8 +137,8 @@ def validate_batch(batch: TensorDictBase, *, vocab_size: int, max_sequence_lengt
 
     response_key = response_mask_key(batch)
     for key in ("position_ids", "loss_mask"):
-        if key in batch.keys() and key != response_key:
-            _check_same_tokens(key, batch[key], batch, lengths, trailing=0)
+        if key in batch.keys() and key != response_key:  # 3-D (t, h, w) positions: data.multimodal
+            _check_same_tokens(key, batch[key], batch, lengths, trailing=None if key == "position_ids" else 0)
     if "position_ids" in batch.keys() and batch["position_ids"].dtype not in (torch.int64, torch.int32):
         raise ValueError(f"position_ids must be int64 (or int32), got {batch['position_ids'].dtype}")
     if not is_jagged(ids) and "response_mask" in batch.keys() and "loss_mask" not in batch.keys():

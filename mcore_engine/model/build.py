@@ -21,6 +21,7 @@ from mcore_engine.model.head import (
     lm_head_weight,
     output_hidden_states,
 )
+from mcore_engine.model.multimodal import MultimodalGPTModel
 from mcore_engine.model.spec import decoder_spec, has_te, mtp_source_spec, uses_te_spec
 from mcore_engine.model.transformer_config import build_transformer_config
 from mcore_engine.parallel.cpu_device import apply_cpu_device_layer
@@ -62,7 +63,12 @@ def build_model_chunks(cfg: EngineConfig) -> list[GPTModel]:
         spec = decoder_spec(cfg, config, vp_stage)
         mtp_spec = None if not cfg.model.mtp_num_layers else mtp_block_spec(  # None but on the last stage
             config, mtp_source_spec(cfg, config, vp_stage), vp_stage, te=uses_te_spec(cfg))
-        model = (GPTModel if mtp_spec is None else MTPGPTModel)(
+        cls, extra = (GPTModel if mtp_spec is None else MTPGPTModel), {}
+        if cfg.model.vision is not None:  # the tower (first stage), mRoPE, DeepStack: model/multimodal.py
+            cls, extra = MultimodalGPTModel, {"vision_config": cfg.model.vision, "seed": cfg.seed,
+                                              "freeze_vision_tower": cfg.model.freeze_vision_tower}
+        model = cls(
+            **extra,
             config=config,
             transformer_layer_spec=spec,
             vocab_size=vocab,
@@ -71,7 +77,8 @@ def build_model_chunks(cfg: EngineConfig) -> list[GPTModel]:
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             parallel_output=True,
             share_embeddings_and_output_weights=cfg.model.tie_word_embeddings and cfg.model.head == "lm",
-            position_embedding_type="rope" if cfg.model.yarn is None else "yarn",
+            **({} if cfg.model.vision is not None else
+               {"position_embedding_type": "rope" if cfg.model.yarn is None else "yarn"}),
             rotary_base=cfg.model.rotary_base,
             rope_scaling=cfg.model.rope_scaling_factor is not None,
             rope_scaling_factor=cfg.model.rope_scaling_factor or 8.0,  # 8.0: GPTModel's unused default

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 
-from mcore_engine.config import EngineConfig
+from mcore_engine.config import EngineConfig, VisionConfig
 from mcore_engine.parallel.platform import get_device
 
 __all__ = ["StepLayout", "step_layout"]
@@ -40,6 +40,8 @@ class StepLayout:
     pp_last_rank: int = 0
     is_last_stage: bool = True
     """This rank holds the last pipeline stage (the outputs and the loss)."""
+    vision: VisionConfig | None = None
+    """A vision-language model's vision side: the batch's ``multi_modal_inputs`` and 3-D positions."""
 
 
 def step_layout(config: EngineConfig) -> StepLayout:
@@ -61,4 +63,4 @@ def step_layout(config: EngineConfig) -> StepLayout:
                           parallel_state.get_context_parallel_group()) if cp > 1 else (1, 0, None),
         pp_group=parallel_state.get_pipeline_model_parallel_group(),
         pp_last_rank=parallel_state.get_pipeline_model_parallel_last_rank(),
-        is_last_stage=parallel_state.is_pipeline_last_stage(ignore_virtual=True))
+        is_last_stage=parallel_state.is_pipeline_last_stage(ignore_virtual=True), vision=config.model.vision)

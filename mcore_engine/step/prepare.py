@@ -27,6 +27,7 @@ from tensordict import TensorDict, TensorDictBase
 from mcore_engine.data.context_parallel import ContextParallelSplit, context_parallel_split, split_inputs
 from mcore_engine.data.flags import StepFlags, parse_step_flags
 from mcore_engine.data.micro_batching import merge_micro_batches, split_micro_batches
+from mcore_engine.data.multimodal import VisionBatch, check_multi_modal_inputs, vision_batch
 from mcore_engine.data.packing import ModelInputs, flatten_per_token, pack_micro_batch, unpack_per_token
 from mcore_engine.data.validation import validate_batch
 from mcore_engine.losses.context import LossContext
@@ -55,6 +56,8 @@ class MicroBatch:
     """Context parallelism: this rank's share of the pack (None at CP = 1)."""
     model_inputs: ModelInputs | None = None
     """What this rank's model and lm-head see: ``inputs`` cut to the CP share (``inputs`` at CP = 1)."""
+    vision: VisionBatch | None = None
+    """A vision-language model's pixels, visual-token slots (this CP rank's) and 3-D positions."""
 
     def __post_init__(self) -> None:
         if self.model_inputs is None:
@@ -95,6 +98,7 @@ def prepare_step(batch: TensorDictBase, layout: StepLayout, *,
         flags = parse_step_flags(batch)
         validate_batch(batch, vocab_size=layout.vocab_size, max_sequence_length=layout.max_sequence_length,
                        require_teacher=flags.distillation_use_topk and not has_logits_processor_func)
+        check_multi_modal_inputs(batch, layout.vision)
         mbs, order = split(flags, min_num_micro_batches=1)
         if len(mbs) % parts and flags.use_dynamic_bsz:  # more, smaller micro-batches
             mbs, order = split(flags, min_num_micro_batches=-(-len(mbs) // parts) * parts)
@@ -131,6 +135,9 @@ def prepare_step(batch: TensorDictBase, layout: StepLayout, *,
         if layout.common_shape:
             shape = tuple(max(int(mb.inputs.input_ids.shape[d]) for mb in micro_batches) for d in (0, 1))
             micro_batches = [dataclasses.replace(mb, inputs=pad_inputs(mb.inputs, shape), model_inputs=None)
+                             for mb in micro_batches]
+        if layout.vision is not None:
+            micro_batches = [dataclasses.replace(mb, vision=vision_batch(mb.data, mb.inputs, layout.vision))
                              for mb in micro_batches]
         cp_size, cp_rank, cp_group = layout.context_parallel
         if cp_size > 1:
@@ -173,7 +180,8 @@ def prepare_step(batch: TensorDictBase, layout: StepLayout, *,
 
 def _with_cp_share(mb: MicroBatch, size: int, rank: int, group: Any) -> MicroBatch:
     split = context_parallel_split(mb.inputs, size, rank, group)
-    return dataclasses.replace(mb, cp=split, model_inputs=split_inputs(mb.inputs, split))
+    vision = mb.vision.local(split.slots[rank]) if mb.vision is not None else None
+    return dataclasses.replace(mb, cp=split, model_inputs=split_inputs(mb.inputs, split), vision=vision)
 
 
 def _pad(t: torch.Tensor, shape: tuple[int, int], fill: float | int = 0) -> torch.Tensor:

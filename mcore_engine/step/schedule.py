@@ -141,8 +141,9 @@ def forward_step(run: Pass, data_iterator: Iterator[MicroBatch], model: torch.nn
     mask = attention_mask(mb) if cfg.core_attention == "local" else None
     # MTP modules (last stage) run in training passes only (layers/mtp.py, step/mtp.py)
     arm_mtp(model, run.needs_grad and cfg.mtp_loss_scaling_factor > 0)
+    extra = {} if mb.vision is None else {"vision": mb.vision}  # model.multimodal: pixels, 3-D positions
     output = model(input_ids=inp.input_ids, position_ids=inp.position_ids, attention_mask=mask,
-                   packed_seq_params=inp.packed_seq_params)
+                   packed_seq_params=inp.packed_seq_params, **extra)
     return output, partial(_loss_func, run, mb, model, mtp_hidden=pop_mtp_hidden(model))
 
 
