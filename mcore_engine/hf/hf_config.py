@@ -255,16 +255,23 @@ def vision_from_hf(hf_config: Mapping[str, Any], mm: Multimodal, rotary_dim: int
                         tokens_per_second=None if tps is None else float(tps))
 
 
-def _vision_to_hf(cfg: ModelConfig, out: dict[str, Any], outer: dict[str, Any] | None
-                  ) -> tuple[dict[str, Any], Multimodal]:
+def _vision_to_hf(cfg: ModelConfig, out: dict[str, Any], outer: dict[str, Any] | None,
+                  base: Mapping[str, Any] | None) -> tuple[dict[str, Any], Multimodal]:
     """The vision-language top level of ``cfg`` (``cfg.vision``) around the text config ``out``: the
-    source's (``outer``) or a new one; mRoPE into ``out``'s ``rope_parameters``."""
+    source's (``outer``, text config ``base``) or a new one; mRoPE into ``out``'s ``rope_parameters``
+    (the source's ``mrope_section`` / ``mrope_interleaved`` kept when they say the same)."""
     vision, mm = cfg.vision, MULTIMODAL[cfg.vision.model_type]
     if mm.moe_fixed and cfg.moe is not None and cfg.moe.router_pre_softmax:
         raise ValueError(f"MoEConfig.router_pre_softmax: {mm.architecture} always renormalises the top-k "
                          "weights (router_pre_softmax False)")
-    rope = {**out["rope_parameters"], "mrope_section": list(vision.mrope_section)}
-    if mm.mrope_interleaved:
+    source = {k: v for k, v in rope_params(base or {}).items() if k in ("mrope_section", "mrope_interleaved")}
+    rope = {**source, **out["rope_parameters"]}
+    section = [int(x) for x in source.get("mrope_section") or mm.mrope_default]
+    if mm.mrope_interleaved and len(section) == 3:
+        section = interleaved_section(section, sum(vision.mrope_section))
+    if outer is None or section != list(vision.mrope_section):
+        rope["mrope_section"] = list(vision.mrope_section)
+    if mm.mrope_interleaved and outer is None:
         rope["mrope_interleaved"] = True
     out["rope_parameters"] = rope
     if outer is None:
@@ -406,7 +413,11 @@ def to_hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
                 out.pop(key)  # transformers keeps them in rope_parameters
     mm = multimodal_of(outer) if outer is not None else None
     if cfg.vision is not None:
-        outer, mm = _vision_to_hf(cfg, out, outer)
+        outer, mm = _vision_to_hf(cfg, out, outer, base)
+    if outer is not None and mm is not None and base is not None:
+        for key in ("rope_theta", *family.export, *mm.moe_fixed):  # fields the source's text config lacks
+            if key not in base:
+                out.pop(key, None)
     if outer is not None:
         outer_keys = ("architectures", "torch_dtype", "dtype") + (
             ("tie_word_embeddings",) if "tie_word_embeddings" in outer else ())

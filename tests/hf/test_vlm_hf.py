@@ -114,3 +114,124 @@ def test_fixture_tokenizer_keeps_vision_tokens(folders):
     assert ids[start:start + 3] == [t["vision_start_token_id"], t["image_token_id"], t["vision_end_token_id"]]
     assert len(tok) == V.VOCAB and max(ids) < V.VOCAB
     assert tok.decode(ids[start + 3:start + 6]) == "a b"
+
+
+# ------------------------------------------------------------------------------------------- config
+@pytest.mark.parametrize("kind", V.KINDS)
+def test_config_vision_fields_and_round_trip(kind, folders):
+    """from_hf_config fills ModelConfig.vision from the folder's config.json; to_hf_config writes it back
+    (with the source: the same config.json; without: one transformers builds the same model from)."""
+    import transformers
+
+    from mcore_engine.hf.families import family_of
+    from mcore_engine.hf.hf_config import from_hf_config, to_hf_config
+
+    d = json.loads((folders[kind] / "config.json").read_text())
+    cfg = from_hf_config(d)
+    v = cfg.vision
+    assert v.model_type == kind and v.vision_config == d["vision_config"]
+    assert (v.image_token_id, v.video_token_id, v.vision_start_token_id) == (253, 254, 251)
+    qwen3_5 = kind.startswith("qwen3_5")
+    assert v.mrope_section == (V.QWEN3_5_MROPE_SECTION if qwen3_5 else V.MROPE_SECTION)
+    assert v.mrope_interleaved == (kind != "qwen2_5_vl")
+    assert v.tokens_per_second == (2.0 if kind == "qwen2_5_vl" else None)
+    assert v.deepstack_visual_indexes == ([0, 1] if kind.startswith("qwen3_vl") else [])
+    assert cfg.add_qkv_bias == (kind == "qwen2_5_vl") and cfg.qk_layernorm == (kind != "qwen2_5_vl")
+    assert cfg.tie_word_embeddings == (kind == "qwen3_vl")
+    text_families = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe",
+                     "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+    assert family_of(cfg).model_type == text_families[kind]
+    if kind == "qwen3_vl_moe":  # transformers' Qwen3-VL-MoE always renormalises the top-k weights
+        assert (cfg.moe.num_experts, cfg.moe.router_topk, cfg.moe.ffn_hidden_size) == (4, 2, 24)
+        assert not cfg.moe.router_pre_softmax and all(cfg.moe.layer_pattern(2))
+    assert from_hf_config(d, vision=None).vision is None
+
+    back = to_hf_config(cfg, base=d)
+    assert from_hf_config(back) == cfg
+    assert {k: v for k, v in back.items() if k != "torch_dtype"} == d
+    fresh = to_hf_config(cfg)  # no source folder
+    assert from_hf_config(fresh) == cfg
+    config_cls = type(V.hf_config(kind))
+    built = config_cls(**{k: x for k, x in fresh.items() if k != "model_type"})
+    assert fresh["architectures"] == [V.CLASSES[kind]] and fresh["model_type"] == kind
+    assert built.text_config.rope_parameters["mrope_section"] == v.mrope_section
+    assert built.image_token_id == 253 and built.vision_config.depth == d["vision_config"]["depth"]
+    model = V.model_class(kind)(built)
+    assert sorted(model.state_dict()) == sorted(V.build_model(kind).state_dict())
+    del transformers
+
+
+def test_config_hub_flat_qwen2_5_vl_and_refusals():
+    """The Hub's flat Qwen2.5-VL config.json (text fields at the top, rope_scaling type 'mrope') maps as
+    the nested one and is written back nested; missing token ids / vision_config and a mismatched text
+    family are refused naming the field."""
+    import dataclasses
+
+    from mcore_engine.hf.families import family_of
+    from mcore_engine.hf.hf_config import from_hf_config, to_hf_config
+
+    nested = V.hf_config_dict("qwen2_5_vl")
+    text = dict(nested["text_config"])
+    rope = text.pop("rope_parameters")
+    flat = {k: v for k, v in nested.items() if k != "text_config"} | text
+    flat |= {"model_type": "qwen2_5_vl", "rope_theta": rope["rope_theta"],
+             "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
+    cfg = from_hf_config(flat)
+    assert cfg == from_hf_config(nested)
+    back = to_hf_config(cfg, base=flat)
+    assert "text_config" in back and "hidden_size" not in back and from_hf_config(back) == cfg
+    assert back["text_config"]["rope_parameters"]["mrope_section"] == rope["mrope_section"]
+    for key in ("image_token_id", "vision_config"):
+        with pytest.raises(ValueError, match=key):
+            from_hf_config({k: v for k, v in nested.items() if k != key})
+    with pytest.raises(ValueError, match="model.vision.model_type"):  # Qwen2.5-VL's text model has no QK-norm
+        family_of(dataclasses.replace(cfg, qk_layernorm=True, add_qkv_bias=False))
+    moe = from_hf_config(V.hf_config_dict("qwen3_vl_moe"))
+    with pytest.raises(ValueError, match="router_pre_softmax"):
+        to_hf_config(dataclasses.replace(moe, moe=dataclasses.replace(moe.moe, router_pre_softmax=True)))
+
+
+# ------------------------------------------------------------------------------------------- names
+@pytest.mark.parametrize("kind,layout", [("qwen2_5_vl", "hub"), ("qwen3_vl", "hub"), ("qwen3_vl_moe", "hub"),
+                                         ("qwen3_vl_moe", "transformers"), ("qwen3_vl_moe", "per_expert"),
+                                         ("qwen3_5", "hub"), ("qwen3_5_moe", "hub"),
+                                         ("qwen3_5_moe", "transformers")])
+def test_names_read_and_streamed_back(kind, layout, tmp_path):
+    """Every folder tensor (tower included) is placed and read by the engine's names; folder_stream of
+    what was read gives the folder's names, layout and values; without ModelConfig.vision the tower is
+    kept out (and still copied by export)."""
+    from safetensors.torch import load_file
+
+    from mcore_engine.hf.checkpoint_io import HFCheckpointReader
+    from mcore_engine.hf.folder import FolderReader, folder_format, folder_stream, kept_out_names
+    from mcore_engine.hf.hf_config import from_hf_config, read_hf_config
+    from mcore_engine.hf.mapping import check_hf_names, hf_shapes, hf_stream_shapes, model_units, unit_rule
+
+    path = V.tiny_vlm_folder(kind, tmp_path / kind, seed=4, expert_layout=layout, tokenizer=False)
+    cfg = from_hf_config(read_hf_config(path), hf_path=str(path))
+    shapes = hf_shapes(cfg)
+    tower = [u for u in model_units(cfg) if u.startswith("vision.")]
+    assert tower and model_units(cfg)[:len(tower)] == tower  # the tower first
+    assert all(unit_rule(u, cfg).kind == "replicated" for u in tower)
+    with HFCheckpointReader(path) as raw, FolderReader(raw, load_vision=True) as reader:
+        assert sorted(reader.names()) == sorted(shapes)
+        check_hf_names(reader.names(), cfg)
+        reader.check(shapes)
+        read = [(n, reader.read(n, s)) for n, s in shapes.items()]
+        assert kept_out_names(raw, load_vision=True) == []
+    fmt = folder_format(path)
+    assert fmt.vision_prefix == V.VISION_PREFIX[kind] and fmt.prefix == (kind != "qwen2_5_vl")
+    assert fmt.fused_columns == (kind == "qwen3_vl_moe" and layout == "hub")
+    source = load_file(str(path / "model.safetensors"))
+    streamed = dict(folder_stream(iter(read), fmt, cfg.moe.num_experts if cfg.moe else 0))
+    assert sorted(streamed) == sorted(source)
+    assert all(torch.equal(streamed[n], t) for n, t in source.items())
+    assert list(hf_stream_shapes(cfg)) == list(streamed)
+    assert all(hf_stream_shapes(cfg)[n] == tuple(t.shape) for n, t in streamed.items())
+
+    text = from_hf_config(read_hf_config(path), hf_path=str(path), vision=None)
+    prefix = V.VISION_PREFIX[kind]
+    with HFCheckpointReader(path) as raw, FolderReader(raw) as reader:
+        assert sorted(reader.names()) == sorted(hf_shapes(text))
+        assert sorted(kept_out_names(raw)) == sorted(n for n in source if n.startswith(prefix))
+    assert not any(n.startswith(prefix) for n in hf_stream_shapes(text))
