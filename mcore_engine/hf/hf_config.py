@@ -255,6 +255,10 @@ def vision_from_hf(hf_config: Mapping[str, Any], mm: Multimodal, rotary_dim: int
                         tokens_per_second=None if tps is None else float(tps))
 
 
+def _mrope_keys(text: Mapping[str, Any] | None) -> dict[str, Any]:
+    return {k: v for k, v in rope_params(text or {}).items() if k in ("mrope_section", "mrope_interleaved")}
+
+
 def _vision_to_hf(cfg: ModelConfig, out: dict[str, Any], outer: dict[str, Any] | None,
                   base: Mapping[str, Any] | None) -> tuple[dict[str, Any], Multimodal]:
     """The vision-language top level of ``cfg`` (``cfg.vision``) around the text config ``out``: the
@@ -264,7 +268,7 @@ def _vision_to_hf(cfg: ModelConfig, out: dict[str, Any], outer: dict[str, Any] |
     if mm.moe_fixed and cfg.moe is not None and cfg.moe.router_pre_softmax:
         raise ValueError(f"MoEConfig.router_pre_softmax: {mm.architecture} always renormalises the top-k "
                          "weights (router_pre_softmax False)")
-    source = {k: v for k, v in rope_params(base or {}).items() if k in ("mrope_section", "mrope_interleaved")}
+    source = _mrope_keys(base)
     rope = {**source, **out["rope_parameters"]}
     section = [int(x) for x in source.get("mrope_section") or mm.mrope_default]
     if mm.mrope_interleaved and len(section) == 3:
@@ -414,6 +418,8 @@ def to_hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
     mm = multimodal_of(outer) if outer is not None else None
     if cfg.vision is not None:
         outer, mm = _vision_to_hf(cfg, out, outer, base)
+    elif outer is not None:  # the language model of a vision-language folder: its mRoPE as was
+        out["rope_parameters"] = {**_mrope_keys(base), **out["rope_parameters"]}
     if outer is not None and mm is not None and base is not None:
         for key in ("rope_theta", *family.export, *mm.moe_fixed):  # fields the source's text config lacks
             if key not in base:

@@ -235,3 +235,92 @@ def test_names_read_and_streamed_back(kind, layout, tmp_path):
         assert sorted(reader.names()) == sorted(hf_shapes(text))
         assert sorted(kept_out_names(raw)) == sorted(n for n in source if n.startswith(prefix))
     assert not any(n.startswith(prefix) for n in hf_stream_shapes(text))
+
+
+# ------------------------------------------------------------------------------------------ engine
+# (folder kind, tp, ep, pp, with the tower): the tower loaded whole on every rank of the first stage,
+# streamed and exported once under the folder's names; vision=None keeps today's text-only path
+ENGINE_LAYOUTS = [("qwen2_5_vl", 2, 1, 1, True), ("qwen2_5_vl", 1, 1, 2, True),
+                  ("qwen2_5_vl", 2, 1, 1, False), ("qwen3_vl", 2, 1, 1, True),
+                  ("qwen3_vl_moe", 2, 1, 1, True), ("qwen3_vl_moe", 1, 2, 1, True),
+                  ("qwen3_5", 2, 1, 1, True), ("qwen3_5_moe", 1, 2, 1, True)]
+
+
+def _tag(kind, tp, ep, pp, tower):
+    return f"{kind}_tp{tp}_ep{ep}_pp{pp}_{'vl' if tower else 'text'}"
+
+
+def _check_engines(rank: int, world_size: int, root) -> None:
+    from safetensors.torch import load_file
+
+    from mcore_engine import MegatronEngine
+    from mcore_engine.config import EngineConfig, ParallelConfig
+    from mcore_engine.hf.hf_config import from_hf_config, read_hf_config
+    from mcore_engine.hf.mapping import unwrap_chunk
+    from mcore_engine.parallel.platform import destroy_distributed
+    from mcore_engine.weight_sync import unflatten_bucket
+
+    for kind, tp, ep, pp, tower in ENGINE_LAYOUTS:
+        what = f"{_tag(kind, tp, ep, pp, tower)} rank={rank}"
+        path = root / kind
+        source = load_file(str(path / "model.safetensors"))
+        prefix = V.VISION_PREFIX[kind]
+        model = from_hf_config(read_hf_config(path), hf_path=str(path), **({} if tower else {"vision": None}))
+        engine = MegatronEngine(EngineConfig(model=model, parallel=ParallelConfig(
+            tensor_model_parallel_size=tp, expert_model_parallel_size=ep, pipeline_model_parallel_size=pp)))
+        engine.initialize()
+        first = unwrap_chunk(engine.model[0])
+        if tower and (pp == 1 or rank == 0):  # the whole tower on every rank of the first stage
+            params = dict(first.vision.named_parameters())
+            in_folder = sorted(n for n in source if n.startswith(prefix))
+            assert sorted(prefix + n for n in params) == in_folder, what
+            for n, p in params.items():
+                assert torch.equal(p.detach(), source[prefix + n]), f"{n} {what}"
+        else:
+            assert getattr(first, "vision", None) is None, what
+        streamed = {n: t.clone() for n, t in engine.per_tensor_generator()}
+        want = source if tower else {n: t for n, t in source.items() if not n.startswith(prefix)}
+        assert sorted(streamed) == sorted(want), what
+        for n, t in want.items():
+            assert streamed[n].dtype == t.dtype and torch.equal(streamed[n], t), f"{n} {what}"
+        bucketed = {}
+        for bucket, meta in engine.bucketed_weight_generator(1 << 16):
+            bucketed.update({n: t.clone() for n, t in unflatten_bucket(bucket, meta).items()})
+        assert list(bucketed) == list(streamed), what
+        assert all(torch.equal(bucketed[n], t) for n, t in streamed.items()), what
+        engine.export_hf(root / f"export_{_tag(kind, tp, ep, pp, tower)}")
+        del engine
+        destroy_distributed()
+
+
+@pytest.mark.slow  # eight engine builds on 2 ranks
+def test_engine_load_sync_and_export(tmp_path):
+    """An engine built from each tiny folder holds exactly its tensors (the tower whole on each rank of
+    the first stage, at TP = 2, EP = 2, PP = 2); per-tensor and bucketed sync stream the folder's names,
+    layout and values; export_hf writes the folder back (config.json included) and from_pretrained loads
+    it to the source's state dict."""
+    from safetensors.torch import load_file
+
+    from tests.utils import run_distributed
+
+    for i, kind in enumerate(sorted({k for k, *_ in ENGINE_LAYOUTS})):
+        V.tiny_vlm_folder(kind, tmp_path / kind, seed=20 + i, tokenizer=kind == "qwen2_5_vl")
+    run_distributed(_check_engines, 2, tmp_path)
+
+    states = {}
+    for kind, tp, ep, pp, tower in ENGINE_LAYOUTS:
+        out, path = tmp_path / f"export_{_tag(kind, tp, ep, pp, tower)}", tmp_path / kind
+        source, exported = load_file(str(path / "model.safetensors")), {}
+        for file in out.glob("*.safetensors"):
+            exported.update(load_file(str(file)))
+        assert sorted(exported) == sorted(source), out.name
+        assert all(exported[n].dtype == t.dtype and torch.equal(exported[n], t) for n, t in source.items())
+        config, source_config = (json.loads((p / "config.json").read_text()) for p in (out, path))
+        assert {k: v for k, v in config.items() if k != "torch_dtype"} == source_config, out.name
+        processor = "preprocessor_config.json"
+        assert (out / processor).read_text() == (path / processor).read_text()
+        if kind not in states:
+            states[kind] = V.model_class(kind).from_pretrained(path, dtype=torch.float32).state_dict()
+        got = V.model_class(kind).from_pretrained(out, dtype=torch.float32).state_dict()
+        want = states[kind]
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), out.name
