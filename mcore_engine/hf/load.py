@@ -1,7 +1,8 @@
 """Import a Hugging Face Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / Mixtral / DeepSeek-V3 / GLM-4.5
 / Qwen3.5 / Qwen3.5-MoE / Qwen3-Next / gpt-oss (MXFP4 experts dequantised) folder into this rank's
-GPTModel chunks (router expert biases, which are buffers, included); a vision-language folder's
-language model only (``hf.folder``).
+GPTModel chunks (router expert biases, which are buffers, included); a vision-language folder's tower
+too when ``ModelConfig.vision`` (whole, on every rank of the first stage), else its language model only
+(``hf.folder``).
 
 No collectives: each rank reads only its shards' rows / columns, of routed experts only its
 expert-parallel rank's experts and its expert-tensor-parallel slice (memory: its shards plus one

@@ -324,3 +324,20 @@ def test_engine_load_sync_and_export(tmp_path):
         got = V.model_class(kind).from_pretrained(out, dtype=torch.float32).state_dict()
         want = states[kind]
         assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), out.name
+
+
+def test_load_refuses_another_tower(folders):
+    """check_config_matches compares ModelConfig.vision with the folder's (a text model, vision None,
+    matches the folder's language model)."""
+    import dataclasses
+
+    from mcore_engine.hf.hf_config import from_hf_config, read_hf_config
+    from mcore_engine.hf.load import check_config_matches
+
+    folder = read_hf_config(folders["qwen3_vl"])
+    cfg = from_hf_config(folder)
+    check_config_matches(cfg, from_hf_config(folder))
+    check_config_matches(dataclasses.replace(cfg, vision=None), from_hf_config(folder, vision=None))
+    other = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, image_token_id=7))
+    with pytest.raises(ValueError, match="model.vision"):
+        check_config_matches(other, from_hf_config(folder))
