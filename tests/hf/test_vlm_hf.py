@@ -341,3 +341,17 @@ def test_load_refuses_another_tower(folders):
     other = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, image_token_id=7))
     with pytest.raises(ValueError, match="model.vision"):
         check_config_matches(other, from_hf_config(folder))
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
+def test_peft_adapter_prefix(kind, folders):
+    """PEFT keys a vision-language model's adapters under model.language_model.layers (Qwen2.5-VL's
+    too, whose weight files say model.layers): decoder_prefix says so."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    from mcore_engine.hf.peft import VL_PREFIX, decoder_prefix
+
+    model = get_peft_model(V.build_model(kind), LoraConfig(r=2, target_modules=["q_proj"]))
+    keys = list(get_peft_model_state_dict(model))
+    assert keys and all(k.startswith("base_model.model." + VL_PREFIX + "layers.") for k in keys)
+    assert decoder_prefix(folders[kind]) == VL_PREFIX
