@@ -279,7 +279,8 @@ def _check_engines(rank: int, world_size: int, root) -> None:
         else:
             assert getattr(first, "vision", None) is None, what
         streamed = {n: t.clone() for n, t in engine.per_tensor_generator()}
-        want = source if tower else {n: t for n, t in source.items() if not n.startswith(prefix)}
+        kept_out = ("mtp.",) if tower else ("mtp.", prefix)  # the Qwen3.5 folder's MTP module stays out
+        want = {n: t for n, t in source.items() if not n.startswith(kept_out)}
         assert sorted(streamed) == sorted(want), what
         for n, t in want.items():
             assert streamed[n].dtype == t.dtype and torch.equal(streamed[n], t), f"{n} {what}"
@@ -297,14 +298,16 @@ def _check_engines(rank: int, world_size: int, root) -> None:
 def test_engine_load_sync_and_export(tmp_path):
     """An engine built from each tiny folder holds exactly its tensors (the tower whole on each rank of
     the first stage, at TP = 2, EP = 2, PP = 2); per-tensor and bucketed sync stream the folder's names,
-    layout and values; export_hf writes the folder back (config.json included) and from_pretrained loads
-    it to the source's state dict."""
+    layout and values (a Qwen3.5 folder's mtp.* module left out); export_hf writes the folder back
+    (config.json and mtp.* included) and from_pretrained loads it to the source's state dict."""
     from safetensors.torch import load_file
 
+    from tests.hf.qwen3_5_models import add_mtp_tensors
     from tests.utils import run_distributed
 
     for i, kind in enumerate(sorted({k for k, *_ in ENGINE_LAYOUTS})):
         V.tiny_vlm_folder(kind, tmp_path / kind, seed=20 + i, tokenizer=kind == "qwen2_5_vl")
+    add_mtp_tensors(tmp_path / "qwen3_5", seed=3)  # as the Hub's: kept out, copied by export
     run_distributed(_check_engines, 2, tmp_path)
 
     states = {}
@@ -355,3 +358,34 @@ def test_peft_adapter_prefix(kind, folders):
     keys = list(get_peft_model_state_dict(model))
     assert keys and all(k.startswith("base_model.model." + VL_PREFIX + "layers.") for k in keys)
     assert decoder_prefix(folders[kind]) == VL_PREFIX
+
+
+def _convert(rank: int, world_size: int, root, kind: str) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[2] / "tools" / "convert.py"
+    spec = importlib.util.spec_from_file_location("convert_tool", tool)
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    convert.main(["hf-to-mcore", "--hf", str(root / kind), "--out", str(root / "ckpt"), "--tp", "2"])
+    convert.main(["mcore-to-hf", "--ckpt", str(root / "ckpt"), "--out", str(root / "back"),
+                  "--hf-base", str(root / kind)])
+
+
+@pytest.mark.slow  # two engine builds and a checkpoint on 2 ranks
+def test_convert_round_trip_with_tower(tmp_path):
+    """tools/convert.py: a Qwen3-VL-MoE folder (Hub layout) -> engine checkpoint (TP=2, the tower
+    inside) -> the same folder, bit for bit, with its tokenizer and image processor files."""
+    from safetensors.torch import load_file
+
+    from tests.utils import run_distributed
+
+    V.tiny_vlm_folder("qwen3_vl_moe", tmp_path / "qwen3_vl_moe", seed=8)
+    run_distributed(_convert, 2, tmp_path, "qwen3_vl_moe")
+    source = load_file(str(tmp_path / "qwen3_vl_moe" / "model.safetensors"))
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(back) == sorted(source) and any(n.startswith("model.visual.") for n in back)
+    assert all(torch.equal(back[n], t) for n, t in source.items())
+    for name in ("preprocessor_config.json", "tokenizer.json"):
+        assert (tmp_path / "back" / name).read_text() == (tmp_path / "qwen3_vl_moe" / name).read_text()
