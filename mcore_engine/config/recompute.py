@@ -34,6 +34,11 @@ def check_recompute(cfg: Any) -> None:
     require(m.moe is None, f"EngineConfig.recompute_granularity={gran!r} with ModelConfig.moe: MoE layers "
             "are not recomputed here (routing replay follows one forward per micro-batch)",
             "recompute_granularity", "model.moe")
+    deep = m.vision.deepstack_visual_indexes if m.vision is not None else []
+    require(gran != "full" or not deep, "EngineConfig.recompute_granularity='full' with DeepStack "
+            f"(ModelConfig.vision deepstack_visual_indexes {deep}): the tower's features join the first "
+            "decoder layers' outputs by hooks a recomputed layer does not see; use 'selective'",
+            "recompute_granularity", "model.vision")
     if gran == "selective":
         require(modules is None or (isinstance(modules, list) and modules
                                     and set(modules) <= set(RECOMPUTE_MODULES)),

@@ -119,18 +119,19 @@ def check_multi_modal_inputs(batch: TensorDictBase, vision: VisionConfig | None)
                          "model (ModelConfig.vision) and is 3 (t, h, w)" if vision is None else
                          f"position_ids: the trailing dimension must be 3 (t, h, w), got {pos.shape[-1]}")
     if entries is None:
-        return
+        if vision is None:
+            return
+        entries = [None] * batch.batch_size[0]
     if len(entries) != batch.batch_size[0]:
         raise ValueError(f"{MM_KEY} must have one entry per sample ({batch.batch_size[0]}), got "
                          f"{len(entries)}")
     ids = batch["input_ids"]
     for i, entry in enumerate(entries):
         where = f"{MM_KEY}[{i}]"
-        if entry is None:
-            continue
-        if not isinstance(entry, Mapping):
+        if entry is not None and not isinstance(entry, Mapping):
             raise ValueError(f"{where} must be None or a dict of tensors, got {type(entry).__name__}")
-        if not any(entry.get(k) is not None for k in (*_IMAGE, *_VIDEO)):
+        entry = entry or {}
+        if not any(entry.get(k) is not None for k in (*_IMAGE, *_VIDEO)) and vision is None:
             continue
         if vision is None:
             raise ValueError(f"{where}: images for a text-only model (ModelConfig.vision is None; load a "

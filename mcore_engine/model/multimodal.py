@@ -116,6 +116,10 @@ class MultimodalGPTModel(GPTModel):
         deep: list[torch.Tensor] = []
         if self.pre_process and decoder_input is None:
             decoder_input, deep = self._embed(input_ids, vision)
+            padding = kwargs.get("padding_mask")
+            if padding is not None and self.config.sequence_parallel:  # as GPTModel does for its embedding
+                kwargs["padding_mask"] = scatter_to_sequence_parallel_region(
+                    padding.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
         self._deepstack = deep or None
         try:
             return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args,
