@@ -7,6 +7,8 @@ images of several sizes through the folder's image processor, 0 / 1 / 2 images p
 with sequence parallelism, packed (thd), against ``ForConditionalGeneration`` in float64 one sample at
 a time (its 3-D positions from ``mm_token_type_ids``): log-probs and entropy at temperature 0.8, fp32
 1e-4; bf16 within bf16's tolerance of the float64 model. The engine computes the positions itself.
+The Qwen2.5-VL batch also holds a sample with an image and a 2-frame video (``second_per_grid_ts``
+1.5 s: its time axis spaced by ``tokens_per_second``).
 """
 
 from __future__ import annotations
@@ -36,15 +38,44 @@ def _reference(folder, hf_config: dict, batch) -> tuple[list[torch.Tensor], list
     for ids, entry in zip(batch["input_ids"].unbind(), sample_entries(batch), strict=True):
         kwargs = {}
         if entry is not None:
-            types = (ids == hf_config["image_token_id"]).to(torch.int64)[None]
-            kwargs = dict(pixel_values=entry["pixel_values"].double(), image_grid_thw=entry["image_grid_thw"],
-                          mm_token_type_ids=types)
+            types = ((ids == hf_config["image_token_id"]).to(torch.int64)
+                     + 2 * (ids == hf_config["video_token_id"]).to(torch.int64))[None]
+            kwargs = {k: v.double() if v.is_floating_point() else v for k, v in entry.items()}
+            kwargs["mm_token_type_ids"] = types
         with torch.no_grad():
             logits = model(input_ids=ids[None], **kwargs).logits[0].double() / TEMPERATURE
         logp = torch.log_softmax(logits, -1)
         log_probs.append(logp[:-1].gather(-1, ids[1:, None])[:, 0])
         entropies.append(-(logp.exp() * logp).sum(-1)[:-1])
     return log_probs, entropies
+
+
+def _with_video(batch, hf_config: dict):
+    """``batch`` plus a sample holding a random video (``video_grid_thw`` [[2, 4, 4]], 1.5 s per
+    temporal grid) after an image: the video's time axis spaced by ``tokens_per_second``."""
+    from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+    from mcore_engine.data.multimodal import sample_entries
+
+    g = torch.Generator().manual_seed(11)
+    vision = hf_config["vision_config"]
+    width = 3 * vision["temporal_patch_size"] * vision["patch_size"] ** 2
+    image = sample_entries(batch)[0]
+    grid = torch.tensor([[2, 4, 4]])
+    text = lambda n: torch.randint(3, 200, (n,), generator=g)  # noqa: E731
+    ids = torch.cat([text(4), torch.tensor([hf_config["vision_start_token_id"]]),
+                     torch.full((int(image["image_grid_thw"].prod()) // 4,), hf_config["image_token_id"]),
+                     torch.tensor([hf_config["vision_end_token_id"], hf_config["vision_start_token_id"]]),
+                     torch.full((8,), hf_config["video_token_id"]),
+                     torch.tensor([hf_config["vision_end_token_id"]]), text(5)])
+    entry = {**image, "pixel_values_videos": torch.randn(32, width, generator=g), "video_grid_thw": grid,
+             "second_per_grid_ts": torch.tensor([1.5])}
+    rows = list(batch["input_ids"].unbind()) + [ids]
+    entries = sample_entries(batch) + [entry]
+    new = TensorDict({"input_ids": torch.nested.nested_tensor(rows, layout=torch.jagged)},
+                     batch_size=[len(rows)])
+    new["multi_modal_inputs"] = NonTensorStack(*[NonTensorData(e) for e in entries])
+    return new
 
 
 def _check(rank: int, world_size: int, root: str) -> None:
@@ -58,6 +89,8 @@ def _check(rank: int, world_size: int, root: str) -> None:
         folder = Path(root) / kind
         hf_config = read_hf_config(folder)
         batch = image_batch(hf_config, IMAGES, seed=7)
+        if kind == "qwen2_5_vl":  # and a video (2 frames of 56 x 56) after an image
+            batch = _with_video(batch, hf_config)
         batch.set_non_tensor("calculate_entropy", True)
         batch.set_non_tensor("temperature", TEMPERATURE)
         ref_lp, ref_ent = _reference(folder, hf_config, batch)
