@@ -192,7 +192,8 @@ def _config(root: Path, tp: int, sp: bool, adapter: bool = True, pp: int = 1, cp
     from mcore_engine.config.lora import LoRAConfig
     from mcore_engine.hf import from_hf_config, read_hf_config
 
-    model = from_hf_config(read_hf_config(root / "base"), hf_path=str(root / "base"))
+    # the language model alone (vision=None): a vision-language base's tower stays out
+    model = from_hf_config(read_hf_config(root / "base"), hf_path=str(root / "base"), vision=None)
     lora = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=targets,
                       adapter_path=str(root / "adapter") if adapter else None)
     model = dataclasses.replace(model, lora=lora,

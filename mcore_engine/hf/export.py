@@ -23,7 +23,7 @@ from megatron.core import parallel_state
 
 from mcore_engine.config import EngineConfig
 from mcore_engine.hf.checkpoint_io import HFCheckpointReader, ShardedSafetensorsWriter
-from mcore_engine.hf.folder import folder_format, folder_stream, kept_out_names
+from mcore_engine.hf.folder import folder_stream, kept_out_names, model_format
 from mcore_engine.hf.hf_config import read_hf_config, to_hf_config
 from mcore_engine.hf.hybrid import assemble_parts, row_map
 from mcore_engine.hf.layout import gathered_names, hf_from_gathered
@@ -65,7 +65,9 @@ def iter_hf_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, 
                     keep_fp32: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, tensor)`` for the whole model in checkpoint order, in the names and expert layout of
     the folder ``cfg.model.hf_path`` (``hf.folder``: a vision-language folder's ``model.language_model.``
-    prefix, fused experts; its vision tower and MTP weights are not part of the stream), on the
+    prefix, fused experts; without a folder the released folders' of ``cfg.model.vision``), the vision
+    tower first when the model has one (``cfg.model.vision``; else, as the MTP weights without
+    ``mtp_num_layers``, not part of the stream), on the
     parameters' device, in ``dtype`` (None: ``cfg.precision``; fp32 norms of a bf16 model are cast;
     ``keep_fp32``: the tensors of ``TensorRule.fp32`` rules, the expert biases, stay fp32). Collective
     over the tensor-, pipeline- and (MoE) expert-parallel groups.
@@ -79,7 +81,7 @@ def iter_hf_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, 
     moe = cfg.model.moe
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     stream = _iter_engine_tensors(model_chunks, cfg, dtype=dtype, overrides=overrides, keep_fp32=keep_fp32)
-    return folder_stream(assemble_parts(stream, cfg.model, tp_size), folder_format(cfg.model.hf_path),
+    return folder_stream(assemble_parts(stream, cfg.model, tp_size), model_format(cfg.model),
                          moe.num_experts if moe is not None else 0)
 
 
@@ -171,11 +173,13 @@ def _iter_engine_tensors(model_chunks: Sequence[torch.nn.Module], cfg: EngineCon
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
 
-def _copy_kept_out(src: Path, writer: ShardedSafetensorsWriter, mtp_exported: bool) -> None:
-    """The source folder's tensors the engine does not hold (a vision tower, ``mtp.*``: ``hf.folder``),
-    copied unchanged, so the folder stays a whole vision-language / MTP checkpoint. Memory: one tensor."""
+def _copy_kept_out(src: Path, writer: ShardedSafetensorsWriter, mtp_exported: bool,
+                   vision_exported: bool) -> None:
+    """The source folder's tensors the engine does not hold (a vision tower without ``ModelConfig.vision``,
+    ``mtp.*``: ``hf.folder``), copied unchanged, so the folder stays a whole vision-language / MTP
+    checkpoint. Memory: one tensor."""
     with HFCheckpointReader(src) as reader:
-        for name in kept_out_names(reader, load_mtp=mtp_exported):
+        for name in kept_out_names(reader, load_mtp=mtp_exported, load_vision=vision_exported):
             writer.add(name, reader.read(name, reader.shape(name)))
 
 
@@ -210,7 +214,8 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], cfg: EngineConfig, out_di
             if writer is not None:
                 writer.add(name, tensor)
     if writer is not None and cfg.model.hf_path:
-        _copy_kept_out(Path(cfg.model.hf_path), writer, cfg.model.mtp_num_layers > 0)
+        _copy_kept_out(Path(cfg.model.hf_path), writer, cfg.model.mtp_num_layers > 0,
+                       cfg.model.vision is not None)
     if writer is not None:
         writer.close()
         hf_path = cfg.model.hf_path

@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ARCHITECTURES", "FAMILIES", "MULTIMODAL_ARCHITECTURES", "Family", "MoENames", "describes",
-           "family_of", "hf_family", "hf_family_of", "is_multimodal", "model_family", "partial_rotary_factor",
-           "rope_params", "text_config"]
+__all__ = ["ARCHITECTURES", "FAMILIES", "MULTIMODAL", "MULTIMODAL_ARCHITECTURES", "Family", "MoENames",
+           "Multimodal", "describes", "family_of", "hf_family", "hf_family_of", "is_multimodal",
+           "model_family", "multimodal_of", "partial_rotary_factor", "rope_params", "text_config"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,33 @@ class MoENames:
     down: str = "down_proj"
     shared: str = "shared_expert"
     router: str = "gate"
+
+
+@dataclass(frozen=True)
+class Multimodal:
+    """A vision-language folder (``*ForConditionalGeneration``) whose language model is a family here:
+    the tower runs in the engine (``ModelConfig.vision``) and keeps the folder's names."""
+
+    architecture: str
+    model_type: str
+    """Top-level ``model_type`` (``VisionConfig.model_type``)."""
+    text_model_type: str
+    """``text_config.model_type``."""
+    vision_prefix: str
+    """The tower's tensors in the released folders (and ``save_pretrained``'s): ``visual.`` (Qwen2.5-VL)
+    or ``model.visual.``."""
+    language_prefix: str
+    """The decoder's: ``model.`` (Qwen2.5-VL: ``model.layers.*``) or ``model.language_model.``."""
+    mrope_interleaved: bool
+    """Interleaved mRoPE (Qwen3-VL, Qwen3.5: whatever ``mrope_interleaved`` says) or sectioned."""
+    mrope_default: tuple[int, int, int]
+    """``transformers``' ``mrope_section`` when the config has none."""
+    fused_experts: str | None = None
+    """The released folders' expert layout: ``"rows"`` (``gate_up_proj`` ``[E, 2I, H]``), ``"columns"``
+    (Qwen3-VL-MoE: ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``) or None (one tensor per expert)."""
+    moe_fixed: Mapping[str, Any] = field(default_factory=dict)
+    """MoE ``config.json`` fields ``transformers`` ignores for this model (Qwen3-VL-MoE always
+    renormalises the top-k weights: ``norm_topk_prob`` True)."""
 
 
 @dataclass(frozen=True)
@@ -69,9 +96,8 @@ class Family:
     biases: bool = False
     """Biases on every linear layer, router and experts included, and per-head attention sinks, with
     ``layer_types`` sliding windows (gpt-oss: ``ModelConfig.add_bias_linear`` / ``attention_sinks``)."""
-    multimodal: tuple[str, str] | None = None
-    """``(architecture, model_type)`` of the vision-language folders whose ``text_config`` is this
-    family (``model.language_model.*``); their vision tower is not loaded."""
+    multimodal: tuple[Multimodal, ...] = ()
+    """The vision-language folders whose ``text_config`` is this family."""
 
 
 _QWEN_DENSE = {"use_sliding_window": False}
@@ -79,8 +105,18 @@ _QWEN3 = {"use_sliding_window": False, "attention_bias": False}
 _DEEPSEEK_NAMES = MoENames(shared="shared_experts")
 
 _HYBRID = {"attention_bias": False}
-_QWEN3_5_MM = ("Qwen3_5ForConditionalGeneration", "qwen3_5")
-_QWEN3_5_MOE_MM = ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe")
+_LM = "model.language_model."
+_QWEN3_5_MM = (Multimodal("Qwen3_5ForConditionalGeneration", "qwen3_5", "qwen3_5_text", "model.visual.", _LM,
+                          True, (11, 11, 10)),)
+_QWEN3_5_MOE_MM = (Multimodal("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", "qwen3_5_moe_text",
+                              "model.visual.", _LM, True, (11, 11, 10), fused_experts="rows"),)
+_QWEN2_5_VL = (Multimodal("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", "qwen2_5_vl_text", "visual.",
+                          "model.", False, (16, 24, 24)),)
+_QWEN3_VL = (Multimodal("Qwen3VLForConditionalGeneration", "qwen3_vl", "qwen3_vl_text", "model.visual.", _LM,
+                        True, (24, 20, 20)),)
+_QWEN3_VL_MOE = (Multimodal("Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe", "qwen3_vl_moe_text",
+                            "model.visual.", _LM, True, (24, 20, 20), fused_experts="columns",
+                            moe_fixed={"norm_topk_prob": True}),)
 
 # Order matters for ``family_of``: the first row that describes a ModelConfig is its family.
 FAMILIES: tuple[Family, ...] = (
@@ -98,25 +134,30 @@ FAMILIES: tuple[Family, ...] = (
            shared_expert="ungated", moe_names=_DEEPSEEK_NAMES, mtp=True),
     Family("glm4_moe", "Glm4MoeForCausalLM", qkv_bias="attention_bias", qk_norm="use_qk_norm", rope="partial",
            moe="deepseek", shared_expert="ungated", moe_names=_DEEPSEEK_NAMES, mtp=True),
-    Family("qwen3", "Qwen3ForCausalLM", value_head=True, qk_norm=True, export=_QWEN3),
-    Family("qwen2", "Qwen2ForCausalLM", value_head=True, qkv_bias=True, export=_QWEN_DENSE),
+    Family("qwen3", "Qwen3ForCausalLM", value_head=True, qk_norm=True, export=_QWEN3, multimodal=_QWEN3_VL),
+    Family("qwen2", "Qwen2ForCausalLM", value_head=True, qkv_bias=True, export=_QWEN_DENSE,
+           multimodal=_QWEN2_5_VL),
     Family("llama", "LlamaForCausalLM", value_head=True, export={"attention_bias": False, "mlp_bias": False}),
-    Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, moe="qwen", moe_names=MoENames(), export=_QWEN3),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, moe="qwen", moe_names=MoENames(), export=_QWEN3,
+           multimodal=_QWEN3_VL_MOE),
     Family("qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias=True, moe="qwen", shared_expert="gated",
            moe_names=MoENames(), export={**_QWEN_DENSE, "qkv_bias": True}),
     Family("mixtral", "MixtralForCausalLM", moe="mixtral",
            moe_names=MoENames(block="block_sparse_moe", gate="w1", up="w3", down="w2")),
 )
 _BY_TYPE = {f.model_type: f for f in FAMILIES}
-# vision-language architecture -> model_type of its text family
-MULTIMODAL_ARCHITECTURES: dict[str, str] = {f.multimodal[0]: f.model_type for f in FAMILIES if f.multimodal}
+# vision-language model_type -> its row; architecture -> model_type of its text family
+MULTIMODAL: dict[str, Multimodal] = {m.model_type: m for f in FAMILIES for m in f.multimodal}
+MULTIMODAL_ARCHITECTURES: dict[str, str] = {m.architecture: f.model_type
+                                            for f in FAMILIES for m in f.multimodal}
 ARCHITECTURES: dict[str, str] = {
     **{f.architecture: f.model_type for f in FAMILIES},
     **{f.architecture.replace("ForCausalLM", "ForTokenClassification"): f.model_type
        for f in FAMILIES if f.value_head},
     **MULTIMODAL_ARCHITECTURES,
 }
-_MULTIMODAL_TYPES = {f.multimodal[1]: f.model_type for f in FAMILIES if f.multimodal}
+_MULTIMODAL_TYPES = {m.model_type: f.model_type for f in FAMILIES for m in f.multimodal}
+_MULTIMODAL_BY_ARCH = {m.architecture: m for m in MULTIMODAL.values()}
 
 
 def hf_family_of(hf_config: Mapping[str, Any]) -> Family:
@@ -145,12 +186,26 @@ def is_multimodal(hf_config: Mapping[str, Any]) -> bool:
             or (not archs and hf_config.get("model_type") in _MULTIMODAL_TYPES))
 
 
+def multimodal_of(hf_config: Mapping[str, Any]) -> Multimodal | None:
+    """The vision-language row of a ``config.json`` (by ``architectures``, else ``model_type``); None for
+    a text model."""
+    for arch in hf_config.get("architectures") or []:
+        if arch in _MULTIMODAL_BY_ARCH:
+            return _MULTIMODAL_BY_ARCH[arch]
+    if not hf_config.get("architectures"):
+        return MULTIMODAL.get(hf_config.get("model_type"))
+    return None
+
+
 def text_config(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
     """The language model's fields: a vision-language config's ``text_config`` (with the top level's
-    ``tie_word_embeddings``, which ``transformers`` ties by), else ``hf_config`` itself."""
+    ``tie_word_embeddings``, which ``transformers`` ties by; a flat Qwen2.5-VL ``config.json`` as the Hub's:
+    its top level less ``vision_config``), else ``hf_config`` itself."""
     if not is_multimodal(hf_config):
         return hf_config
     text = hf_config.get("text_config")
+    if text is None and "hidden_size" in hf_config:  # the Hub's flat Qwen2.5-VL config.json
+        return {k: v for k, v in hf_config.items() if k != "vision_config"}
     if not isinstance(text, Mapping):
         raise ValueError(f"text_config: a {hf_config.get('architectures')} config needs its language model's "
                          "fields in text_config")
@@ -187,7 +242,16 @@ def _expresses(trait: bool | str, value: bool) -> bool:
 
 
 def family_of(cfg: Any) -> Family:
-    """The row ``cfg`` (a ``ModelConfig``) maps to: the first that describes it."""
+    """The row ``cfg`` (a ``ModelConfig``) maps to: the first that describes it; with ``cfg.vision`` the
+    text family of that vision-language model, which must describe it."""
+    vision = getattr(cfg, "vision", None)
+    if vision is not None:
+        f = next(f for f in FAMILIES if any(m.model_type == vision.model_type for m in f.multimodal))
+        if not describes(f, cfg):
+            raise ValueError(f"model.vision.model_type: a {vision.model_type} language model is "
+                             f"{f.model_type} (add_qkv_bias, qk_layernorm, MoE, hybrid layers as "
+                             f"{f.architecture}); this model config differs")
+        return f
     for f in FAMILIES:
         if describes(f, cfg):
             return f

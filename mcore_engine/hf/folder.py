@@ -1,11 +1,19 @@
 """How a Hugging Face folder names and lays out the language model's tensors, beyond the family's
 names in ``mapping`` (``model.layers.*``, one tensor per expert):
 
-- ``prefix``: Qwen3.5 vision-language folders (``*ForConditionalGeneration``) hold the decoder as
-  ``model.language_model.*`` (``lm_head.weight`` stays); the engine's names are ``model.*``.
+- ``prefix``: Qwen3-VL(-MoE) / Qwen3.5 vision-language folders (``*ForConditionalGeneration``) hold the
+  decoder as ``model.language_model.*`` (``lm_head.weight`` stays); the engine's names are ``model.*``
+  (Qwen2.5-VL folders keep ``model.layers.*``).
+- ``vision_prefix``: the vision tower's tensors, ``visual.*`` (Qwen2.5-VL) or ``model.visual.*`` (the
+  others), the engine's ``model.visual.*`` (``mapping``): read and written when the model has the
+  tower (``ModelConfig.vision``), else kept out.
 - ``fused_experts``: Hub Qwen3.5-MoE folders hold a layer's experts as ``mlp.experts.gate_up_proj``
   ``[E, 2F, H]`` (expert ``e``'s rows ``[gate_e; up_e]``) and ``mlp.experts.down_proj`` ``[E, H, F]``;
-  ``save_pretrained`` writes one tensor per expert. Both load; export keeps the folder's layout.
+  ``save_pretrained`` writes one tensor per expert. ``fused_columns``: the Hub's Qwen3-VL-MoE folders
+  hold them transposed, ``gate_up_proj`` ``[E, H, 2F]`` (``gate_e = [e, :, :F].T``, ``up_e = [e, :, F:].T``)
+  and ``down_proj`` ``[E, F, H]`` (``down_e = [e].T``), which ``transformers`` 5.24 loads but saves as
+  ``[E, 2F, H]`` / ``[E, H, F]``; the two orientations told apart by the pair's shapes. Every layout
+  loads; export keeps the folder's.
 - ``gpt_oss``: gpt-oss folders hold a layer's experts as ``mlp.experts.gate_up_proj`` ``[E, H, 2I]``
   (transposed, gate / up interleaved: ``gate_e = gate_up_proj[e, :, 0::2].T``, ``up_e = [e, :, 1::2].T``),
   ``gate_up_proj_bias`` ``[E, 2I]`` (interleaved alike), ``down_proj`` ``[E, I, H]`` (``down_e`` transposed)
@@ -13,8 +21,9 @@ names in ``mapping`` (``model.layers.*``, one tensor per expert):
   ``gate_up_proj_blocks`` / ``_scales`` ``[E, 2I, H/32, 16]`` / ``[E, 2I, H/32]`` and ``down_proj_blocks`` /
   ``_scales`` ``[E, H, I/32, 16]`` / ``[E, H, I/32]`` (``hf.mxfp4``), dequantised on read (each rank its
   experts' rows only). Export writes the dequantised layout (``gate_up_proj`` ...) in the export dtype.
-- ``kept_out``: tensors the engine does not hold: the vision tower (``model.visual.*``) and the
-  multi-token-prediction weights (``mtp.*``) of the hybrid families. Import skips them (said once in
+- ``kept_out``: tensors the engine does not hold: the vision tower of a model without
+  ``ModelConfig.vision`` and the multi-token-prediction weights (``mtp.*``) of the hybrid families
+  (unless ``mtp_num_layers``). Import skips them (said once in
   the log); ``export_hf`` copies them from the source folder unchanged; weight sync leaves them out
   (an inference replica keeps its own).
 
@@ -35,13 +44,15 @@ from pathlib import Path
 import torch
 
 from mcore_engine.hf.checkpoint_io import HFCheckpointReader
+from mcore_engine.hf.families import MULTIMODAL
 from mcore_engine.hf.mxfp4 import dequantize
 
-__all__ = ["FolderFormat", "FolderReader", "folder_format", "folder_stream", "kept_out_names"]
+__all__ = ["FolderFormat", "FolderReader", "folder_format", "folder_stream", "hub_format", "kept_out_names"]
 
 _LOG = logging.getLogger(__name__)
 _MM_PREFIX = "model.language_model."
-_KEPT_OUT = ("model.visual.", "mtp.")
+_VISION = "model.visual."  # the engine's Hugging Face names of the tower (mapping.VISION_HF)
+_VISION_PREFIXES = ("model.visual.", "visual.")
 _EXPERT = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)"
                      r"\.weight$")
 _FUSED = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -63,15 +74,22 @@ class FolderFormat:
     fused_experts: bool = False
     gpt_oss: bool = False
     mxfp4: bool = False
+    vision_prefix: str = _VISION
+    fused_columns: bool = False
 
     def to_folder(self, name: str) -> str:
         """The folder's name of an engine (``model.*``) name."""
+        if name.startswith(_VISION):
+            return self.vision_prefix + name[len(_VISION):]
         return _MM_PREFIX + name[len("model."):] if self.prefix and name.startswith("model.") else name
 
-    def from_folder(self, name: str, load_mtp: bool = False) -> str | None:
-        """The engine's name of a folder name; None for a tensor kept out (vision tower, MTP unless
-        ``load_mtp``)."""
-        if name.startswith(_KEPT_OUT) and not (load_mtp and name.startswith("mtp.")):
+    def from_folder(self, name: str, load_mtp: bool = False, load_vision: bool = False) -> str | None:
+        """The engine's name of a folder name; None for a tensor kept out (the vision tower unless
+        ``load_vision``, MTP unless ``load_mtp``)."""
+        if name.startswith(self.vision_prefix) or name.startswith(_VISION):
+            return _VISION + name[len(self.vision_prefix):] if load_vision and name.startswith(
+                self.vision_prefix) else None
+        if name.startswith("mtp.") and not load_mtp:
             return None
         if self.prefix:
             if name.startswith(_MM_PREFIX):
@@ -81,49 +99,79 @@ class FolderFormat:
         return name
 
 
-def _format_of(names: list[str]) -> FolderFormat:
+def _format_of(reader: HFCheckpointReader) -> FolderFormat:
+    names = reader.names()
     gpt_oss = any(n.endswith((".mlp.experts.gate_up_proj_bias", ".mlp.experts.gate_up_proj_blocks"))
                   for n in names)
+    fused = [] if gpt_oss else [n for n in names if _FUSED.match(n.replace(_MM_PREFIX, "model.", 1))]
+    columns = False
+    for n in fused:  # Qwen3-VL-MoE's Hub layout: gate_up [E, H, 2F] with down [E, F, H]
+        if n.endswith(".gate_up_proj") and n[:-len("gate_up_proj")] + "down_proj" in names:
+            gate_up, down = reader.shape(n), reader.shape(n[:-len("gate_up_proj")] + "down_proj")
+            columns = gate_up[2] == 2 * down[1] and gate_up[1] != 2 * down[2]
+            break
+    vision = next((p for p in _VISION_PREFIXES if any(n.startswith(p) for n in names)), _VISION)
     return FolderFormat(prefix=any(n.startswith(_MM_PREFIX) for n in names), gpt_oss=gpt_oss,
                         mxfp4=any(n.endswith(".mlp.experts.gate_up_proj_blocks") for n in names),
-                        fused_experts=not gpt_oss and any(_FUSED.match(n.replace(_MM_PREFIX, "model.", 1))
-                                                          for n in names))
+                        fused_experts=bool(fused), vision_prefix=vision, fused_columns=columns)
 
 
 @lru_cache(maxsize=16)
 def _cached_format(path: str, stamp: tuple) -> FolderFormat:
     with HFCheckpointReader(path) as reader:
-        return _format_of(reader.names())
+        return _format_of(reader)
 
 
-def folder_format(path: str | os.PathLike | None) -> FolderFormat:
-    """The format of the folder at ``path`` (cached while its weight files are unchanged); the default
-    without a folder or weights."""
-    if not path or not Path(path).is_dir():
+def hub_format(vision_model_type: str | None) -> FolderFormat:
+    """The released folders' format of a vision-language ``model_type`` (``families.MULTIMODAL``: the
+    decoder's and tower's prefixes, the experts' layout); the engine's own for None."""
+    mm = MULTIMODAL.get(vision_model_type) if vision_model_type else None
+    if mm is None:
         return FolderFormat()
+    return FolderFormat(prefix=mm.language_prefix == _MM_PREFIX, vision_prefix=mm.vision_prefix,
+                        fused_experts=mm.fused_experts is not None,
+                        fused_columns=mm.fused_experts == "columns")
+
+
+def folder_format(path: str | os.PathLike | None, default: FolderFormat | None = None) -> FolderFormat:
+    """The format of the folder at ``path`` (cached while its weight files are unchanged); ``default``
+    (None: the engine's own) without a folder or weights."""
+    default = default or FolderFormat()
+    if not path or not Path(path).is_dir():
+        return default
     files = sorted(Path(path).glob("*.safetensors*")) + sorted(Path(path).glob("*.index.json"))
     if not files:
-        return FolderFormat()
+        return default
     return _cached_format(str(path), tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files))
 
 
-def kept_out_names(reader: HFCheckpointReader, load_mtp: bool = False) -> list[str]:
-    """The folder's tensors the engine does not hold (vision tower, MTP unless ``load_mtp``)."""
-    fmt = _format_of(reader.names())
-    return [n for n in reader.names() if fmt.from_folder(n, load_mtp) is None]
+def model_format(cfg) -> FolderFormat:
+    """The format a ``ModelConfig``'s tensors are streamed and exported in: its ``hf_path`` folder's, else
+    the released folders' of its vision-language type (:func:`hub_format`)."""
+    vision = getattr(cfg, "vision", None)
+    return folder_format(cfg.hf_path, hub_format(vision.model_type if vision is not None else None))
+
+
+def kept_out_names(reader: HFCheckpointReader, load_mtp: bool = False,
+                   load_vision: bool = False) -> list[str]:
+    """The folder's tensors the engine does not hold (the vision tower unless ``load_vision``, MTP unless
+    ``load_mtp``)."""
+    fmt = _format_of(reader)
+    return [n for n in reader.names() if fmt.from_folder(n, load_mtp, load_vision) is None]
 
 
 class FolderReader:
     """``HFCheckpointReader`` by the engine's names (``mapping.hf_shapes``'), whatever the folder's prefix
-    and expert layout; the tensors kept out are not listed (``mtp.*`` is, with ``load_mtp``)."""
+    and expert layout; the tensors kept out are not listed (``mtp.*`` is, with ``load_mtp``; the tower,
+    ``model.visual.*``, with ``load_vision``)."""
 
-    def __init__(self, reader: HFCheckpointReader, load_mtp: bool = False) -> None:
+    def __init__(self, reader: HFCheckpointReader, load_mtp: bool = False, load_vision: bool = False) -> None:
         self.reader = reader
-        self.format = _format_of(reader.names())
+        self.format = _format_of(reader)
         self._names: list[str] = []
         kept_out = []
         for folder_name in reader.names():
-            name = self.format.from_folder(folder_name, load_mtp)
+            name = self.format.from_folder(folder_name, load_mtp, load_vision)
             if name is None:
                 kept_out.append(folder_name)
                 continue
@@ -155,12 +203,14 @@ class FolderReader:
         if match is None:
             return None
         experts = int(self._num_experts(match[1]))
+        columns = self.format.fused_columns  # the folder holds each expert's tensor transposed
         if match[3] == "down_proj":
-            return self.format.to_folder(f"{match[1]}.down_proj"), (experts, *shape), int(match[2]), 0
+            full = (experts, shape[1], shape[0]) if columns else (experts, *shape)
+            return self.format.to_folder(f"{match[1]}.down_proj"), full, int(match[2]), 0
         rows = shape[0]
         offset = rows if match[3] == "up_proj" else 0
-        return (self.format.to_folder(f"{match[1]}.gate_up_proj"), (experts, 2 * rows, shape[1]),
-                int(match[2]), offset)
+        full = (experts, shape[1], 2 * rows) if columns else (experts, 2 * rows, shape[1])
+        return self.format.to_folder(f"{match[1]}.gate_up_proj"), full, int(match[2]), offset
 
     def _oss_shapes(self, block: str, proj: str, kind: str,
                     shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -249,6 +299,10 @@ class FolderReader:
         folder_name, shape, e, offset = fused
         if start is None and stop is None:
             start, stop = 0, expected_shape[dim]
+        if self.format.fused_columns:  # engine[r, c] = folder[e, c, offset + r]
+            index = ((e, slice(None), slice(offset + start, offset + stop)) if dim == 0 else
+                     (e, slice(start, stop), slice(offset, offset + expected_shape[0])))
+            return self.reader.read_index(folder_name, shape, index).T.contiguous()
         if dim == 0:
             return self.reader.read_index(folder_name, shape, (e, slice(offset + start, offset + stop)))
         return self.reader.read_index(folder_name, shape, (e, slice(offset, offset + expected_shape[0]),
@@ -257,8 +311,9 @@ class FolderReader:
 
 def folder_stream(stream: Iterator[tuple[str, torch.Tensor]], fmt: FolderFormat,
                   num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """``stream`` (engine names, checkpoint order) in the folder's names: the prefix, and with fused
-    experts a layer's ``gate_up_proj`` / ``down_proj`` after its last expert. Memory: one layer's experts."""
+    """``stream`` (engine names, checkpoint order) in the folder's names: the prefixes (decoder, tower), and
+    with fused experts a layer's ``gate_up_proj`` / ``down_proj`` (transposed: ``fused_columns``) after its
+    last expert. Memory: one layer's experts."""
     if fmt.gpt_oss:
         yield from _oss_stream(stream, fmt, num_experts)
         return
@@ -272,11 +327,13 @@ def folder_stream(stream: Iterator[tuple[str, torch.Tensor]], fmt: FolderFormat,
         parts[(int(match[2]), match[3])] = t
         if len(parts) == 3 * num_experts:
             del pending[match[1]]
-            gate_up = torch.stack([torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]])
-                                   for e in range(num_experts)])
-            yield fmt.to_folder(f"{match[1]}.gate_up_proj"), gate_up
-            yield fmt.to_folder(f"{match[1]}.down_proj"), torch.stack([parts[(e, "down_proj")]
-                                                                       for e in range(num_experts)])
+            experts = range(num_experts)
+            gate_up = [torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]]) for e in experts]
+            down = [parts[(e, "down_proj")] for e in experts]
+            if fmt.fused_columns:  # [E, H, 2F] / [E, F, H]
+                gate_up, down = [t.T for t in gate_up], [t.T for t in down]
+            yield fmt.to_folder(f"{match[1]}.gate_up_proj"), torch.stack(gate_up)
+            yield fmt.to_folder(f"{match[1]}.down_proj"), torch.stack(down)
     if pending:
         raise ValueError(f"stream: experts of {sorted(pending)} missing")
 

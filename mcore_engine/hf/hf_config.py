@@ -17,6 +17,7 @@ import torch
 from mcore_engine.config import ModelConfig
 from mcore_engine.config.checks import require
 from mcore_engine.config.moe import MoEConfig
+from mcore_engine.config.vision import VisionConfig
 from mcore_engine.hf.deepseek_config import (
     deepseek_moe_from_hf,
     deepseek_moe_to_hf,
@@ -26,11 +27,14 @@ from mcore_engine.hf.deepseek_config import (
 )
 from mcore_engine.hf.families import (
     ARCHITECTURES,
+    MULTIMODAL,
     Family,
+    Multimodal,
     family_of,
     hf_family,
     hf_family_of,
     is_multimodal,
+    multimodal_of,
     partial_rotary_factor,
     rope_params,
     text_config,
@@ -73,6 +77,8 @@ def _rope(hf_config: Mapping[str, Any], family: Family) -> tuple[float, float | 
     """(rope theta, Llama-3 scaling factor or None); MLA's scaling (YaRN) is ``MLAConfig``'s."""
     params = rope_params(hf_config)
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "mrope":  # the Hub's Qwen2.5-VL: default RoPE over 3-D positions (ModelConfig.vision)
+        rope_type = "default"
     theta = float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
     if rope_type == "default" or family.rope in ("mla", "yarn"):  # YaRN: the gpt_oss dialect's
         return theta, None
@@ -206,6 +212,80 @@ MOE_DIALECTS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[..., dict[
 }
 
 
+# ------------------------------------------------------------------------------------ vision-language
+_VISION_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id")
+# the top level of a flat (the Hub's Qwen2.5-VL) config.json: not the language model's
+_TOP_KEYS = ("architectures", "model_type", "tie_word_embeddings", "transformers_version", "vision_config",
+             "vision_end_token_id", "vision_token_id", *_VISION_TOKENS)
+
+
+def interleaved_section(section: list[int], pairs: int) -> list[int]:
+    """The ``[t, h, w]`` counts over ``pairs`` rotary pairs that give interleaved mRoPE's assignment of
+    ``section`` as ``transformers`` applies it (pair ``i`` -> h if ``i % 3 == 1 and i < 3 h``, w if
+    ``i % 3 == 2 and i < 3 w``, else t; pairs past the rotary dimension dropped): ``section`` when it
+    already sums to ``pairs``."""
+    if sum(section) == pairs:
+        return list(section)
+    h = sum(1 for i in range(pairs) if i % 3 == 1 and i < 3 * section[1])
+    w = sum(1 for i in range(pairs) if i % 3 == 2 and i < 3 * section[2])
+    return [pairs - h - w, h, w]
+
+
+def vision_from_hf(hf_config: Mapping[str, Any], mm: Multimodal, rotary_dim: int) -> VisionConfig:
+    """``ModelConfig.vision`` of a vision-language ``config.json`` (``mm``: its row): ``vision_config`` as
+    is, the top level's token ids, ``mrope_section`` from the text config's ``rope_parameters`` /
+    ``rope_scaling`` (``transformers``' default when absent; interleaved: fitted to ``rotary_dim`` as
+    :func:`interleaved_section`), ``tokens_per_second`` from ``vision_config`` (Qwen2.5-VL)."""
+    vision = hf_config.get("vision_config")
+    if not isinstance(vision, Mapping):
+        raise ValueError(f"vision_config: a {mm.architecture} config.json needs its tower's fields in "
+                         "vision_config")
+    missing = [k for k in _VISION_TOKENS if not isinstance(hf_config.get(k), int)]
+    if missing:
+        raise ValueError(f"{missing[0]}: a {mm.architecture} config.json needs the token ids "
+                         f"{_VISION_TOKENS} at its top level")
+    params = rope_params(text_config(hf_config))
+    section = [int(x) for x in params.get("mrope_section") or mm.mrope_default]
+    if mm.mrope_interleaved and len(section) == 3:
+        section = interleaved_section(section, rotary_dim // 2)
+    tps = vision.get("tokens_per_second") if mm.model_type == "qwen2_5_vl" else None
+    return VisionConfig(model_type=mm.model_type, vision_config=dict(vision),
+                        **{k: int(hf_config[k]) for k in _VISION_TOKENS}, mrope_section=section,
+                        mrope_interleaved=mm.mrope_interleaved,
+                        tokens_per_second=None if tps is None else float(tps))
+
+
+def _mrope_keys(text: Mapping[str, Any] | None) -> dict[str, Any]:
+    return {k: v for k, v in rope_params(text or {}).items() if k in ("mrope_section", "mrope_interleaved")}
+
+
+def _vision_to_hf(cfg: ModelConfig, out: dict[str, Any], outer: dict[str, Any] | None,
+                  base: Mapping[str, Any] | None) -> tuple[dict[str, Any], Multimodal]:
+    """The vision-language top level of ``cfg`` (``cfg.vision``) around the text config ``out``: the
+    source's (``outer``, text config ``base``) or a new one; mRoPE into ``out``'s ``rope_parameters``
+    (the source's ``mrope_section`` / ``mrope_interleaved`` kept when they say the same)."""
+    vision, mm = cfg.vision, MULTIMODAL[cfg.vision.model_type]
+    if mm.moe_fixed and cfg.moe is not None and cfg.moe.router_pre_softmax:
+        raise ValueError(f"MoEConfig.router_pre_softmax: {mm.architecture} always renormalises the top-k "
+                         "weights (router_pre_softmax False)")
+    source = _mrope_keys(base)
+    rope = {**source, **out["rope_parameters"]}
+    section = [int(x) for x in source.get("mrope_section") or mm.mrope_default]
+    if mm.mrope_interleaved and len(section) == 3:
+        section = interleaved_section(section, sum(vision.mrope_section))
+    if outer is None or section != list(vision.mrope_section):
+        rope["mrope_section"] = list(vision.mrope_section)
+    if mm.mrope_interleaved and outer is None:
+        rope["mrope_interleaved"] = True
+    out["rope_parameters"] = rope
+    if outer is None:
+        outer = {"architectures": [mm.architecture], "model_type": mm.model_type,
+                 "text_config": {"model_type": mm.text_model_type}}
+    outer = dict(outer)
+    outer.update(vision_config=dict(vision.vision_config), **{k: getattr(vision, k) for k in _VISION_TOKENS})
+    return outer, mm
+
+
 # ---------------------------------------------------------------------------------------- the mapping
 def _flag(trait: bool | str, hf_config: Mapping[str, Any]) -> bool:
     return bool(hf_config.get(trait, False)) if isinstance(trait, str) else trait
@@ -214,9 +294,14 @@ def _flag(trait: bool | str, hf_config: Mapping[str, Any]) -> bool:
 def from_hf_config(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     """``ModelConfig`` from a ``config.json`` dict (``overrides`` set other fields); ``ValueError`` naming
     the field for what this model cannot express (other activations, sliding windows, MLP biases, ...).
-    A vision-language config (Qwen3.5's ``*ForConditionalGeneration``) maps its ``text_config``."""
+    A vision-language config (``families.MULTIMODAL``: Qwen2.5-VL, Qwen3-VL(-MoE), Qwen3.5(-MoE)
+    ``*ForConditionalGeneration``) maps its ``text_config`` and fills ``vision`` (:func:`vision_from_hf`;
+    ``vision=None`` in ``overrides``: the language model alone, the tower kept out)."""
     family = hf_family_of(hf_config)
+    mm, top = multimodal_of(hf_config), hf_config
     hf_config = text_config(hf_config)
+    if mm is not None and mm.moe_fixed:
+        hf_config = {**hf_config, **mm.moe_fixed}
     hidden, heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
     if hf_config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act: {hf_config['hidden_act']!r} is not supported (expected 'silu')")
@@ -259,6 +344,9 @@ def from_hf_config(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfi
         fields.update(MOE_DIALECTS[family.moe][0](hf_config, family))
     if is_token_classification(hf_config):
         fields["head"] = "value"
+    if mm is not None and "vision" not in overrides:
+        rotary = int(int(fields.get("kv_channels") or hidden // heads) * fields.get("rotary_percent", 1.0))
+        fields["vision"] = vision_from_hf(top, mm, rotary)
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -278,9 +366,14 @@ def to_hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
         raise ValueError(f"model.head: a value head on a {name} model has no Hugging Face class here")
     if base is not None and hf_family(base) != name:
         base = None  # the source describes another family: do not carry its fields over
+    if (base is not None and cfg.vision is not None
+            and getattr(multimodal_of(base), "model_type", None) != cfg.vision.model_type):
+        base = None  # a text (or another vision-language) model's config
     outer = None
     if base is not None and is_multimodal(base):  # the language model goes into text_config
         outer, base = base, text_config(base)
+        if "text_config" not in outer:  # the Hub's flat Qwen2.5-VL: the text fields move down
+            outer = {k: v for k, v in outer.items() if k in _TOP_KEYS} | {"text_config": {}}
     arch = family.architecture
     if cfg.head == "value":
         arch = arch.replace("ForCausalLM", "ForTokenClassification")
@@ -322,6 +415,15 @@ def to_hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
         for key in ("partial_rotary_factor", "rope_theta"):
             if key not in (base or {}):
                 out.pop(key)  # transformers keeps them in rope_parameters
+    mm = multimodal_of(outer) if outer is not None else None
+    if cfg.vision is not None:
+        outer, mm = _vision_to_hf(cfg, out, outer, base)
+    elif outer is not None:  # the language model of a vision-language folder: its mRoPE as was
+        out["rope_parameters"] = {**_mrope_keys(base), **out["rope_parameters"]}
+    if outer is not None and mm is not None and base is not None:
+        for key in ("rope_theta", *family.export, *mm.moe_fixed):  # fields the source's text config lacks
+            if key not in base:
+                out.pop(key, None)
     if outer is not None:
         outer_keys = ("architectures", "torch_dtype", "dtype") + (
             ("tie_word_embeddings",) if "tie_word_embeddings" in outer else ())
@@ -329,6 +431,7 @@ def to_hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
             out.pop(key)
             if key in outer["text_config"]:
                 out[key] = outer["text_config"][key]
-        return {**outer, "text_config": {**out, "model_type": outer["text_config"].get("model_type", name)},
+        text_type = mm.text_model_type if mm is not None else outer["text_config"].get("model_type", name)
+        return {**outer, "text_config": {**out, "model_type": text_type},
                 "tie_word_embeddings": cfg.tie_word_embeddings, "dtype": str(dtype).removeprefix("torch.")}
     return out

@@ -1,7 +1,8 @@
 """Import a Hugging Face Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / Mixtral / DeepSeek-V3 / GLM-4.5
 / Qwen3.5 / Qwen3.5-MoE / Qwen3-Next / gpt-oss (MXFP4 experts dequantised) folder into this rank's
-GPTModel chunks (router expert biases, which are buffers, included); a vision-language folder's
-language model only (``hf.folder``).
+GPTModel chunks (router expert biases, which are buffers, included); a vision-language folder's tower
+too when ``ModelConfig.vision`` (whole, on every rank of the first stage), else its language model only
+(``hf.folder``).
 
 No collectives: each rank reads only its shards' rows / columns, of routed experts only its
 expert-parallel rank's experts and its expert-tensor-parallel slice (memory: its shards plus one
@@ -42,7 +43,7 @@ _MATCHING_FIELDS = {"num_layers": "num_layers", "hidden_size": "hidden_size",
                     "add_bias_linear": "add_bias_linear", "attention_sinks": "attention_sinks",
                     "sliding_window": "sliding_window", "sliding_window_pattern": "sliding_window_pattern",
                     "glu_activation": "glu_activation", "glu_linear_offset": "glu_linear_offset",
-                    "glu_clamp": "glu_clamp", "yarn": "yarn"}
+                    "glu_clamp": "glu_clamp", "yarn": "yarn", "vision": "vision"}
 # MoEConfig fields that must agree (routing and expert shapes).
 _MOE_MATCHING_FIELDS = ("num_experts", "router_topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size",
                         "shared_expert_gate", "router_pre_softmax", "router_score_function",
@@ -123,16 +124,21 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_path: str | os.P
     """
     model_cfg = cfg.model
     hf_config = read_hf_config(hf_path)
-    check_config_matches(model_cfg, from_hf_config(hf_config, head=model_cfg.head))
+    # a text model on a vision-language folder: its language model alone (the tower kept out)
+    text_only = {"vision": None} if model_cfg.vision is None else {}
+    check_config_matches(model_cfg, from_hf_config(hf_config, head=model_cfg.head, **text_only))
     shapes = hf_shapes(model_cfg)
     if model_cfg.linear_attention is not None and model_cfg.mtp_num_layers > 1:
         raise ValueError("model.mtp_num_layers: the hybrid (Qwen3.5 / Qwen3-Next) folders have one MTP "
                          f"module (mtp.*), got {model_cfg.mtp_num_layers}")
 
-    # by the engine's names: a vision-language folder's model.language_model.* prefix and fused experts
-    # translated, its vision tower (and mtp.* unless model.mtp_num_layers) kept out (hf.folder)
+    # by the engine's names: a vision-language folder's model.language_model.* / visual.* prefixes and
+    # fused experts translated, its vision tower (unless model.vision) and mtp.* (unless
+    # model.mtp_num_layers) kept out (hf.folder); the tower is whole on every rank of the first stage
     load_mtp = model_cfg.mtp_num_layers > 0
-    with HFCheckpointReader(hf_path) as raw, FolderReader(raw, load_mtp=load_mtp) as reader:
+    load_vision = model_cfg.vision is not None
+    with (HFCheckpointReader(hf_path) as raw,
+          FolderReader(raw, load_mtp=load_mtp, load_vision=load_vision) as reader):
         check_hf_names(reader.names(), model_cfg)
         # a value head keeps its fresh (seeded) initialisation when the folder is a causal LM, and a
         # zero bias when a *ForTokenClassification folder has none

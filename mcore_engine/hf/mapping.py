@@ -27,7 +27,11 @@ index, expert names the global expert index; an expert's
 MLA's projections map one to one (same row layouts; ``rope_interleave=True``). A hybrid model's
 (``cfg.linear_attention``) layers have the units of their type: Gated DeltaNet layers those of
 ``hybrid`` (kinds ``"gdn_qkv"`` and Qwen3-Next's ``"next_*"``), the others the attention units; the
-family (Qwen3.5 or Qwen3-Next names) is the source folder's (:func:`source_family`). Here each expert
+family (Qwen3.5 or Qwen3-Next names) is the source folder's (:func:`source_family`). A vision-language
+model (``cfg.vision``) adds its tower first: the first stage's parameter ``vision.{x}`` is the
+replicated unit of ``model.visual.{x}`` (the whole tensor on every rank; ``folder``: ``visual.{x}`` in
+Qwen2.5-VL folders); the tower's names and shapes are those of ``layers.vision_tower``'s module, built
+on the meta device (:func:`vision_shapes`). Here each expert
 is one tensor per projection, as ``save_pretrained`` writes them, and names are ``model.*``; a
 folder's own prefix and fused experts are ``folder``'s. ``config.json``: ``hf_config``.
 """
@@ -46,6 +50,7 @@ from typing import Any
 import torch
 
 from mcore_engine.config import ModelConfig
+from mcore_engine.config.vision import VisionConfig
 from mcore_engine.hf.families import (  # noqa: F401 (model_family: its old home)
     FAMILIES,
     Family,
@@ -54,7 +59,7 @@ from mcore_engine.hf.families import (  # noqa: F401 (model_family: its old home
     hf_family_of,
     model_family,
 )
-from mcore_engine.hf.folder import folder_format, folder_stream
+from mcore_engine.hf.folder import folder_stream, model_format
 from mcore_engine.hf.hybrid import (
     GDN_SUFFIXES,
     MTP_OWN,
@@ -72,6 +77,7 @@ from mcore_engine.hf.mtp_names import (
     mtp_units,
     skip_mtp_hf_name,
 )
+from mcore_engine.layers.vision_tower import build_vision_tower
 
 
 @dataclass(frozen=True)
@@ -156,6 +162,22 @@ _GLOBAL_UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 # Tensors some Hugging Face checkpoints carry that the model does not need.
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+VISION_UNIT = "vision."
+"""The tower's parameters in the first stage's chunk (``MultimodalGPTModel.vision``)."""
+VISION_HF = "model.visual."
+"""The tower's tensors by the engine's Hugging Face names (``folder`` maps them to the folder's)."""
+_TOWER_SHAPES: dict[tuple[str, str], dict[str, tuple[int, ...]]] = {}
+
+
+def vision_shapes(vision: VisionConfig) -> dict[str, tuple[int, ...]]:
+    """``{parameter name: shape}`` of ``vision``'s tower (names without the ``vision.`` prefix, in module
+    order), from the module built on the meta device (no memory); cached per tower config."""
+    key = (vision.model_type, json.dumps(vision.vision_config, sort_keys=True, default=str))
+    if key not in _TOWER_SHAPES:
+        with torch.device("meta"):
+            tower = build_vision_tower(vision)
+        _TOWER_SHAPES[key] = {n: tuple(p.shape) for n, p in tower.named_parameters()}
+    return _TOWER_SHAPES[key]
 
 
 @lru_cache(maxsize=32)
@@ -205,7 +227,7 @@ def canonical_unit(name: str, global_layer: int | None, global_expert: int | Non
     and local expert index replaced by ``global_layer`` / ``global_expert``); ``ValueError`` for
     names with no Hugging Face counterpart.
     """
-    if name in _GLOBAL_UNITS or is_mtp_unit(name):
+    if name in _GLOBAL_UNITS or is_mtp_unit(name) or name.startswith(VISION_UNIT):
         return name
     parts = name.split(".", 3)
     if len(parts) == 4 and parts[:2] == ["decoder", "layers"] and global_layer is not None:
@@ -225,6 +247,8 @@ def unit_rule(unit: str, cfg: ModelConfig) -> TensorRule:
     if unit in _GLOBAL_UNITS:
         kind, names = _GLOBAL_UNITS[unit]
         return TensorRule(kind, names)
+    if unit.startswith(VISION_UNIT):
+        return TensorRule("replicated", (VISION_HF + unit[len(VISION_UNIT):],))
     if is_mtp_unit(unit) and cfg.linear_attention is not None:  # Qwen3.5's mtp.* (hybrid)
         kind, name = MTP_OWN[unit.split(".", 3)[3]]
         return TensorRule(kind, (name,))
@@ -286,14 +310,16 @@ def _attention_suffixes(cfg: ModelConfig) -> list[str]:
 
 
 def model_units(cfg: ModelConfig) -> list[str]:
-    """All units of the full model, in Hugging Face order (embedding, layers, norm, lm_head)."""
+    """All units of the full model, in Hugging Face order (vision tower, embedding, layers, norm,
+    lm_head)."""
     attn = ["input_layernorm.weight"] + _attention_suffixes(cfg)
     attn += ["self_attention.linear_proj.weight"]
     attn += ["self_attention.linear_proj.bias"] if cfg.add_bias_linear else []
     attn += ["pre_mlp_layernorm.weight"]
     gdn = (["input_layernorm.weight", *gdn_units(source_family(cfg)), "pre_mlp_layernorm.weight"]
            if cfg.linear_attention is not None else [])
-    units = ["embedding.word_embeddings.weight"]
+    units = [VISION_UNIT + n for n in vision_shapes(cfg.vision)] if cfg.vision is not None else []
+    units += ["embedding.word_embeddings.weight"]
     units += [f"decoder.layers.{i}.{s}" for i in range(cfg.num_layers)
               for s in (gdn if is_gdn_layer(cfg, i) else attn) + _mlp_suffixes(cfg, i)]
     units.append("decoder.final_layernorm.weight")
@@ -339,6 +365,8 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                               f"mlp.{names.shared}.down_proj.weight": (h, fs)})
         by_suffix["mlp.shared_expert_gate.weight"] = (1, h)
     by_suffix.update(mtp_hf_shapes(cfg))
+    if cfg.vision is not None:
+        by_suffix.update({VISION_HF + n: shape for n, shape in vision_shapes(cfg.vision).items()})
     if cfg.linear_attention is not None:
         by_suffix.update(gdn_hf_shapes(cfg))
         by_suffix.update(mtp_own_shapes(cfg))
@@ -361,7 +389,7 @@ def hf_stream_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 yield alias, torch.empty(shape, device="meta")
 
     experts = cfg.moe.num_experts if cfg.moe is not None else 0
-    return {name: tuple(t.shape) for name, t in folder_stream(stream(), folder_format(cfg.hf_path), experts)}
+    return {name: tuple(t.shape) for name, t in folder_stream(stream(), model_format(cfg), experts)}
 
 
 def hf_fp32_names(cfg: ModelConfig) -> set[str]:

@@ -9,8 +9,9 @@ of global layer ``i``::
 
 (the last on the Gated DeltaNet layers of a Qwen3.5 model; its gated attention's ``q_proj`` adapter
 has ``B [2 n d, r]``, per head ``[q_h; gate_h]`` as the weight). On a vision-language folder
-(``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration``, weights
-``model.language_model.*``) the decoder is ``model.language_model.layers``, and so are PEFT's keys:
+(``Qwen2_5_VLForConditionalGeneration``, ``Qwen3VL(Moe)ForConditionalGeneration``,
+``Qwen3_5(Moe)ForConditionalGeneration``) the decoder is ``model.language_model.layers``, and so are PEFT's
+keys (Qwen2.5-VL's too, though its weight files say ``model.layers.*``):
 ``base_model.model.model.language_model.layers.{i}...`` (:func:`decoder_prefix`); the vision tower
 takes no adapters. On a MoE model's layers with a shared expert the MLP projections are the shared
 expert's: ``...layers.{i}.mlp.shared_expert.{gate,up,down}_proj...`` (:func:`shared_expert_layers`):
@@ -41,6 +42,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mcore_engine.config.lora import FUSED_GDN, GDN_LINEARS, HF_PROJECTIONS, PROJECTION_HF_NAMES, LoRAConfig
+from mcore_engine.hf.families import is_multimodal
 from mcore_engine.hf.folder import folder_format
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "TEXT_PREFIX", "VL_PREFIX", "check_gdn_family",
@@ -142,10 +144,17 @@ def shared_expert_layers(model: Any) -> list[int]:
 
 
 def decoder_prefix(hf_path: str | os.PathLike | None) -> str:
-    """:data:`VL_PREFIX` when the base folder at ``hf_path`` holds its decoder as ``model.language_model.*``
-    (a vision-language folder: the names weight sync and ``export_hf`` use too), else
-    :data:`TEXT_PREFIX`."""
-    return VL_PREFIX if folder_format(hf_path).prefix else TEXT_PREFIX
+    """:data:`VL_PREFIX` when the base folder at ``hf_path`` is a vision-language folder (its decoder
+    ``model.language_model.*`` in ``transformers``' model, whatever its weight files say: Qwen2.5-VL's
+    hold ``model.layers.*``), else :data:`TEXT_PREFIX`."""
+    if folder_format(hf_path).prefix:
+        return VL_PREFIX
+    config = Path(hf_path) / "config.json" if hf_path else None
+    try:
+        multimodal = config is not None and config.is_file() and is_multimodal(json.loads(config.read_text()))
+    except (OSError, json.JSONDecodeError):
+        multimodal = False
+    return VL_PREFIX if multimodal else TEXT_PREFIX
 
 
 def peft_config(lora: LoRAConfig, *, swiglu: bool, hybrid: bool = False,

@@ -58,7 +58,8 @@ def saved(tmp_path_factory) -> Path:
 
 
 def _engine_config(folder: Path, tp: int, ep: int, pp: int, mtp: int) -> EngineConfig:
-    model = from_hf_config(read_hf_config(folder), hf_path=str(folder), mtp_num_layers=mtp)
+    # the language model alone (vision=None): these folders' towers stay out (tests/hf/test_vlm_hf.py)
+    model = from_hf_config(read_hf_config(folder), hf_path=str(folder), mtp_num_layers=mtp, vision=None)
     gdn = dataclasses.replace(model.linear_attention, chunk_size=8)
     model = dataclasses.replace(model, linear_attention=gdn)
     return EngineConfig(model=model, parallel=ParallelConfig(tensor_model_parallel_size=tp,

@@ -138,8 +138,8 @@ def test_export_refusals():
 # ------------------------------------------------------------------------------------------ names
 @pytest.mark.parametrize("kind", [*M.KINDS, "qwen3_5_moe_vl_fused"])
 def test_saved_names_all_placed(kind, folders, caplog):
-    path = folders[kind]
-    cfg = from_hf_config(json.loads((path / "config.json").read_text()), hf_path=str(path))
+    path = folders[kind]  # the language model alone (vision=None): the tower kept out
+    cfg = from_hf_config(json.loads((path / "config.json").read_text()), hf_path=str(path), vision=None)
     with HFCheckpointReader(path) as raw, caplog.at_level(logging.INFO, logger="mcore_engine.hf.folder"):
         reader = FolderReader(raw)
         names = reader.names()
@@ -170,7 +170,7 @@ def test_stream_order_is_the_sync_plan(kind, folders):
     """The engine-order stream (units, Qwen3-Next parts, per-expert tensors) through assemble_parts and
     folder_stream gives hf_stream_shapes' names, shapes and order (what the bucketed sync plans by)."""
     path = folders[kind]
-    cfg = from_hf_config(json.loads((path / "config.json").read_text()), hf_path=str(path))
+    cfg = from_hf_config(json.loads((path / "config.json").read_text()), hf_path=str(path), vision=None)
     shapes = hf_shapes(cfg)
 
     def engine_stream():
@@ -190,7 +190,8 @@ def test_mtp_module_placed_when_asked(kind, folders):
     """model.mtp_num_layers = 1: every mtp.* tensor has its unit (fc, norms, a full-attention layer) and
     is in the sync stream; more modules than the folder's one are refused."""
     path = folders[kind]
-    cfg = from_hf_config(json.loads((path / "config.json").read_text()), hf_path=str(path), mtp_num_layers=1)
+    cfg = from_hf_config(json.loads((path / "config.json").read_text()), hf_path=str(path), mtp_num_layers=1,
+                         vision=None)  # a vision-language model has no MTP here: its language model alone
     with HFCheckpointReader(path) as raw:
         reader = FolderReader(raw, load_mtp=True)
         names = reader.names()
@@ -202,7 +203,7 @@ def test_mtp_module_placed_when_asked(kind, folders):
     assert {n for n in hf_stream_shapes(cfg) if n.startswith("mtp.")} == mtp
     back = to_hf_config(cfg)  # without a base: the module count written
     assert (back.get("text_config") or back)["mtp_num_hidden_layers"] == 1
-    assert from_hf_config(back, hf_path=str(path), mtp_num_layers=1) == cfg
+    assert from_hf_config(back, hf_path=str(path), mtp_num_layers=1, vision=None) == cfg
     with pytest.raises(ValueError, match="mtp_num_layers"):
         to_hf_config(dataclasses.replace(cfg, mtp_num_layers=2))
 
