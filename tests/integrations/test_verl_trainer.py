@@ -465,7 +465,8 @@ def check_media(run: dict) -> dict[str, int]:
 def test_verl_main_ppo_grpo_vlm(tmp_path):
     """GRPO (n=4, KL loss, so a reference policy) on a tiny Qwen2.5-VL with the packaged config and a
     synthetic image dataset (16 solid-colour PNGs of 56x56 .. 84x84 px through verl's
-    ``RLHFDataset``; the rule reward: the share of the response's characters in the colour's name),
+    ``RLHFDataset``; the rule reward: the share of lowercase letters in the response, the colour name's
+    counted three times),
     actor and reference at TP=2 + SP. verl's agent loop renders the prompt through the processor
     (``<|image_pad|>`` per merged patch), the ``hf_cpu`` rollout samples with ``transformers`` on the
     images, verl recomputes each sample's ``multi_modal_inputs`` and its ``[4, L]`` mRoPE positions,
