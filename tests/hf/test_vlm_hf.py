@@ -186,6 +186,8 @@ def test_config_hub_flat_qwen2_5_vl_and_refusals():
             from_hf_config({k: v for k, v in nested.items() if k != key})
     with pytest.raises(ValueError, match="model.vision.model_type"):  # Qwen2.5-VL's text model has no QK-norm
         family_of(dataclasses.replace(cfg, qk_layernorm=True, add_qkv_bias=False))
+    with pytest.raises(ValueError, match="model.head"):
+        to_hf_config(dataclasses.replace(cfg, head="value"), base=nested)
     moe = from_hf_config(V.hf_config_dict("qwen3_vl_moe"))
     with pytest.raises(ValueError, match="router_pre_softmax"):
         to_hf_config(dataclasses.replace(moe, moe=dataclasses.replace(moe.moe, router_pre_softmax=True)))
