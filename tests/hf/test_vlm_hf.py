@@ -449,3 +449,21 @@ def test_engine_log_probs_match_transformers_with_images(tmp_path):
         ref[kind] = {"batch": batch, "log_probs": _hf_log_probs(kind, path, batch)}
     torch.save(ref, tmp_path / "reference.pt")
     run_distributed(_engine_log_probs, 2, tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl_moe", "qwen3_5_moe"])
+def test_names_without_a_folder_are_the_released_ones(kind, folders):
+    """A vision-language model with no hf_path streams (and exports) the released folders' names and
+    expert layout: those of the tiny folder (written in the Hub's layout)."""
+    import dataclasses
+
+    from safetensors import safe_open
+
+    from mcore_engine.hf.hf_config import from_hf_config, read_hf_config
+    from mcore_engine.hf.mapping import hf_stream_shapes
+
+    path = folders[kind]
+    cfg = dataclasses.replace(from_hf_config(read_hf_config(path)), hf_path=None)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        released = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+    assert sorted(hf_stream_shapes(cfg).items()) == sorted(released.items())
