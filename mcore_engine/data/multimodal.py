@@ -31,7 +31,7 @@ from tensordict import TensorDictBase
 from mcore_engine.config.vision import VisionConfig
 from mcore_engine.data.layout import is_jagged, token_values
 from mcore_engine.data.packing import ModelInputs
-from mcore_engine.data.rope_index import rope_index
+from mcore_engine.data.rope_index import check_vision_inputs, rope_index
 
 __all__ = ["MM_KEY", "VisionBatch", "check_multi_modal_inputs", "sample_entries", "vision_batch"]
 
@@ -169,6 +169,9 @@ def check_multi_modal_inputs(batch: TensorDictBase, vision: VisionConfig | None)
             if tokens * merge * merge != rows:
                 raise ValueError(f"{where}.input_ids has {tokens} tokens of id {token} but {grid_key} "
                                  f"{grid.tolist()} needs {rows // (merge * merge)} (t h w / {merge}^2 each)")
+        # each image's (video frame's) tokens one run after a vision-start token, video timing
+        check_vision_inputs(sample, vision, entry.get("image_grid_thw"), entry.get("video_grid_thw"),
+                            entry.get("second_per_grid_ts"), sample=i)
 
 
 def vision_batch(mb: TensorDictBase, inputs: ModelInputs, vision: VisionConfig) -> VisionBatch:
