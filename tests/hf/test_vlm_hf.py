@@ -393,64 +393,6 @@ def test_convert_round_trip_with_tower(tmp_path):
         assert (tmp_path / "back" / name).read_text() == (tmp_path / "qwen3_vl_moe" / name).read_text()
 
 
-# ----------------------------------------------------------------------------- log-probs end to end
-LOGPROB_KINDS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
-IMAGES = (1, 0, 2)  # images per sample
-
-
-def _hf_log_probs(kind: str, path, batch) -> list[torch.Tensor]:
-    """transformers' per-sample log-probs of the next token (fp32, eager one sample at a time)."""
-    model = V.model_class(kind).from_pretrained(path, dtype=torch.float32).eval()
-    out = []
-    for i, ids in enumerate(batch["input_ids"].unbind()):
-        mm = batch["multi_modal_inputs"][i]
-        mm = mm.data if hasattr(mm, "data") else mm
-        kw = {} if mm is None else dict(pixel_values=mm["pixel_values"], image_grid_thw=mm["image_grid_thw"])
-        kw["mm_token_type_ids"] = V.mm_token_type_ids(ids[None])
-        with torch.no_grad():
-            logits = model(input_ids=ids[None], **kw).logits[0]
-        out.append(logits[:-1].log_softmax(-1).gather(-1, ids[1:, None])[:, 0])
-    return out
-
-
-def _engine_log_probs(rank: int, world_size: int, root) -> None:
-    from mcore_engine import MegatronEngine
-    from mcore_engine.config import EngineConfig, ParallelConfig
-    from mcore_engine.hf.hf_config import from_hf_config, read_hf_config
-    from mcore_engine.parallel.platform import destroy_distributed
-    from tests.utils import assert_rel_close
-
-    ref = torch.load(root / "reference.pt", weights_only=False)
-    for kind in LOGPROB_KINDS:
-        path = root / kind
-        model = from_hf_config(read_hf_config(path), hf_path=str(path))
-        layout = ParallelConfig(tensor_model_parallel_size=2)
-        engine = MegatronEngine(EngineConfig(model=model, parallel=layout))
-        engine.initialize()
-        out = engine.infer_batch(ref[kind]["batch"])["log_probs"]
-        for i, want in enumerate(ref[kind]["log_probs"]):
-            assert_rel_close(out[i][:-1], want, 1e-4, f"{kind} sample {i} ({IMAGES[i]} images) rank {rank}")
-        del engine
-        destroy_distributed()
-
-
-@pytest.mark.slow  # four engine builds on 2 ranks
-def test_engine_log_probs_match_transformers_with_images(tmp_path):
-    """An engine built from each tiny folder by hf_path alone (TP=2) gives transformers' log-probs on a
-    batch of 1, 0 and 2 images per sample (fp32, rel 1e-4): config, tower and mRoPE as the folder says."""
-    from tests.utils import run_distributed
-    from tests.vlm_batches import SIZES, image_batch
-
-    ref = {}
-    for i, kind in enumerate(LOGPROB_KINDS):
-        path = V.tiny_vlm_folder(kind, tmp_path / kind, seed=40 + i, tokenizer=False)
-        sizes = {"qwen3_5": ((8, 8), (12, 8), (8, 16))}.get(kind, SIZES)  # its patches are 2 pixels
-        batch = image_batch(json.loads((path / "config.json").read_text()), IMAGES, seed=i, sizes=sizes)
-        ref[kind] = {"batch": batch, "log_probs": _hf_log_probs(kind, path, batch)}
-    torch.save(ref, tmp_path / "reference.pt")
-    run_distributed(_engine_log_probs, 2, tmp_path)
-
-
 @pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl_moe", "qwen3_5_moe"])
 def test_names_without_a_folder_are_the_released_ones(kind, folders):
     """A vision-language model with no hf_path streams (and exports) the released folders' names and
