@@ -5,6 +5,7 @@ the vision tokens; ``config.json`` <-> ``ModelConfig.vision``; tower names / lay
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -198,7 +199,7 @@ def test_config_hub_flat_qwen2_5_vl_and_refusals():
                                          ("qwen3_vl_moe", "transformers"), ("qwen3_vl_moe", "per_expert"),
                                          ("qwen3_5", "hub"), ("qwen3_5_moe", "hub"),
                                          ("qwen3_5_moe", "transformers")])
-def test_names_read_and_streamed_back(kind, layout, tmp_path):
+def test_names_read_and_streamed_back(kind, layout, tmp_path, caplog):
     """Every folder tensor (tower included) is placed and read by the engine's names; folder_stream of
     what was read gives the folder's names, layout and values; without ModelConfig.vision the tower is
     kept out (and still copied by export)."""
@@ -233,10 +234,15 @@ def test_names_read_and_streamed_back(kind, layout, tmp_path):
 
     text = from_hf_config(read_hf_config(path), hf_path=str(path), vision=None)
     prefix = V.VISION_PREFIX[kind]
-    with HFCheckpointReader(path) as raw, FolderReader(raw) as reader:
+    with (HFCheckpointReader(path) as raw, caplog.at_level(logging.INFO, logger="mcore_engine.hf.folder"),
+          FolderReader(raw) as reader):
         assert sorted(reader.names()) == sorted(hf_shapes(text))
         assert sorted(kept_out_names(raw)) == sorted(n for n in source if n.startswith(prefix))
     assert not any(n.startswith(prefix) for n in hf_stream_shapes(text))
+    said = [r.getMessage() for r in caplog.records if "kept out of the engine" in r.getMessage()]
+    tower = sum(n.startswith(prefix) for n in source)
+    assert said == [f"hf_path: {tower} tensors ({prefix}*) kept out of the engine: only the language model "
+                    "is loaded"]
 
 
 # ------------------------------------------------------------------------------------------ engine
