@@ -27,14 +27,17 @@ backend, no torchvision) into ``multi_modal_inputs`` as verl sends them. Rows:
 - per image configuration, ``tower trained`` (the default) and ``tower frozen``.
 
 Every row runs in a fresh ``torchrun`` (``--worker``): one warm-up step on the row's batch, then
-``--repeats`` steps, the last measured for memory. ``step s`` = the fastest step's process CPU time
-(and the fastest wall time; one thread): on a shared machine contention only adds time; tokens/s =
-all tokens (text + visual) per CPU second; ``tower fwd s``: CPU time inside the tower's forward
-(fastest step; its backward is the rest of the trained row's extra time). ``peak MB``: VmHWM - RSS
-around the last step with ``MALLOC_MMAP_THRESHOLD_=65536`` (CUDA: ``max_memory_allocated`` above the
-allocated bytes); ``saved MB``: the activations autograd saved for backward in that step (distinct
-non-parameter storages, ``saved_tensors_hooks``; exact). ``x text``: the row's figure over the text
-row's of the same length.
+``--repeats`` steps, the last measured for memory; an image row's process also warms up and runs
+``--repeats`` steps of the text batch of the same length on the same engine, alternating with its
+own. ``step s`` = the fastest step's process CPU time (and the fastest wall time; one thread): on a
+shared machine contention only adds time; ``x text`` (time) = that over the fastest text step of
+the same process (both timed side by side, so a busy spell moves both); tokens/s = all tokens (text
++ visual) per CPU second; ``tower fwd s``: CPU time inside the tower's forward (fastest step; the
+tower's backward is most of the rest of the trained row's extra time). ``peak MB``: VmHWM - RSS
+around the last step with ``MALLOC_MMAP_THRESHOLD_=65536`` (CUDA: ``max_memory_allocated`` above
+the allocated bytes); ``saved MB``: the activations autograd saved for backward in that step
+(distinct non-parameter storages, ``saved_tensors_hooks``; exact); their ``x text``: over the text
+row's (its own process) of the same length.
 """
 
 from __future__ import annotations
@@ -168,7 +171,8 @@ def _loss(outputs, data, ctx):
 
 def worker(kind: str, index: int, freeze: bool, args: argparse.Namespace) -> dict:
     """One rank: ``train_batch`` on the ``kind`` ("text" / "image") batch of image configuration
-    ``index`` (module docstring); ``freeze``: ``model.freeze_vision_tower``."""
+    ``index`` (module docstring); ``freeze``: ``model.freeze_vision_tower``. An image row also times
+    the text batch of the same length on the same engine, alternating with its own steps."""
     import torch
 
     from mcore_engine import MegatronEngine
@@ -177,41 +181,50 @@ def worker(kind: str, index: int, freeze: bool, args: argparse.Namespace) -> dic
     h, w, n = image
     seq_len = args.text_tokens + n * visual_tokens(h, w)
     args.text_len = seq_len
-    batch = make_batch(args, image if kind == "image" else None, seed=index)
+    text = make_batch(args, None, seed=index)
+    batch = text if kind == "text" else make_batch(args, image, seed=index)
     engine = MegatronEngine(engine_config(args, seq_len, freeze))
     engine.initialize()
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    engine.train_batch(batch, _loss)  # warm-up
-    tower_s: list[float] = []
     (chunk,) = engine.model
     tower = chunk.module.vision
-    wall, cpu, tower_cpu, start = [], [], [], []
-    tower.register_forward_pre_hook(lambda *_: start.append(time.process_time()))
-    tower.register_forward_hook(lambda *_: tower_cpu.append(time.process_time() - start.pop()))
+    inside: list[float] = []  # CPU time in the tower's forward calls of one step
+    tower.register_forward_pre_hook(lambda *_: inside.append(-time.process_time()))
+    tower.register_forward_hook(lambda *_: inside.append(inside.pop() + time.process_time()))
+    times: dict[int, dict[str, list[float]]] = {id(b): {"wall": [], "cpu": [], "tower": []}
+                                                for b in (text, batch)}
 
-    def step() -> None:
+    def run(b) -> None:
         sync()
-        tower_cpu.clear()
+        inside.clear()
         t, c = time.perf_counter(), time.process_time()
-        engine.train_batch(batch, _loss)
+        engine.train_batch(b, _loss)
         sync()
-        wall.append(time.perf_counter() - t)
-        cpu.append(time.process_time() - c)
-        tower_s.append(sum(tower_cpu))
+        got = times[id(b)]
+        got["wall"].append(time.perf_counter() - t)
+        got["cpu"].append(time.process_time() - c)
+        got["tower"].append(sum(inside))
 
+    engine.train_batch(batch, _loss)  # warm-up
+    if batch is not text:
+        engine.train_batch(text, _loss)
     for _ in range(args.repeats - 1):
-        step()
-    peak, saved_mb = measured_step(engine, step)
+        if batch is not text:
+            run(text)
+        run(batch)
+    if batch is not text:
+        run(text)
+    peak, saved_mb = measured_step(engine, lambda: run(batch))
+    mine, same = times[id(batch)], times[id(text)]
     ids = torch.cat(list(batch["input_ids"].unbind(0)))
     visual = int((ids == engine.config.model.vision.image_token_id).sum())
     return {"kind": kind, "index": index, "freeze": freeze, "text_tokens": int(ids.numel()) - visual,
-            "visual_tokens": visual, "wall_s": min(wall), "cpu_s": min(cpu),
-            "tower_s": min(tower_s), "step_cpu_s": cpu,
-            "peak_mb": peak, "saved_mb": saved_mb,
+            "visual_tokens": visual, "wall_s": min(mine["wall"]), "cpu_s": min(mine["cpu"]),
+            "tower_s": min(mine["tower"]), "text_cpu_s": min(same["cpu"]), "steps_cpu_s": mine["cpu"],
+            "text_steps_cpu_s": same["cpu"], "peak_mb": peak, "saved_mb": saved_mb,
             "params": sum(p.numel() for p in chunk.module.parameters()),
             "tower_params": sum(p.numel() for p in tower.parameters()),
-            "tower_trainable": sum(p.numel() for p in tower.parameters() if p.requires_grad),
             "device": "cuda" if cuda else "cpu"}
 
 
@@ -233,7 +246,8 @@ def row_plan(images: list[tuple[int, int, int]], text_tokens: int) -> list[tuple
 
 
 def table_rows(results: list[dict], images: list[tuple[int, int, int]]) -> list[list[str]]:
-    """One row per result (in order); ratios against the text row of the same total token count."""
+    """One row per result (in order): the time ratio against the text steps of the row's process, the
+    memory ratios against the text row of the same total token count."""
     def total(r: dict) -> int:
         return r["text_tokens"] + r["visual_tokens"]
 
@@ -246,7 +260,7 @@ def table_rows(results: list[dict], images: list[tuple[int, int, int]]) -> list[
         else:
             config, tower = image_label(*images[r["index"]]), "frozen" if r["freeze"] else "trained"
         rows.append([config, tower, f"{r['text_tokens']} / {r['visual_tokens']}", f"{r['cpu_s']:.2f}",
-                     f"{r['cpu_s'] / base['cpu_s']:.2f}", f"{r['wall_s']:.2f}", f"{r['tower_s']:.3f}",
+                     f"{r['cpu_s'] / r['text_cpu_s']:.2f}", f"{r['wall_s']:.2f}", f"{r['tower_s']:.3f}",
                      f"{total(r) / r['cpu_s']:.0f}",
                      f"{r['peak_mb']:.1f}", f"{r['peak_mb'] / max(base['peak_mb'], 1e-9):.2f}",
                      f"{r['saved_mb']:.1f}", f"{r['saved_mb'] / max(base['saved_mb'], 1e-9):.2f}"])
@@ -337,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.tower_hidden} ({args.tower_heads} heads, MLP {args.tower_ffn}), windows of 112 px but the "
           f"last block (full attention), patch 14, merge 2; {r['params'] / 1e6:.2f}M params of which tower "
           f"{r['tower_params'] / 1e6:.2f}M; device {r['device']}; fastest of {args.repeats} step(s) after a "
-          f"warm-up, tokens/s from CPU time; x text: over the text-only row of the same token count")
+          f"warm-up, tokens/s from CPU time; x text: time over the text steps of the same length in the "
+          f"same process, memory over the text-only row")
     print(format_table(COLUMNS, table_rows(results, args.images), args.markdown, right=not args.markdown))
     return 0
 
