@@ -292,7 +292,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tower-hidden", type=_positive, default=256)
     p.add_argument("--tower-heads", type=_positive, default=4)
     p.add_argument("--tower-ffn", type=_positive, default=688)
-    p.add_argument("--repeats", type=_positive, default=3,
+    p.add_argument("--repeats", type=_positive, default=2,
                    help="timed steps per row (the fastest reported, the last measured for memory)")
     p.add_argument("--quick", action="store_true", help="a tiny model and batch (seconds per row)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per row")
