@@ -193,3 +193,74 @@ def test_bench_hybrid_quick_runs_and_prints_tables():
     fp32, bf16 = gap[1], gap[2]
     assert float(fp32[2]) < 1e-4 and float(fp32[4]) < 1e-4, f"fp32 train / decode gap: {fp32}"
     assert 0 <= float(bf16[3]) <= float(bf16[2]) < 0.5, bf16
+
+
+def test_vlm_rows_plan_and_ratios_against_text():
+    import bench_vlm
+
+    images = bench_vlm.parse_images("224:4,448:1,112x224:2")
+    assert images == [(224, 224, 4), (448, 448, 1), (112, 224, 2)]
+    assert [bench_vlm.visual_tokens(h, w) for h, w, _ in images] == [64, 256, 32]
+    with pytest.raises(SystemExit):
+        bench_vlm.parse_args(["--images", "100:1"])  # not a multiple of 28
+    with pytest.raises(SystemExit):
+        bench_vlm.parse_args(["--images", "224:0"])
+    with pytest.raises(SystemExit):
+        bench_vlm.parse_args(["--images", "224:4", "--text-tokens", "12"])  # 4 start / end pairs + text
+    # 224:4 and 448:1 have the same length (128 + 256): one text row for both; 112x224:2 its own
+    plan = bench_vlm.row_plan(images, 128)
+    assert plan == [("text", 0, False), ("text", 2, False), ("image", 0, False), ("image", 0, True),
+                    ("image", 1, False), ("image", 1, True), ("image", 2, False), ("image", 2, True)]
+
+    def res(kind, index, freeze, text, visual, cpu, peak, saved):
+        return {"kind": kind, "index": index, "freeze": freeze, "text_tokens": text, "visual_tokens": visual,
+                "cpu_s": cpu, "text_cpu_s": {0: 2.0, 2: 1.0}[index] * (1.25 if kind == "image" else 1),
+                "wall_s": cpu + 1, "tower_s": 0.0 if kind == "text" else cpu / 4,
+                "peak_mb": peak, "saved_mb": saved}
+
+    results = [res("text", 0, False, 1536, 0, 2.0, 100.0, 80.0),
+               res("text", 2, False, 768, 0, 1.0, 50.0, 40.0),
+               res("image", 0, False, 512, 1024, 3.0, 150.0, 160.0),
+               res("image", 0, True, 512, 1024, 2.5, 110.0, 80.0),
+               res("image", 2, True, 512, 256, 0.5, 40.0, 20.0)]
+    rows = bench_vlm.table_rows(results, images)
+    assert all(len(r) == len(bench_vlm.COLUMNS) for r in rows)
+    assert [r[:3] for r in rows] == [["text only", "idle", "1536 / 0"], ["text only", "idle", "768 / 0"],
+                                     ["4 x 224x224", "trained", "512 / 1024"],
+                                     ["4 x 224x224", "frozen", "512 / 1024"],
+                                     ["2 x 112x224", "frozen", "512 / 256"]]
+    # step s, x text (over the text steps of the row's process), wall, tower fwd, tokens/s, peak, x text,
+    # saved, x text (over the text row of that length)
+    assert rows[2][3:] == ["3.00", "1.20", "4.00", "0.750", "512", "150.0", "1.50", "160.0", "2.00"]
+    assert rows[4][3:] == ["0.50", "0.40", "1.50", "0.125", "1536", "40.0", "0.80", "20.0", "0.50"]
+    assert rows[0][4] == rows[0][9] == rows[0][11] == "1.00" and rows[0][6] == "0.000"
+
+
+@pytest.mark.slow
+def test_bench_vlm_quick_runs_and_prints_table():
+    """``tools/bench_vlm.py --quick``: the text row and one image configuration trained and frozen,
+    every figure parses, the image rows hold visual tokens and the same total as the text row, and the
+    frozen tower keeps fewer activations for backward than the trained one."""
+    import bench_vlm
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    script = os.path.join(REPO, "tools", "bench_vlm.py")
+    proc = subprocess.run([sys.executable, script, "--quick", "--markdown"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("machine:") and "cores" in line for line in lines)
+    assert any(line.startswith("versions:") and "transformers" in line for line in lines)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("| ")]
+    assert rows[0] == bench_vlm.COLUMNS
+    text, trained, frozen = rows[1:]
+    assert [r[:2] for r in rows[1:]] == [["text only", "idle"], ["1 x 112x112", "trained"],
+                                        ["1 x 112x112", "frozen"]]
+    counts = [[int(n) for n in r[2].split(" / ")] for r in rows[1:]]
+    assert counts[0][1] == 0 and counts[1] == counts[2] and counts[1][1] == 16 * 2  # 2 samples x 16 tokens
+    assert sum(counts[0]) == sum(counts[1]), "the text row must hold as many tokens as the image rows"
+    for row in rows[1:]:
+        assert all(float(c) > 0 for i, c in enumerate(row[3:], 3) if i != 6), row
+    assert text[4] == text[9] == text[11] == "1.00"
+    assert float(text[6]) == 0 and float(trained[6]) > 0, "the tower runs on image batches only"
+    assert float(frozen[10]) < float(trained[10]), f"saved MB: {frozen[10]} frozen, {trained[10]} trained"

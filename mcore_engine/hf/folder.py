@@ -189,7 +189,9 @@ class FolderReader:
             projs = ("gate_proj", "up_proj") if fused[2] == "gate_up_proj" else ("down_proj",)
             self._names += [f"{fused[1]}.{e}.{p}.weight" for e in range(shape[0]) for p in projs]
         if kept_out:
-            towers = sorted({"mtp" if n.startswith("mtp.") else ".".join(n.split(".")[:2]) for n in kept_out})
+            vision = self.format.vision_prefix
+            towers = sorted({"mtp" if n.startswith("mtp.") else vision[:-1] if n.startswith(vision)
+                             else ".".join(n.split(".")[:2]) for n in kept_out})
             _LOG.info("hf_path: %d tensors (%s) kept out of the engine: only the language model is loaded",
                       len(kept_out), ", ".join(f"{t}.*" for t in towers))
 

@@ -362,6 +362,9 @@ def to_hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
     if cfg.rotary_percent != 1.0 and family.rope != "partial":
         raise ValueError(f"ModelConfig.rotary_percent: partial RoPE maps to GLM-4.5 only (MoE with sigmoid "
                          f"scores); this model maps to {name}")
+    if cfg.head == "value" and cfg.vision is not None:
+        raise ValueError("model.head: a value head on a vision-language model (model.vision) has no Hugging "
+                         "Face class here")
     if cfg.head == "value" and not family.value_head:
         raise ValueError(f"model.head: a value head on a {name} model has no Hugging Face class here")
     if base is not None and hf_family(base) != name:

@@ -5,6 +5,7 @@ the vision tokens; ``config.json`` <-> ``ModelConfig.vision``; tower names / lay
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -186,6 +187,8 @@ def test_config_hub_flat_qwen2_5_vl_and_refusals():
             from_hf_config({k: v for k, v in nested.items() if k != key})
     with pytest.raises(ValueError, match="model.vision.model_type"):  # Qwen2.5-VL's text model has no QK-norm
         family_of(dataclasses.replace(cfg, qk_layernorm=True, add_qkv_bias=False))
+    with pytest.raises(ValueError, match="model.head"):
+        to_hf_config(dataclasses.replace(cfg, head="value"), base=nested)
     moe = from_hf_config(V.hf_config_dict("qwen3_vl_moe"))
     with pytest.raises(ValueError, match="router_pre_softmax"):
         to_hf_config(dataclasses.replace(moe, moe=dataclasses.replace(moe.moe, router_pre_softmax=True)))
@@ -196,7 +199,7 @@ def test_config_hub_flat_qwen2_5_vl_and_refusals():
                                          ("qwen3_vl_moe", "transformers"), ("qwen3_vl_moe", "per_expert"),
                                          ("qwen3_5", "hub"), ("qwen3_5_moe", "hub"),
                                          ("qwen3_5_moe", "transformers")])
-def test_names_read_and_streamed_back(kind, layout, tmp_path):
+def test_names_read_and_streamed_back(kind, layout, tmp_path, caplog):
     """Every folder tensor (tower included) is placed and read by the engine's names; folder_stream of
     what was read gives the folder's names, layout and values; without ModelConfig.vision the tower is
     kept out (and still copied by export)."""
@@ -231,10 +234,15 @@ def test_names_read_and_streamed_back(kind, layout, tmp_path):
 
     text = from_hf_config(read_hf_config(path), hf_path=str(path), vision=None)
     prefix = V.VISION_PREFIX[kind]
-    with HFCheckpointReader(path) as raw, FolderReader(raw) as reader:
+    with (HFCheckpointReader(path) as raw, caplog.at_level(logging.INFO, logger="mcore_engine.hf.folder"),
+          FolderReader(raw) as reader):
         assert sorted(reader.names()) == sorted(hf_shapes(text))
         assert sorted(kept_out_names(raw)) == sorted(n for n in source if n.startswith(prefix))
     assert not any(n.startswith(prefix) for n in hf_stream_shapes(text))
+    said = [r.getMessage() for r in caplog.records if "kept out of the engine" in r.getMessage()]
+    tower = sum(n.startswith(prefix) for n in source)
+    assert said == [f"hf_path: {tower} tensors ({prefix}*) kept out of the engine: only the language model "
+                    "is loaded"]
 
 
 # ------------------------------------------------------------------------------------------ engine
@@ -389,3 +397,21 @@ def test_convert_round_trip_with_tower(tmp_path):
     assert all(torch.equal(back[n], t) for n, t in source.items())
     for name in ("preprocessor_config.json", "tokenizer.json"):
         assert (tmp_path / "back" / name).read_text() == (tmp_path / "qwen3_vl_moe" / name).read_text()
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl_moe", "qwen3_5_moe"])
+def test_names_without_a_folder_are_the_released_ones(kind, folders):
+    """A vision-language model with no hf_path streams (and exports) the released folders' names and
+    expert layout: those of the tiny folder (written in the Hub's layout)."""
+    import dataclasses
+
+    from safetensors import safe_open
+
+    from mcore_engine.hf.hf_config import from_hf_config, read_hf_config
+    from mcore_engine.hf.mapping import hf_stream_shapes
+
+    path = folders[kind]
+    cfg = dataclasses.replace(from_hf_config(read_hf_config(path)), hf_path=None)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        released = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+    assert sorted(hf_stream_shapes(cfg).items()) == sorted(released.items())

@@ -96,7 +96,8 @@ def hf_config(kind: str, **text_overrides: Any):
         vl = "qwen3_5_vl" if kind == "qwen3_5" else "qwen3_5_moe_vl"
         rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                 "mrope_section": list(QWEN3_5_MROPE_SECTION), "mrope_interleaved": True}
-        text = Q.text_fields(vl) | dict(vocab_size=VOCAB, rope_parameters=rope, **TOKENS) | text_overrides
+        text = Q.text_fields(vl) | dict(vocab_size=VOCAB, rope_parameters=rope, max_position_embeddings=512,
+                                        **TOKENS) | text_overrides
         cls = T.Qwen3_5Config if kind == "qwen3_5" else T.Qwen3_5MoeConfig
         cfg = cls(text_config=text, vision_config=Q._VISION, tie_word_embeddings=False, **top)
         return cfg
