@@ -7,8 +7,9 @@ images of several sizes through the folder's image processor, 0 / 1 / 2 images p
 with sequence parallelism, packed (thd), against ``ForConditionalGeneration`` in float64 one sample at
 a time (its 3-D positions from ``mm_token_type_ids``): log-probs and entropy at temperature 0.8, fp32
 1e-4; bf16 within bf16's tolerance of the float64 model. The engine computes the positions itself.
-The Qwen2.5-VL batch also holds a sample with an image and a 2-frame video (``second_per_grid_ts``
-1.5 s: its time axis spaced by ``tokens_per_second``).
+The Qwen2.5-VL and Qwen3-VL batches also hold a sample with an image and a video of two temporal
+patches (Qwen2.5-VL: one run, ``second_per_grid_ts`` 1.5 s; Qwen3-VL: a run per frame after its
+timestamp).
 """
 
 from __future__ import annotations
@@ -50,9 +51,11 @@ def _reference(folder, hf_config: dict, batch) -> tuple[list[torch.Tensor], list
     return log_probs, entropies
 
 
-def _with_video(batch, hf_config: dict):
-    """``batch`` plus a sample holding a random video (``video_grid_thw`` [[2, 4, 4]], 1.5 s per
-    temporal grid) after an image: the video's time axis spaced by ``tokens_per_second``."""
+def _with_video(batch, hf_config: dict, per_frame: bool):
+    """``batch`` plus a sample holding a random video (``video_grid_thw`` [[2, 4, 4]]) after an image.
+    Qwen2.5-VL: one run of video tokens, 1.5 s per temporal grid (``second_per_grid_ts``: the time
+    axis spaced by ``tokens_per_second``); Qwen3-VL (``per_frame``): each temporal patch its own run
+    after a timestamp (random text here) and ``<|vision_start|>``, as its processor writes it."""
     from tensordict import NonTensorData, NonTensorStack, TensorDict
 
     from mcore_engine.data.multimodal import sample_entries
@@ -65,11 +68,15 @@ def _with_video(batch, hf_config: dict):
     text = lambda n: torch.randint(3, 200, (n,), generator=g)  # noqa: E731
     ids = torch.cat([text(4), torch.tensor([hf_config["vision_start_token_id"]]),
                      torch.full((int(image["image_grid_thw"].prod()) // 4,), hf_config["image_token_id"]),
-                     torch.tensor([hf_config["vision_end_token_id"], hf_config["vision_start_token_id"]]),
-                     torch.full((8,), hf_config["video_token_id"]),
-                     torch.tensor([hf_config["vision_end_token_id"]]), text(5)])
-    entry = {**image, "pixel_values_videos": torch.randn(32, width, generator=g), "video_grid_thw": grid,
-             "second_per_grid_ts": torch.tensor([1.5])}
+                     torch.tensor([hf_config["vision_end_token_id"]]),
+                     *[torch.cat([text(2) if per_frame else text(0),
+                                  torch.tensor([hf_config["vision_start_token_id"]]),
+                                  torch.full((4 if per_frame else 8,), hf_config["video_token_id"]),
+                                  torch.tensor([hf_config["vision_end_token_id"]])])
+                       for _ in range(2 if per_frame else 1)], text(5)])
+    entry = {**image, "pixel_values_videos": torch.randn(32, width, generator=g), "video_grid_thw": grid}
+    if not per_frame:
+        entry["second_per_grid_ts"] = torch.tensor([1.5])
     rows = list(batch["input_ids"].unbind()) + [ids]
     entries = sample_entries(batch) + [entry]
     new = TensorDict({"input_ids": torch.nested.nested_tensor(rows, layout=torch.jagged)},
@@ -89,8 +96,8 @@ def _check(rank: int, world_size: int, root: str) -> None:
         folder = Path(root) / kind
         hf_config = read_hf_config(folder)
         batch = image_batch(hf_config, IMAGES, seed=7)
-        if kind == "qwen2_5_vl":  # and a video (2 frames of 56 x 56) after an image
-            batch = _with_video(batch, hf_config)
+        if kind in ("qwen2_5_vl", "qwen3_vl"):  # and a video (2 temporal patches of 4 x 4) after an image
+            batch = _with_video(batch, hf_config, per_frame=kind == "qwen3_vl")
         batch.set_non_tensor("calculate_entropy", True)
         batch.set_non_tensor("temperature", TEMPERATURE)
         ref_lp, ref_ent = _reference(folder, hf_config, batch)
