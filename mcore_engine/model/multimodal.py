@@ -33,7 +33,7 @@ from mcore_engine.data.multimodal import VisionBatch
 from mcore_engine.layers.mrope import MultimodalRotaryEmbedding
 from mcore_engine.layers.vision_tower import build_vision_tower, run_vision_tower
 
-__all__ = ["MultimodalGPTModel", "vision_tower_of"]
+__all__ = ["MultimodalGPTModel"]
 
 
 class MultimodalGPTModel(GPTModel):
@@ -127,10 +127,3 @@ class MultimodalGPTModel(GPTModel):
         finally:
             self._deepstack = None
 
-
-def vision_tower_of(chunk: torch.nn.Module) -> torch.nn.Module | None:
-    """The vision tower of a (possibly wrapped) model chunk; None off the first stage or for a text
-    model."""
-    while hasattr(chunk, "module") and not isinstance(chunk, MultimodalGPTModel):
-        chunk = chunk.module
-    return getattr(chunk, "vision", None) if isinstance(chunk, MultimodalGPTModel) else None
