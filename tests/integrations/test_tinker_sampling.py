@@ -242,6 +242,8 @@ def test_put_random_weights_and_bad_state_dicts(model_dir, hf):
         s.put("m", "d", {**sd, "model.extra.weight": torch.zeros(1)})
     with pytest.raises(ValueError, match="missing"):
         s.put("m", "d", {k: v for k, v in sd.items() if k != "lm_head.weight"})
+    with pytest.raises(ValueError, match="does not match"):
+        s.put("m", "d", {**sd, "lm_head.weight": torch.zeros(VOCAB + 1, 32)})
     with pytest.raises(ValueError, match="checkpoint_id"):
         s.put("m", "", sd)
     assert s.loaded == [("m", "c")]
@@ -297,20 +299,56 @@ def test_sampler_archives_peft_hf_marker(model_dir, hf, tmp_path):
     check_against(hf, PROMPT, out["e"].sequences[0], greedy=True)  # the base: adapters disabled
 
 
-def test_lru_eviction_and_drop(model_dir, hf):
+def _noisy(hf, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in hf.state_dict().items()}
+
+
+def test_lru_eviction_reuse_and_drop(model_dir, hf):
+    """At most cfg.sampler_cache_size models; a put into a full cache overwrites the least recently used
+    model in place, and every kept model still samples from its own weights."""
     s = Sampler(model_dir, McoreBackendConfig(sampler_cache_size=2))
-    sd = hf.state_dict()
+    sds = {c: _noisy(hf, i) for i, c in enumerate(("c1", "c2", "c3", "c4"))}
     for c in ("c1", "c2", "c3"):
-        s.put("m", c, sd)
+        s.put("m", c, sds[c])
     assert s.loaded == [("m", "c2"), ("m", "c3")]
     out = run(s, a=req(model_id="m", ckpt="c1"), b=req(model_id="m", ckpt="c2"))
     assert isinstance(out["a"], types.ErrorResponse) and "'c1'" in out["a"].error
     assert isinstance(out["b"], types.SampleOutput)
     assert s.loaded == [("m", "c3"), ("m", "c2")]  # sampling c2 made it the most recent
-    s.put("x", "c4", sd)
+    s.put("x", "c4", sds["c4"])
     assert s.loaded == [("m", "c2"), ("x", "c4")]
+    s.put("x", "c4", sds["c4"])  # the same key again: replaced, nothing evicted
+    assert s.loaded == [("m", "c2"), ("x", "c4")]
+    out = run(s, b=req(model_id="m", ckpt="c2", seed=1), d=req(model_id="x", ckpt="c4", seed=1))
+    for rid, c in (("b", "c2"), ("d", "c4")):
+        ref = copy.deepcopy(hf)
+        ref.load_state_dict(sds[c])
+        check_against(ref, PROMPT, out[rid].sequences[0])
     s.drop("m")
     assert s.loaded == [("x", "c4")]
+
+
+def test_put_into_a_tied_model(model_dir, tmp_path):
+    """A tied base takes a state dict without lm_head.weight (the engine's export of a tied model)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    folder = tmp_path / "models" / "tied"
+    shutil.copytree(model_dir, folder)
+    cfg = Qwen2Config.from_pretrained(folder)
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    tied = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    s = Sampler(str(folder), McoreBackendConfig())
+    sd = {k: v for k, v in _noisy(tied, 2).items() if k != "lm_head.weight"}
+    s.put("m", "c", sd)
+    seq = run(s, a=req(model_id="m", ckpt="c", temperature=0.0))["a"].sequences[0]
+    tied.load_state_dict(sd, strict=False)
+    assert torch.equal(tied.lm_head.weight, sd["model.embed_tokens.weight"])
+    check_against(tied, PROMPT, seq, greedy=True)
 
 
 def test_bad_input_gives_an_error_per_request(sampler):

@@ -123,6 +123,7 @@ class Sampler:
         eos.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
         self.eos_ids = frozenset(eos)
         self._cache: OrderedDict[tuple[str, str], torch.nn.Module] = OrderedDict()
+        self._names = frozenset(self.base.state_dict())
 
     # --- weights ----------------------------------------------------------------------------------
 
@@ -134,19 +135,30 @@ class Sampler:
     def put(self, model_id: str, checkpoint_id: str, state_dict: dict[str, torch.Tensor]) -> None:
         """Keep ``state_dict`` (HF names, LoRA merged, any dtype: copied into fp32) as the sampler model
         of ``(model_id, checkpoint_id)``, evicting the least recently used beyond
-        ``cfg.sampler_cache_size``. ValueError on names the base model does not have, or missing ones
-        (other than a tied ``lm_head.weight``). Memory: one fp32 copy of the base."""
+        ``cfg.sampler_cache_size``. ValueError on names the base model does not have, missing ones
+        (other than a tied ``lm_head.weight``) or other shapes. Memory: at most
+        ``cfg.sampler_cache_size`` fp32 copies of the base; a full cache's least recently used model is
+        overwritten in place (no extra copy), so a failed put can cost that entry."""
         if not model_id or not checkpoint_id:
             raise ValueError(f"model_id and checkpoint_id must be non-empty, got {model_id!r}, "
                              f"{checkpoint_id!r}")
-        model = copy.deepcopy(self.base)
-        with torch.no_grad():
-            missing, unexpected = model.load_state_dict(state_dict, strict=False)
         allowed = {"lm_head.weight"} if self.tied else set()
-        if unexpected or set(missing) - allowed:
+        unexpected, missing = set(state_dict) - self._names, self._names - set(state_dict) - allowed
+        if unexpected or missing:
             raise ValueError(f"state_dict does not match the base model: unexpected "
-                             f"{sorted(unexpected)[:5]}, missing {sorted(set(missing) - allowed)[:5]}")
-        self._remember((model_id, checkpoint_id), model)
+                             f"{sorted(unexpected)[:5]}, missing {sorted(missing)[:5]}")
+        key = (model_id, checkpoint_id)
+        model = self._cache.pop(key, None)
+        if model is None and len(self._cache) >= self.cfg.sampler_cache_size:
+            model = self._cache.popitem(last=False)[1]
+        if model is None or type(model) is not type(self.base):
+            model = copy.deepcopy(self.base)
+        try:
+            with torch.no_grad():
+                model.load_state_dict(state_dict, strict=False)
+        except RuntimeError as e:  # a shape mismatch
+            raise ValueError(f"state_dict does not match the base model: {e}") from e
+        self._remember(key, model)
 
     def drop(self, model_id: str) -> None:
         """Forget every sampler model of ``model_id``."""
