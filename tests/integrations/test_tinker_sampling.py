@@ -16,7 +16,13 @@ import pytest
 import torch
 
 from mcore_engine.integrations.tinker.config import McoreBackendConfig
-from mcore_engine.integrations.tinker.sampling import MARKER, Sampler, filter_logits, types  # skyrl's types
+from mcore_engine.integrations.tinker.sampling import (  # types: skyrl's
+    MARKER,
+    Sampler,
+    filter_logits,
+    sampler_checkpoint_id,
+    types,
+)
 from tests.integrations.tinker_setup import VOCAB, tiny_tinker_model, tokenizer_roundtrip
 
 PROMPT = [1, 90, 260, 45, 77, 12, 200, 33, 150]
@@ -281,6 +287,8 @@ def test_sampler_archives_peft_hf_marker(model_dir, hf, tmp_path):
     _archive(str(base / "full" / "sampler_weights" / "s2.tar.gz"), str(tmp_path / "hf"))
     _archive(str(base / "full" / "sampler_weights" / "s3.tar.gz"), marker=True)
 
+    assert sampler_checkpoint_id(base / "lora" / "sampler_weights" / "s1.tar.gz") == "s1"
+    assert sampler_checkpoint_id("x/sampler_weights/s1") == "s1"
     s = Sampler(model_dir, McoreBackendConfig(sampler_cache_size=2))
     out = run(s, base, a=req(model_id="lora", ckpt="s1", temperature=0.0, max_tokens=6, plp=True),
               b=req(model_id="full", ckpt="s2", n=2, seed=1, max_tokens=6),

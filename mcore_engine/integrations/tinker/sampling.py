@@ -47,13 +47,21 @@ from skyrl.tinker import types  # noqa: E402
 
 from mcore_engine.integrations.tinker.config import McoreBackendConfig  # noqa: E402
 
-MARKER = "MARKER"
+MARKER = "MARKER"  # the only file of a persist=False full-FT sampler archive
+
+
+def sampler_checkpoint_id(output_path: str | os.PathLike) -> str:
+    """The checkpoint id of a sampler archive path (``.../sampler_weights/<id>.tar.gz`` -> ``<id>``), the
+    key ``put`` and SkyRL's ``all_checkpoint_ids`` share."""
+    name = os.path.basename(os.fspath(output_path))
+    return name[:-len(".tar.gz")] if name.endswith(".tar.gz") else name
 
 
 def filter_logits(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """SkyRL's filters on scaled logits ``z`` ``[V]`` (a new tensor, ``z`` untouched): top-k keeps the
-    ``k`` largest (``k <= 0``: all); top-p sorts descending and keeps the tokens whose exclusive
-    cumulative softmax is ``< p``, always the first (``p >= 1``: all). Dropped entries are ``-inf``."""
+    """SkyRL's filters on scaled logits ``z`` ``[V]`` (``z`` untouched; returned as is when neither
+    applies): top-k keeps the ``k`` largest (``k <= 0``: all); top-p sorts descending and keeps the
+    tokens whose exclusive cumulative softmax is ``< p``, always the first (``p >= 1``: all). Dropped
+    entries are ``-inf``."""
     out = z
     if top_k > 0 and top_k < z.numel():
         vals, idx = torch.topk(z, top_k)
