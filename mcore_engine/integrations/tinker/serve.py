@@ -15,18 +15,22 @@ What it adds to ``python -m skyrl.tinker.api`` (which it does not edit):
   binds loopback hosts only and answers loopback clients only;
 - its state (SQLite database, checkpoints) under ``--state-dir`` instead of SkyRL's site-packages / tmp
   defaults;
-- exit status 1 when the engine process died before the server was asked to stop.
+- exit status 1 when the engine process died before the server was asked to stop, 0 after SIGTERM /
+  SIGINT (which also stop the engine process).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hmac
 import ipaddress
 import json
 import os
 import random
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Annotated
 from uuid import uuid4
@@ -382,6 +386,18 @@ def main(argv: list[str] | None = None) -> int:
             proc = getattr(app.state, "background_engine", None)
             engine_dead_at_exit.append(proc is not None and proc.returncode is not None)
             super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # uvicorn's re-raises the signal after shutdown: we return a status
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
     _Server(uvicorn.Config(app, host=args.host, port=args.port, log_config=get_uvicorn_log_config())).run()
     if engine_dead_at_exit and engine_dead_at_exit[0]:
