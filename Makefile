@@ -7,21 +7,26 @@ export OMP_NUM_THREADS ?= 1
 export TMPDIR := $(CURDIR)/build/tmp
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/build/inductor
 
-.PHONY: setup test test-fast test-capability test-mcore-next demo grpo verl-trainer bench lint clean
+.PHONY: setup test test-fast test-capability test-mcore-next demo grpo verl-trainer cookbook-venv tinker-cookbook \
+	bench lint clean
 
 setup: $(STAMP)
 
 # torch first and pinned: an unpinned torch resolved on a bare machine pulls a multi-GB CUDA build.
 # verl (for mcore_engine.integrations.verl and its tests) without its dependencies: its pins on
 # tensordict / transformers are older than ours; the `verl` extra brings what its modules import,
-# held at our torch / tensordict / transformers by constraints.txt.
+# held at our torch / tensordict / transformers by constraints.txt. skyrl (the Tinker API server of
+# mcore_engine.integrations.tinker) the same way: its pins on transformers / peft are older than ours;
+# the `tinker` extra brings its server's light dependencies and the tinker client.
 VERL_VERSION := 0.9.1
+SKYRL_VERSION := 0.3.0
 $(STAMP): setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,kernels,hf,verl]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,kernels,hf,verl,tinker]'
 	$(PY) -m pip install -q --no-deps verl==$(VERL_VERSION)
+	$(PY) -m pip install -q --no-deps skyrl==$(SKYRL_VERSION)
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -60,8 +65,9 @@ $(NEXT_STAMP): setup.py constraints.txt
 	test -x $(NEXT_PY) || $(PYTHON) -m venv $(NEXT_VENV)
 	$(NEXT_PY) -m pip install -q --upgrade pip
 	$(NEXT_PY) -m pip install -q torch==2.13.0
-	$(NEXT_PY) -m pip install -q -c constraints.txt -e '.[dev,kernels,hf,verl]'
+	$(NEXT_PY) -m pip install -q -c constraints.txt -e '.[dev,kernels,hf,verl,tinker]'
 	$(NEXT_PY) -m pip install -q --no-deps verl==$(VERL_VERSION)
+	$(NEXT_PY) -m pip install -q --no-deps skyrl==$(SKYRL_VERSION)
 	$(NEXT_PY) -m pip install -q --no-deps --ignore-requires-python megatron-core==$(MCORE_NEXT_VERSION)
 	touch $(NEXT_STAMP)
 
@@ -83,6 +89,24 @@ grpo: $(STAMP)
 verl-trainer: $(STAMP)
 	@mkdir -p $(TMPDIR)
 	$(PY) -m pytest -q tests/integrations/test_verl_trainer.py
+
+# An unmodified tinker-cookbook 0.4.3 recipe against the Tinker server (docs/tinker.md), in a venv of its
+# own: the cookbook pins transformers<=5.5.4 (ours: 5.24). The server runs from the main venv.
+COOKBOOK_VENV  := .venv-cookbook
+COOKBOOK_PY    := $(COOKBOOK_VENV)/bin/python
+COOKBOOK_STAMP := $(COOKBOOK_VENV)/.installed
+$(COOKBOOK_STAMP): constraints-cookbook.txt
+	test -x $(COOKBOOK_PY) || $(PYTHON) -m venv $(COOKBOOK_VENV)
+	$(COOKBOOK_PY) -m pip install -q --upgrade pip
+	$(COOKBOOK_PY) -m pip install -q torch==2.13.0
+	$(COOKBOOK_PY) -m pip install -q -c constraints-cookbook.txt tinker==0.24.1 tinker-cookbook==0.4.3 transformers==5.5.4
+	touch $(COOKBOOK_STAMP)
+
+cookbook-venv: $(COOKBOOK_STAMP)
+
+tinker-cookbook: $(STAMP) $(COOKBOOK_STAMP)
+	@mkdir -p $(TMPDIR)
+	$(PY) -m pytest -q tests/integrations/test_tinker_cookbook.py
 
 bench: $(STAMP)
 	@mkdir -p $(TMPDIR)

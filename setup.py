@@ -42,5 +42,11 @@ setup(
                  # verl's trainer (tests/integrations/test_verl_trainer.py): main_ppo's data loader,
                  # its agent / reward / teacher loops
                  "torchdata", "cachetools", "aiohttp"],
+        # SkyRL 0.3.0's Tinker API server (mcore_engine.integrations.tinker, docs/tinker.md): its light
+        # dependencies and the tinker client. skyrl itself goes in with `pip install --no-deps
+        # skyrl==0.3.0` (its pins on transformers / peft are older than ours); constraints.txt holds the
+        # versions tested with it.
+        "tinker": ["fastapi", "uvicorn", "sqlmodel", "sqlalchemy[asyncio]", "aiosqlite", "psutil",
+                   "cloudpathlib", "rich", "numpy", "httpx", "typing_extensions", "tinker==0.24.1"],
     },
 )
