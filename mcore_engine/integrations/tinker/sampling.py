@@ -28,24 +28,14 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 import tarfile
 import tempfile
-import typing
 from collections import OrderedDict
 
 import torch
 
-# skyrl 0.3.0's types use typing.TypedDict, which pydantic refuses on Python < 3.12; the package's
-# _compat module does this for everyone once it lands, this keeps the module importable alone.
-if sys.version_info < (3, 12):
-    import typing_extensions
-
-    typing.TypedDict = typing_extensions.TypedDict
-
-from skyrl.tinker import types  # noqa: E402
-
-from mcore_engine.integrations.tinker.config import McoreBackendConfig  # noqa: E402
+from mcore_engine.integrations.tinker._compat import types  # skyrl's, after _compat's Python 3.11 fix
+from mcore_engine.integrations.tinker.config import McoreBackendConfig
 
 MARKER = "MARKER"  # the only file of a persist=False full-FT sampler archive
 
