@@ -396,3 +396,18 @@ def test_tensor_parallel_server_equals_one_rank(service, model_dir, tmp_path):
         assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-5)
     _close(one[1], two[1], 1e-5)
     assert one[2] == two[2]
+
+
+def test_rl_example_raises_the_reward(server, model_dir):
+    """examples/tinker_rl.py: sample -> group advantages -> importance_sampling -> optim_step."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TINKER_BASE_URL=server.url, TINKER_API_KEY=API_KEY)
+    run = subprocess.run([sys.executable, "examples/tinker_rl.py", "--base-model", model_dir, "--steps", "8"],
+                         capture_output=True, text=True, env=env, timeout=600,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr[-3000:]
+    first, last = map(float, run.stdout.strip().splitlines()[-1].removeprefix("mean reward ").split(" -> "))
+    assert last > first + 0.2, run.stdout

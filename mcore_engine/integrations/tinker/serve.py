@@ -324,8 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSON object of McoreBackendConfig fields (the flags above override it)")
     p.add_argument("--api-key-env", default=DEFAULT_API_KEY_ENV,
                    help="environment variable holding the key clients send as X-API-Key")
-    p.add_argument("--session-timeout-sec", type=int, default=300,
-                   help="unload a session's models after this long without a heartbeat (-1: never)")
+    p.add_argument("--session-timeout-sec", type=int, default=60,
+                   help="unload a session's models after this long without a heartbeat (-1: never); the "
+                        "client heartbeats every 10 s, so a finished script frees its models within a minute")
     p.add_argument("--external-inference-url", default=None,
                    help="SkyRL's sampling through a vLLM server (drops stop and prompt_logprobs)")
     return p
@@ -356,7 +357,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, McoreBack
         database_url=f"sqlite:///{state / 'tinker.db'}",
         external_inference_url=args.external_inference_url,
         external_inference_lora_base=state / "lora_models",
-        session_cleanup_interval_sec=60,
+        session_cleanup_interval_sec=10,
         session_timeout_sec=args.session_timeout_sec,
     )
     return engine_config, backend_config
