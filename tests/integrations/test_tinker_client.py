@@ -374,8 +374,10 @@ def test_bad_input_is_refused_and_leaves_state_alone(service, server, model_dir)
     assert r.status_code == 401, r.text
 
 
-def test_tensor_parallel_server_equals_one_rank(service, model_dir, tmp_path):
-    """The same script on a TP = 2 server gives the losses, log-probs and samples of TP = 1."""
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_two_rank_server_equals_one_rank(service, model_dir, tmp_path, tp, pp):
+    """The same script on a TP = 2 or a PP = 2 server gives the losses, log-probs and samples of one
+    rank."""
     def script(svc):
         tc = svc.create_lora_training_client(base_model=model_dir, rank=4, seed=9)
         seqs = _seqs(14)
@@ -390,7 +392,7 @@ def test_tensor_parallel_server_equals_one_rank(service, model_dir, tmp_path):
         return losses, lps, [s.tokens for s in out.sequences]
 
     one = script(service)
-    with tinker_server(model_dir, tmp_path / "tp2", tp=2, extra_args=MANY_MODELS) as srv:
+    with tinker_server(model_dir, tmp_path / "two", tp=tp, pp=pp, extra_args=MANY_MODELS) as srv:
         two = script(tinker.ServiceClient(base_url=srv.url, api_key=API_KEY))
     for a, b in zip(one[0], two[0], strict=True):
         assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-5)
