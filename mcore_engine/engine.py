@@ -75,6 +75,7 @@ class MegatronEngine:
         self.global_step = 0
         self.num_skipped_steps = 0
         self._last_distillation_use_topk = False
+        self._grads_pending = False  # a backward pass since the last zero_grad
         self._offloader: HostOffloader | None = None
         self._moe: MoERuntime | None = None
         self._layout: StepLayout | None = None
@@ -174,9 +175,41 @@ class MegatronEngine:
                    logits_processor_func=logits_processor_func, logits_func=logits_func,
                    builtin_outputs=builtin_outputs, guard=LossGuard(),
                    needs_grad=not forward_only and torch.is_grad_enabled(), loss_convention=loss_convention)
-        # a failed loss drops the partial accumulation: the documented failure state
-        return run_schedule(self.model, run, self._layout, forward_only=forward_only, moe=self._moe,
-                            on_failure=None if forward_only else self.zero_grad)
+        if forward_only:
+            return run_schedule(self.model, run, self._layout, forward_only=True, moe=self._moe)
+        # Megatron's grad finalisation (TP sums of sequence-parallel grads, DP reduce(-scatter), the
+        # tied-embedding sum over PP) is linear but not idempotent: it must see each pass's gradients
+        # once. A pass after an earlier one therefore runs on zeroed buffers and adds the earlier,
+        # already finalised gradients back (one copy of the grad buffers meanwhile).
+        earlier = self._take_grads() if self._grads_pending else None
+
+        def failed() -> None:  # the pass's partial gradients go; the earlier ones stay
+            self.zero_grad()
+            if earlier is not None:
+                self._add_grads(earlier)
+                self._grads_pending = True
+
+        out = run_schedule(self.model, run, self._layout, forward_only=False, moe=self._moe,
+                           on_failure=failed)
+        if earlier is not None:
+            self._add_grads(earlier)
+        self._grads_pending = True
+        return out
+
+    def _grad_buffers(self) -> list[torch.Tensor]:
+        return [buf.grad_data for chunk in self.model
+                for buf in (*chunk.buffers, *chunk.expert_parallel_buffers)]
+
+    def _take_grads(self) -> list[torch.Tensor]:
+        """Clones of the DDP grad buffers, which are then zeroed (MoE load counts keep counting)."""
+        saved = [g.clone() for g in self._grad_buffers()]
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        return saved
+
+    def _add_grads(self, saved: list[torch.Tensor]) -> None:
+        for g, s in zip(self._grad_buffers(), saved, strict=True):
+            g.add_(s)
 
     # ------------------------------------------------------------------ public steps
     def forward_backward_batch(self, batch: TensorDictBase, loss_function: LossFunction | None,
@@ -184,11 +217,13 @@ class MegatronEngine:
                                logits_processor_func: Callable | None = None,
                                loss_convention: str = "flat") -> TensorDict:
         """Forward (and backward unless ``forward_only``, then in eval mode) over all micro-batches;
-        gradients accumulate into the DDP grad buffers. Returns on every rank a TensorDict ``[B]``:
-        per-token outputs in the layout of ``input_ids``, non-tensor ``loss`` (global, 0-d) and
-        ``metrics`` (summed over micro-batches and DP ranks). A loss function that raises or returns
-        anything but ``(0-d float loss requiring grad, {name: number or one-element tensor})`` fails
-        the step on every rank, with the grad buffers zeroed. ``loss_convention="flat"``:
+        gradients accumulate into the DDP grad buffers, across calls too until :meth:`zero_grad`
+        (each call's gradients are finalised once, on their own; a call after an earlier one holds one
+        copy of the grad buffers). Returns on every rank a TensorDict ``[B]``: per-token outputs in the
+        layout of ``input_ids``, non-tensor ``loss`` (global, 0-d) and ``metrics`` (summed over
+        micro-batches and DP ranks). A loss function that raises or returns anything but ``(0-d float
+        loss requiring grad, {name: number or one-element tensor})`` fails the step on every rank: this
+        call's gradients are dropped, those of earlier calls kept. ``loss_convention="flat"``:
         ``loss_function(outputs, data, ctx)``, fields flat ``[T]`` in packed order; ``"micro_batch"``
         (verl): ``loss_function(model_output=, data=, ctx=)`` in the micro-batch's ``input_ids``
         layout, its metrics unsummed in ``micro_batch_metrics`` (one per micro-batch, this DP rank's).
@@ -211,6 +246,7 @@ class MegatronEngine:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        self._grads_pending = False
         if self._moe is not None:  # the expert-bias update counts the tokens of one optimizer step
             self._moe.reset_expert_load()
 

@@ -431,8 +431,9 @@ def _check_non_finite_gradients_skip_the_update(s: _Setup) -> None:
 
 @_check
 def _check_failing_loss_function_zeroes_grads_and_keeps_params(s: _Setup) -> None:
-    """The original exception (one rank), gradients zeroed (the earlier accumulation too),
-    parameters and Adam state untouched, no step."""
+    """The original exception (one rank), parameters and Adam state untouched, no step; a failed
+    ``forward_backward_batch`` drops its own gradients and keeps those of earlier calls, a failed
+    ``train_batch`` (which starts with ``zero_grad``) leaves them zero."""
     engine, flags = s.restored(), s.FLAGS
     engine.train_batch(make_batch(8, 4, **flags), policy_loss)  # Adam state exists
 
@@ -445,16 +446,18 @@ def _check_failing_loss_function_zeroes_grads_and_keeps_params(s: _Setup) -> Non
     step = engine.global_step
     for loss_fn, error, needle in ((broken_loss, KeyError, "old_log_probs"),
                                    (detached_loss, ValueError, "does not require grad")):
+        engine.zero_grad()
         engine.forward_backward_batch(make_batch(8, 4, **flags), policy_loss)  # accumulated gradients
         before = _state(engine)
         assert any(g.abs().sum() > 0 for g in before[1].values())
-        for call in (partial(engine.forward_backward_batch, make_batch(8, 4, **flags), loss_fn),
-                     partial(engine.train_batch, make_batch(8, 4, **flags), loss_fn)):
-            with pytest.raises(error, match=needle):
-                call()
-            after = _state(engine)
-            assert all(not g.any() for g in after[1].values()), f"{needle}: gradients not zeroed"
-            _assert_same_state(before, after, f"{needle}: failed step", grads=False)
+        with pytest.raises(error, match=needle):
+            engine.forward_backward_batch(make_batch(9, 4, **flags), loss_fn)
+        _assert_same_state(before, _state(engine), f"{needle}: failed forward_backward_batch")
+        with pytest.raises(error, match=needle):
+            engine.train_batch(make_batch(8, 4, **flags), loss_fn)
+        after = _state(engine)
+        assert all(not g.any() for g in after[1].values()), f"{needle}: gradients not zeroed"
+        _assert_same_state(before, after, f"{needle}: failed step", grads=False)
     assert engine.global_step == step
     assert engine.train_batch(make_batch(8, 4, **flags), policy_loss).get_non_tensor("metrics")[
         "update_skipped"] == 0.0
