@@ -128,6 +128,7 @@ def _layout(rank: int, world_size: int, root: str, name: str) -> None:
     try:
         got = _script(backend)
         if name == "tp2":
+            _check_protocol_errors(backend)
             backend.save_checkpoint(Path(root, "ckpt", "lora", "tp2.tar.gz"), "lora")
             got["next"] = _next_step(backend, "lora")
             torch.save(got, Path(root, "tp2.pt"))
@@ -135,6 +136,18 @@ def _layout(rank: int, world_size: int, root: str, name: str) -> None:
             _same(got, torch.load(Path(root, "tp1.pt")), name)
     finally:
         backend.shutdown()
+
+
+def _check_protocol_errors(backend) -> None:
+    """A command failing on every rank: one error naming each rank; the ranks stay in step; a bad
+    archive is refused on the controller before anything is broadcast."""
+    with pytest.raises(RuntimeError, match=r"rank 0: KeyError: 'missing'; rank 1: KeyError: 'missing'"):
+        backend._ctrl.call("step", model_id="missing", lr=0.0, beta1=0.9, beta2=0.9, eps=1e-8,
+                           weight_decay=0.0, grad_clip_norm=0.0)
+    bogus = Path(backend.base_model) / "config.json"
+    with pytest.raises(ValueError, match="not a readable checkpoint archive"):
+        backend.load_checkpoint(bogus, "lora")
+    assert backend.has_model("lora")
 
 
 # ------------------------------------------------------------------------------- one rank
@@ -437,6 +450,26 @@ def _single(rank: int, world_size: int, root: str) -> None:
     with pytest.raises(ValueError, match="model_id: model 'acc' not found"):
         backend.optim_step("acc", _adam())
     assert isinstance(backend.optim_step("p", _adam()), types.OptimStepOutput)
+    _check_bf16(root_path)
+
+
+def _check_bf16(root: Path) -> None:
+    """precision="bf16": log-probs within bf16 error of fp32 transformers; a step trains."""
+    import transformers
+
+    from mcore_engine.integrations.tinker.backend import McoreEngineBackend
+    from mcore_engine.integrations.tinker.config import McoreBackendConfig
+
+    backend = McoreEngineBackend(tiny_model(root), McoreBackendConfig(precision="bf16", max_models=1))
+    backend.create_model("b", lora_config(4, seed=5))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model(root), dtype=torch.float32)
+    with torch.no_grad():
+        want = torch.cat(hf_log_probs(hf, _x())).double()
+    assert_rel_close(torch.cat(_forward(backend, "b", _x())), want, 2e-2, "bf16 log-probs")
+    first = _fb_step(backend, "b", _adam(lr=5e-2))
+    assert first["grad_norm"] > 0
+    after = _fb_step(backend, "b", _adam(lr=5e-2))
+    assert after["loss_a"] < first["loss_a"], (after["loss_a"], first["loss_a"])
 
 
 @pytest.mark.slow
