@@ -454,12 +454,18 @@ def _single(rank: int, world_size: int, root: str) -> None:
 
 
 def _check_bf16(root: Path) -> None:
-    """precision="bf16": log-probs within bf16 error of fp32 transformers; a step trains."""
+    """A create that fails in the engine leaves no model; precision="bf16": log-probs within bf16 error
+    of fp32 transformers, steps train."""
     import transformers
 
     from mcore_engine.integrations.tinker.backend import McoreEngineBackend
     from mcore_engine.integrations.tinker.config import McoreBackendConfig
 
+    bad = McoreBackendConfig(engine_overrides={"micro_batch_size": 0})
+    broken = McoreEngineBackend(tiny_model(root), bad)
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        broken.create_model("x", lora_config(4))
+    assert not broken.has_model("x") and not broken._impl.engines
     backend = McoreEngineBackend(tiny_model(root), McoreBackendConfig(precision="bf16", max_models=1))
     backend.create_model("b", lora_config(4, seed=5))
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model(root), dtype=torch.float32)

@@ -158,7 +158,11 @@ class McoreEngineBackend(AbstractBackend):
             raise ValueError(f"max_models: this server holds at most {self.config.max_models} models (one "
                              "engine each); unload one first or raise max_models in the backend config")
         spec = spec_from_lora(lora_config, model_role, self.config.lora_alpha)
-        self._ctrl.call("create", model_id=model_id, spec=spec)
+        try:
+            self._ctrl.call("create", model_id=model_id, spec=spec)
+        except Exception:  # no rank keeps a half-created model (a failure on some ranks only)
+            self._ctrl.call("delete", model_id=model_id)
+            raise
 
     def delete_model(self, model_id: str) -> None:
         self._require_controller("delete_model")

@@ -17,6 +17,7 @@ rank, in the same order, for the controller's backend and for :func:`run_worker`
 from __future__ import annotations
 
 import gc
+import math
 import os
 from datetime import timedelta
 from typing import Any
@@ -236,8 +237,11 @@ class RankState:
             opt_cfg.clip_grad = saved
             engine.zero_grad()
             self.accumulated.discard(model_id)
-        return {"skyrl.ai/grad_norm": float(grad_norm), "skyrl.ai/learning_rate": float(lr),
-                "update_skipped": float(engine.num_skipped_steps > skipped)}
+        metrics = {"skyrl.ai/learning_rate": float(lr),
+                   "update_skipped": float(engine.num_skipped_steps > skipped)}
+        if math.isfinite(grad_norm):  # a skipped step's inf / nan norm is not JSON: left out
+            metrics["skyrl.ai/grad_norm"] = float(grad_norm)
+        return metrics
 
     def save(self, model_id: str, folder: str) -> None:
         self.engines[model_id].save_checkpoint(folder)
