@@ -4,14 +4,16 @@ Three gloo launches, in order:
 
 1. TP = 2 (two ranks: the controller drives, rank 1 runs ``control.run_worker``): a fixed script (LoRA
    and full fine-tuning: forward, forward_backward of two loss groups in one call, optim_step with
-   clipping and weight decay, forward), then ``save_state``, one more step.
+   clipping and weight decay, forward; a critic's values, ppo_critic loss and step), protocol errors,
+   then ``save_state``, one more step.
 2. One rank: the same script equals TP = 2 (fp32 1e-5); the TP = 2 checkpoint loads here and the next
    step equals TP = 2's; gradient accumulation (2 calls == 1 call); bad input -> ``ErrorResponse``
    naming field and datum, grads and weights unchanged; optim_step vs ``torch.optim.AdamW`` on PEFT
    (two steps, clip, weight decay; fp32 1e-5) through the exported sampler archives; the sampler hook;
    full fine-tuning vs transformers and its HF / MARKER archives; save -> load -> identical next loss,
    ``optimizer=False`` resets Adam, a mismatched checkpoint refused; the critic; model limits.
-3. PP = 2 (two ranks): the script equals the one-rank run.
+3. PP = 2 (two ranks): the script equals the one-rank run (LoRA and full fine-tuning; the critic's fresh
+   value head is seeded per pipeline stage, so it is not compared there).
 """
 
 from __future__ import annotations
@@ -89,8 +91,13 @@ def _fb_step(backend, model_id: str, step) -> dict:
             "grad_norm": torch.tensor(metrics["skyrl.ai/grad_norm"], dtype=torch.float64)}
 
 
-def _script(backend) -> dict:
-    """What every layout runs: LoRA (rank 4, attention + MLP) and full fine-tuning."""
+def _critic_data() -> list[dict]:
+    return [make_datum(50, 8, critic=True, values=True), make_datum(51, 6, critic=True)]
+
+
+def _script(backend, critic: bool = True) -> dict:
+    """What every layout runs: LoRA (rank 4, attention + MLP) and full fine-tuning; with ``critic`` a
+    value model too (PP > 1 seeds its fresh value head differently: not compared there)."""
     got = {}
     backend.create_model("lora", lora_config(4, seed=5))
     backend.create_model("full", lora_config(0, seed=5))
@@ -99,6 +106,16 @@ def _script(backend) -> dict:
         r.update(_fb_step(backend, model_id, _adam(lr=2e-2, clip=0.5, weight_decay=0.01)))
         r["f1"] = torch.cat(_forward(backend, model_id, _x()))
         got[model_id] = r
+    if critic:
+        backend.create_model("value", lora_config(0, seed=5), model_role="critic")
+        request = [("c", "value", "ppo_critic", {"value_clip": 0.1}, _critic_data())]
+        r = {"v0": torch.cat(_out(backend.forward(prepared(request))["c"], "values"))}
+        fb = backend.forward_backward(prepared(request))["c"]
+        r["loss"] = torch.tensor(fb.metrics["loss:sum"], dtype=torch.float64)
+        metrics = backend.optim_step("value", _adam(lr=1e-2)).metrics
+        r["grad_norm"] = torch.tensor(metrics["skyrl.ai/grad_norm"], dtype=torch.float64)
+        r["v1"] = torch.cat(_out(backend.forward(prepared(request))["c"], "values"))
+        got["value"] = r
     return got
 
 
@@ -126,14 +143,15 @@ def _layout(rank: int, world_size: int, root: str, name: str) -> None:
         return
     backend = McoreEngineBackend(base, cfg)
     try:
-        got = _script(backend)
+        got = _script(backend, critic=name == "tp2")
         if name == "tp2":
             _check_protocol_errors(backend)
             backend.save_checkpoint(Path(root, "ckpt", "lora", "tp2.tar.gz"), "lora")
             got["next"] = _next_step(backend, "lora")
             torch.save(got, Path(root, "tp2.pt"))
         else:
-            _same(got, torch.load(Path(root, "tp1.pt")), name)
+            ref = torch.load(Path(root, "tp1.pt"))
+            _same(got, {k: ref[k] for k in ("lora", "full")}, name)
     finally:
         backend.shutdown()
 
@@ -422,7 +440,7 @@ def _single(rank: int, world_size: int, root: str) -> None:
     from mcore_engine.integrations.tinker.config import McoreBackendConfig
 
     root_path = Path(root)
-    backend = McoreEngineBackend(tiny_model(root_path), McoreBackendConfig(max_models=7))
+    backend = McoreEngineBackend(tiny_model(root_path), McoreBackendConfig(max_models=8))
     sampler = backend._sampler = RecordingSampler()
     got = _script(backend)
     torch.save({k: v for k, v in got.items()}, root_path / "tp1.pt")
@@ -438,8 +456,8 @@ def _single(rank: int, world_size: int, root: str) -> None:
     _check_full_ft(backend, root_path, sampler)
     _check_checkpoints(backend, root_path)
     _check_critic(backend, sampler, root_path)
-    assert backend.has_model("critic") and len(backend._impl.specs) == 7
-    with pytest.raises(ValueError, match="max_models: this server holds at most 7"):
+    assert backend.has_model("critic") and len(backend._impl.specs) == 8
+    with pytest.raises(ValueError, match="max_models: this server holds at most 8"):
         backend.create_model("eighth", lora_config(4))
     with pytest.raises(ValueError, match="already exists"):
         backend.create_model("p", lora_config(4))
