@@ -389,6 +389,14 @@ def _check_checkpoints(backend, root: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(_forward(backend, "ft", _x()), before, strict=True))
     with pytest.raises(ValueError, match="does not exist"):
         backend.load_checkpoint(root / "ckpt" / "p" / "missing.tar.gz", "p")
+    backend.checkpoints_base = root / "ckpt"  # as the engine process may set it
+    for call in (lambda: backend.save_checkpoint(root / "ckpt" / ".." / "out.tar.gz", "p"),
+                 lambda: backend.load_checkpoint(root / "elsewhere.tar.gz", "p"),
+                 lambda: backend.save_sampler_checkpoint(Path("/tmp") / "s.tar.gz", "p")):
+        with pytest.raises(ValueError, match="outside the checkpoints folder"):
+            call()
+    assert not (root / "out.tar.gz").exists()
+    backend.checkpoints_base = None
 
 
 def _check_critic(backend, sampler: RecordingSampler, root: Path) -> None:
