@@ -3,8 +3,9 @@
 Built on every rank of the engine process (``torchrun``, TP x PP ranks, DP = 1): global rank 0 is the
 controller that SkyRL's engine loop calls; ranks >= 1 run :func:`control.run_worker`. Collective
 commands (create / delete, forward, forward_backward, optim_step, checkpoints, sampler export) are
-validated on the controller, then broadcast (``control.Controller.call``) and run by :class:`_Impl` on
-every rank. ``has_model``, ``sample``, tar writing / reading stay on the controller.
+validated on the controller, then broadcast (``control.Controller.call``) and run by
+``control.RankState`` on every rank. ``has_model``, ``sample``, tar writing / reading stay on the
+controller.
 
 - forward / forward_backward: requests validated (``batch.py``; a bad one gets an ``ErrorResponse``
   naming the field and datum, before any engine call), grouped by ``(model_id, loss_fn, config)``, one
@@ -20,10 +21,9 @@ every rank. ``has_model``, ``sample``, tar writing / reading stay on the control
 
 from __future__ import annotations
 
-import gc
+import atexit
 import logging
 import math
-import os
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,10 +39,10 @@ from skyrl.backends.backend import AbstractBackend  # noqa: E402
 from skyrl.tinker import types  # noqa: E402
 
 from mcore_engine.integrations.tinker import store  # noqa: E402
-from mcore_engine.integrations.tinker.batch import Datum, ModelLimits, group_requests, to_tensordict  # noqa: E402
+from mcore_engine.integrations.tinker.batch import Datum, ModelLimits, group_requests  # noqa: E402
 from mcore_engine.integrations.tinker.config import McoreBackendConfig  # noqa: E402
-from mcore_engine.integrations.tinker.control import Controller, control_group, run_worker  # noqa: E402
-from mcore_engine.integrations.tinker.losses import elementwise, engine_loss_fn  # noqa: E402
+from mcore_engine.integrations.tinker.control import Controller, engine_config, run_worker, setup  # noqa: E402
+from mcore_engine.integrations.tinker.losses import elementwise  # noqa: E402
 
 __all__ = ["ATTN_TARGETS", "MLP_TARGETS", "McoreEngineBackend", "ModelSpec", "engine_config", "run_worker"]
 
@@ -91,31 +91,6 @@ def spec_from_lora(lora_config: Any, model_role: str, alpha: float | None) -> Mo
     return ModelSpec(role=model_role, rank=rank, alpha=alpha, targets=targets, seed=int(lora_config.seed))
 
 
-def engine_config(base_model: str, cfg: McoreBackendConfig, spec: ModelSpec) -> Any:
-    """The ``EngineConfig`` of one model: architecture and weights from the base folder, the backend's
-    layout and precision, a constant-lr Adam whose values ``optim_step`` overwrites, no clipping;
-    ``cfg.engine_overrides`` last."""
-    from mcore_engine.config import EngineConfig, LoRAConfig, OptimizerConfig, ParallelConfig
-    from mcore_engine.hf import from_hf_config, read_hf_config
-
-    lora = None if spec.rank == 0 else LoRAConfig(rank=spec.rank, alpha=spec.alpha, dropout=0.0,
-                                                  target_modules=list(spec.targets))
-    model = from_hf_config(read_hf_config(base_model), hf_path=base_model,
-                           head="value" if spec.role == "critic" else "lm", lora=lora)
-    tp = cfg.tensor_parallel_size
-    kwargs: dict[str, Any] = dict(
-        model=model,
-        parallel=ParallelConfig(tensor_model_parallel_size=tp,
-                                pipeline_model_parallel_size=cfg.pipeline_parallel_size,
-                                sequence_parallel=cfg.sequence_parallel and tp > 1),
-        optimizer=OptimizerConfig(lr=1e-4, min_lr=0.0, weight_decay=0.0, clip_grad=0.0, adam_beta1=0.9,
-                                  adam_beta2=0.95, adam_eps=1e-12, lr_warmup_steps=0,
-                                  lr_decay_style="constant"),
-        precision=cfg.precision, seed=spec.seed)
-    kwargs.update(cfg.engine_overrides)
-    return EngineConfig(**kwargs)
-
-
 def _datum_tensors(d: Datum) -> dict[str, Any]:
     n = d.num_targets
 
@@ -138,103 +113,13 @@ def _tensor_data(t: torch.Tensor) -> dict[str, Any]:
     return {"data": t.float().tolist(), "dtype": "float32", "shape": [int(t.numel())]}
 
 
-class _Impl:
-    """One rank's state: a ``MegatronEngine`` per model id. Every method is collective (the controller
-    broadcasts it); return values matter on rank 0 only."""
-
-    def __init__(self, base_model: str, cfg: McoreBackendConfig) -> None:
-        self.base_model, self.cfg = base_model, cfg
-        self.engines: dict[str, Any] = {}
-        self.specs: dict[str, ModelSpec] = {}
-
-    def create(self, model_id: str, spec: ModelSpec) -> None:
-        from mcore_engine.engine import MegatronEngine
-
-        engine = MegatronEngine(engine_config(self.base_model, self.cfg, spec))
-        engine.initialize()
-        engine.zero_grad()
-        self.engines[model_id], self.specs[model_id] = engine, spec
-
-    def delete(self, model_id: str) -> None:
-        self.engines.pop(model_id, None)
-        self.specs.pop(model_id, None)
-        gc.collect()
-
-    def run_pass(self, model_id: str, datums: list[Datum], loss_fn: str, config: dict[str, float],
-                 backward: bool) -> list[torch.Tensor]:
-        """Forward (and backward, adding into the grad buffers) over ``datums``; per datum its ``N``
-        log-probs (critic: values), fp32."""
-        engine, critic = self.engines[model_id], self.specs[model_id].role == "critic"
-        batch = to_tensordict(datums, self.cfg.max_token_len_per_gpu)
-        if backward:
-            out = engine.forward_backward_batch(batch, engine_loss_fn(loss_fn, config, critic))
-        else:
-            out = engine.infer_batch(batch)
-        rows = out["values" if critic else "log_probs"].unbind()
-        return [row[: d.num_targets].detach().float().clone() for row, d in zip(rows, datums, strict=True)]
-
-    def step(self, model_id: str, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-             grad_clip_norm: float) -> dict[str, float]:
-        """One Adam step with these parameters on the accumulated gradients, then zero them."""
-        from mcore_engine.step.optimizer import sub_optimizers
-
-        engine = self.engines[model_id]
-        for sub in sub_optimizers(engine.optimizer):
-            if sub.optimizer is None:
-                continue
-            for group in sub.optimizer.param_groups:
-                group["lr"] = lr * group.get("lr_mult", 1.0)
-                group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
-                group["betas"] = (beta1, beta2)
-                group["eps"] = eps
-        opt_cfg = engine.config.optimizer
-        saved, skipped = opt_cfg.clip_grad, engine.num_skipped_steps
-        opt_cfg.clip_grad = float(grad_clip_norm)
-        try:
-            grad_norm = engine.optimizer_step()
-        finally:
-            opt_cfg.clip_grad = saved
-            engine.zero_grad()
-        return {"skyrl.ai/grad_norm": float(grad_norm), "skyrl.ai/learning_rate": float(lr),
-                "update_skipped": float(engine.num_skipped_steps > skipped)}
-
-    def save(self, model_id: str, folder: str) -> None:
-        self.engines[model_id].save_checkpoint(folder)
-
-    def load(self, model_id: str, folder: str, optimizer: bool) -> None:
-        from mcore_engine.step.optimizer import reset_optimizer_state
-
-        engine = self.engines[model_id]
-        engine.load_checkpoint(folder)
-        if not optimizer:
-            reset_optimizer_state(engine.optimizer)
-        engine.zero_grad()
-
-    def export(self, model_id: str, folder: str | None, kind: str | None) -> dict[str, torch.Tensor]:
-        """The merged weights in Hugging Face names (fp32; every rank iterates, rank 0 keeps them), and
-        with ``kind`` ``"adapter"`` / ``"hf"`` a PEFT / HF folder written to ``folder``."""
-        engine = self.engines[model_id]
-        state = {name: t for name, t in engine.per_tensor_generator(torch.float32)}
-        if kind == "adapter":
-            engine.export_adapter(folder, torch.float32)
-        elif kind == "hf":
-            engine.export_hf(folder, dtype=torch.float32)
-        return state if _rank() == 0 else {}
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 class McoreEngineBackend(AbstractBackend):
     """SkyRL's backend on the engine (module docstring). ``checkpoints_base``: when set (by the engine
     process), every checkpoint path must lie inside it. ``_sampler``: the ``sampling.Sampler``, built on
     first use (a test may set its own)."""
 
     def __init__(self, base_model: str, config: McoreBackendConfig) -> None:
-        from mcore_engine.config import ParallelConfig
         from mcore_engine.hf import from_hf_config, read_hf_config
-        from mcore_engine.parallel.platform import init_distributed
 
         if isinstance(config, dict):
             config = McoreBackendConfig(**config)
@@ -244,15 +129,12 @@ class McoreEngineBackend(AbstractBackend):
         self._sampler: Any = None
         model = from_hf_config(read_hf_config(self.base_model))
         self._vocab_size, self._max_positions = int(model.vocab_size), int(model.max_sequence_length)
-        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-        if world != config.world_size:
-            raise ValueError(f"tensor_parallel_size * pipeline_parallel_size = {config.world_size} must "
-                             f"equal the engine process's world size {world} (no data parallelism)")
-        init_distributed(ParallelConfig(tensor_model_parallel_size=config.tensor_parallel_size,
-                                        pipeline_model_parallel_size=config.pipeline_parallel_size), 1234)
-        self._impl = _Impl(self.base_model, config)
-        self._ctrl = Controller(self._impl, control_group())
-        self.is_controller = _rank() == 0
+        state, group = setup(self.base_model, config)
+        self._impl = state
+        self._ctrl = Controller(state, group)
+        self.is_controller = not dist.is_initialized() or dist.get_rank() == 0
+        if self.is_controller:  # the workers wait in a broadcast until told to stop
+            atexit.register(self.shutdown)
 
     # ------------------------------------------------------------------ registry
     def _require_controller(self, what: str) -> None:
@@ -276,7 +158,11 @@ class McoreEngineBackend(AbstractBackend):
             raise ValueError(f"max_models: this server holds at most {self.config.max_models} models (one "
                              "engine each); unload one first or raise max_models in the backend config")
         spec = spec_from_lora(lora_config, model_role, self.config.lora_alpha)
-        self._ctrl.call("create", model_id=model_id, spec=spec)
+        try:
+            self._ctrl.call("create", model_id=model_id, spec=spec)
+        except Exception:  # no rank keeps a half-created model (a failure on some ranks only)
+            self._ctrl.call("delete", model_id=model_id)
+            raise
 
     def delete_model(self, model_id: str) -> None:
         self._require_controller("delete_model")
@@ -286,8 +172,9 @@ class McoreEngineBackend(AbstractBackend):
             self._sampler.drop(model_id)
 
     def shutdown(self) -> None:
-        """Release the worker ranks (their ``run_worker`` returns); idempotent."""
-        if self.is_controller:
+        """Release the worker ranks (their ``run_worker`` returns); idempotent, and a no-op once the
+        process group is gone."""
+        if self.is_controller and dist.is_initialized():
             self._ctrl.shutdown()
 
     # ------------------------------------------------------------------ passes
