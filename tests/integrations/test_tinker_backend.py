@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import json
 import tarfile
-import typing
 from pathlib import Path
 
 import pytest
 import torch
-import typing_extensions
 
+import mcore_engine.integrations.tinker.skyrl_types  # noqa: F401  (skyrl on Python 3.11)
 from tests.integrations.test_tinker_losses import (
     VOCAB,
     hf_log_probs,
@@ -36,8 +35,6 @@ from tests.integrations.test_tinker_losses import (
     tiny_model,
 )
 from tests.utils import assert_rel_close, run_distributed
-
-typing.TypedDict = typing_extensions.TypedDict  # skyrl 0.3.0 on Python 3.11
 
 TOL = 1e-5
 X = [(1, 7), (2, 12)]  # (seed, tokens) of the cross-entropy datums

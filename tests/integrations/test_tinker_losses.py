@@ -11,16 +11,13 @@ adapters.
 from __future__ import annotations
 
 import math
-import typing
 from pathlib import Path
 
 import pytest
 import torch
-import typing_extensions
 
+import mcore_engine.integrations.tinker.skyrl_types  # noqa: F401  (skyrl on Python 3.11)
 from tests.utils import REL_TOL, assert_rel_close, run_distributed
-
-typing.TypedDict = typing_extensions.TypedDict  # skyrl 0.3.0 on Python 3.11
 
 VOCAB = 250  # tests.hf.models
 TOL = REL_TOL[torch.float32]

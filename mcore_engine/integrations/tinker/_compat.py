@@ -2,9 +2,8 @@
 
 On import:
 
-1. ``typing.TypedDict = typing_extensions.TypedDict``: skyrl 0.3.0's ``tinker/types.py`` uses
-   ``typing.TypedDict`` in pydantic models, which pydantic refuses on Python < 3.12.
-2. Checks that the installed skyrl is 0.3.0: the routes of ``serve.py`` and the engine subclass of
+1. :mod:`.skyrl_types` (the Python 3.11 ``TypedDict`` fix) first.
+2. Checks that the installed skyrl is 0.3.0 (there too): the routes of ``serve.py`` and the engine subclass of
    ``engine_main.py`` copy its internals (``api.get_model``, ``create_future``, ``validate_checkpoint``,
    ``TinkerEngine.process_single_request``).
 3. Replaces two module globals that SkyRL looks up at call time:
@@ -19,36 +18,18 @@ It also defines the engine-side request types that keep what SkyRL's API drops:
 
 from __future__ import annotations
 
-import importlib.metadata
 import sys
-import typing
 
-import typing_extensions
+from mcore_engine.integrations.tinker.skyrl_types import types
 
-typing.TypedDict = typing_extensions.TypedDict  # before the first skyrl import
-
-SKYRL_VERSION = "0.3.0"
-ENGINE_MODULE = "mcore_engine.integrations.tinker.engine_main"
-BACKEND_NAME = "mcore_engine"
-
-try:
-    _installed = importlib.metadata.version("skyrl")
-except importlib.metadata.PackageNotFoundError:
-    raise ImportError(
-        f"mcore_engine.integrations.tinker needs skyrl=={SKYRL_VERSION}: "
-        f"pip install -c constraints.txt -e '.[tinker]' && pip install --no-deps skyrl=={SKYRL_VERSION}"
-    ) from None
-if _installed != SKYRL_VERSION:
-    raise ImportError(
-        f"mcore_engine.integrations.tinker needs skyrl=={SKYRL_VERSION} (its API routes and engine loop are "
-        f"patched by copy), found skyrl=={_installed}: pip install --no-deps skyrl=={SKYRL_VERSION}"
-    )
-
+# isort: split
 import skyrl.tinker.api as _api  # noqa: E402
 import skyrl.tinker.engine as _engine  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
-from skyrl.tinker import types  # noqa: E402
 from skyrl.tinker.config import config_to_argv  # noqa: E402
+
+ENGINE_MODULE = "mcore_engine.integrations.tinker.engine_main"
+BACKEND_NAME = "mcore_engine"
 
 _skyrl_get_backend_classes = _engine.get_backend_classes
 

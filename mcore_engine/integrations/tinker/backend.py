@@ -24,25 +24,23 @@ from __future__ import annotations
 import atexit
 import logging
 import math
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import typing_extensions
 
-typing.TypedDict = typing_extensions.TypedDict  # skyrl 0.3.0 on Python 3.11 (until _compat lands)
+from mcore_engine.integrations.tinker.skyrl_types import types
 
-from skyrl.backends.backend import AbstractBackend  # noqa: E402
-from skyrl.tinker import types  # noqa: E402
+# isort: split
+from skyrl.backends.backend import AbstractBackend
 
-from mcore_engine.integrations.tinker import store  # noqa: E402
-from mcore_engine.integrations.tinker.batch import Datum, ModelLimits, group_requests  # noqa: E402
-from mcore_engine.integrations.tinker.config import McoreBackendConfig  # noqa: E402
-from mcore_engine.integrations.tinker.control import Controller, engine_config, run_worker, setup  # noqa: E402
-from mcore_engine.integrations.tinker.losses import elementwise  # noqa: E402
+from mcore_engine.integrations.tinker import store
+from mcore_engine.integrations.tinker.batch import Datum, ModelLimits, group_requests
+from mcore_engine.integrations.tinker.config import McoreBackendConfig
+from mcore_engine.integrations.tinker.control import Controller, engine_config, run_worker, setup
+from mcore_engine.integrations.tinker.losses import elementwise
 
 __all__ = ["ATTN_TARGETS", "MLP_TARGETS", "McoreEngineBackend", "ModelSpec", "engine_config", "run_worker"]
 

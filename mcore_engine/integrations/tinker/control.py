@@ -163,7 +163,6 @@ class RankState:
         self.base_model, self.cfg = base_model, cfg
         self.engines: dict[str, Any] = {}
         self.specs: dict[str, Any] = {}
-        self.accumulated: set[str] = set()  # models whose grad buffers hold an earlier pass's gradients
 
     def create(self, model_id: str, spec: Any) -> None:
         from mcore_engine.engine import MegatronEngine
@@ -176,30 +175,7 @@ class RankState:
     def delete(self, model_id: str) -> None:
         self.engines.pop(model_id, None)
         self.specs.pop(model_id, None)
-        self.accumulated.discard(model_id)
         gc.collect()
-
-    def _backward(self, model_id: str, batch: Any, loss: Any) -> Any:
-        """``forward_backward_batch`` into zeroed grad buffers, the gradients of earlier calls added back
-        afterwards (and restored if the pass fails). The engine's end-of-pass gradient reductions
-        (TP-replicated LoRA adapters, sequence-parallel norms) act on the buffers as they stand, so two
-        calls into one buffer would reduce the first call's gradients twice (measured at TP = 2).
-        Memory: one copy of the trainable gradients while a pass runs after another."""
-        engine = self.engines[model_id]
-        params = [p for chunk in engine.model for p in chunk.module.parameters() if p.requires_grad]
-        saved = [p.main_grad.detach().clone() for p in params] if model_id in self.accumulated else None
-        if saved is not None:
-            for chunk in engine.model:
-                chunk.zero_grad_buffer()
-        try:
-            out = engine.forward_backward_batch(batch, loss)
-        finally:
-            if saved is not None:
-                with torch.no_grad():
-                    for p, g in zip(params, saved, strict=True):
-                        p.main_grad.add_(g)
-        self.accumulated.add(model_id)
-        return out
 
     def run_pass(self, model_id: str, datums: list[Datum], loss_fn: str, config: dict[str, float],
                  backward: bool) -> list[torch.Tensor]:
@@ -208,7 +184,7 @@ class RankState:
         engine, critic = self.engines[model_id], self.specs[model_id].role == "critic"
         batch = to_tensordict(datums, self.cfg.max_token_len_per_gpu)
         if backward:
-            out = self._backward(model_id, batch, engine_loss_fn(loss_fn, config, critic))
+            out = engine.forward_backward_batch(batch, engine_loss_fn(loss_fn, config, critic))  # accumulates
         else:
             out = engine.infer_batch(batch)
         rows = out["values" if critic else "log_probs"].unbind()
@@ -236,7 +212,6 @@ class RankState:
         finally:
             opt_cfg.clip_grad = saved
             engine.zero_grad()
-            self.accumulated.discard(model_id)
         metrics = {"skyrl.ai/learning_rate": float(lr),
                    "update_skipped": float(engine.num_skipped_steps > skipped)}
         if math.isfinite(grad_norm):  # a skipped step's inf / nan norm is not JSON: left out
@@ -254,7 +229,6 @@ class RankState:
         if not optimizer:
             reset_optimizer_state(engine.optimizer)
         engine.zero_grad()
-        self.accumulated.discard(model_id)
 
     def export(self, model_id: str, folder: str | None, kind: str | None) -> dict[str, torch.Tensor]:
         """The merged weights in Hugging Face names (fp32; every rank iterates, rank 0 keeps them), and

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import mcore_engine.integrations.tinker._compat as compat  # before any other skyrl import
 
@@ -31,6 +32,11 @@ class McoreTinkerEngine(TinkerEngine):
     whose ``optimizer`` flag reaches ``backend.load_checkpoint(path, model_id, optimizer=...)``. The
     routes of ``serve.py`` write these fields; everything else is SkyRL 0.3.0's.
     """
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        # the backend refuses checkpoint paths outside this folder (defence in depth: SkyRL checks ids)
+        self.backend.checkpoints_base = Path(str(config.checkpoints_base)).resolve()
 
     def process_single_request(self, request_type: types.RequestType, model_id: str, request_data: dict):
         if request_type == types.RequestType.OPTIM_STEP:

@@ -34,8 +34,8 @@ from collections import OrderedDict
 
 import torch
 
-from mcore_engine.integrations.tinker._compat import types  # skyrl's, after _compat's Python 3.11 fix
 from mcore_engine.integrations.tinker.config import McoreBackendConfig
+from mcore_engine.integrations.tinker.skyrl_types import types
 
 MARKER = "MARKER"  # the only file of a persist=False full-FT sampler archive
 
