@@ -45,7 +45,8 @@ CAPABILITY_TESTS := tests/test_compare.py tests/test_context_parallel.py tests/t
 	tests/test_engine_parallel.py tests/test_moe.py tests/test_value_head.py tests/test_deepseek.py \
 	tests/test_checkpoint.py tests/test_moe_routing.py tests/test_engine.py tests/integrations/test_verl.py \
 	tests/test_hybrid_layouts.py tests/test_hybrid_features.py tests/layers/test_gated_delta_net.py \
-	tests/test_gpt_oss_layouts.py tests/test_vlm_layouts.py tests/test_vlm_transformers.py
+	tests/test_gpt_oss_layouts.py tests/test_vlm_layouts.py tests/test_vlm_transformers.py \
+	tests/test_grad_accumulation.py tests/integrations/test_tinker_backend.py
 test-capability: $(STAMP)
 	@mkdir -p $(TMPDIR)
 	ATEN_CPU_CAPABILITY=$(CAPABILITY) $(PY) -m pytest -q $(CAPABILITY_TESTS)

@@ -113,10 +113,16 @@ def _script(backend) -> dict:
     return got
 
 
+# Outputs after an Adam step: Adam's g / sqrt(v) turns the layouts' 1e-7 rounding of small gradients
+# into larger weight differences (measured up to 1.4e-5 under ATEN_CPU_CAPABILITY=avx2)
+AFTER_STEP = {"f1", "v1"}
+
+
 def _same(got: dict, ref: dict, what: str, tol: float = TOL) -> None:
     for model_id, r in ref.items():
         for key, value in r.items():
-            assert_rel_close(got[model_id][key], value, tol, f"{what}: {model_id} {key}")
+            bound = max(tol, 1e-4) if key in AFTER_STEP else tol
+            assert_rel_close(got[model_id][key], value, bound, f"{what}: {model_id} {key}")
 
 
 def _next_step(backend, model_id: str) -> dict:

