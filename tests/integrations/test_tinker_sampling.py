@@ -195,6 +195,11 @@ def test_stop_tokens_stop_strings_and_length(model_dir, hf):
     out = run(s, a=req(temperature=0.0, max_tokens=24, stop_strings=["never-in-it", stop]))
     seq = out["a"].sequences[0]
     assert seq.tokens == g[:first + 1] and seq.stop_reason == "stop" and stop in tok.decode(seq.tokens)
+    # each token is decoded once whatever the number of stop strings (a text the output never holds)
+    doubled = stop * 2
+    assert doubled not in tok.decode(g)
+    out = run(s, a=req(temperature=0.0, max_tokens=24, stop_strings=["never-in-it", "nor-this", doubled]))
+    assert out["a"].sequences[0].tokens == g and out["a"].sequences[0].stop_reason == "length"
     # stops that never occur, and max_tokens
     out = run(s, a=req(temperature=0.0, max_tokens=6, stop_strings=["\x00zz"], stop_tokens=[]),
               b=req(n=2, seed=4, max_tokens=3))
@@ -367,11 +372,12 @@ def test_bad_input_gives_an_error_per_request(sampler):
     img_req = img_req.model_copy(update={"prompt": image})
     out = run(sampler, ok=req(max_tokens=3), vocab=req(prompt=[5, VOCAB]), neg=req(prompt=[-1, 5]),
               empty=req(prompt=[]), img=(img_id, img_req), temp=req(temperature=-0.5),
-              long=req(max_tokens=4096 - len(PROMPT) + 1), topp=req(top_p=0.0), topk=req(top_k=-2))
+              long=req(max_tokens=4096 - len(PROMPT) + 1), topp=req(top_p=0.0), topk=req(top_k=-2),
+              stoptok=req(stop_tokens=[VOCAB]))
     assert isinstance(out["ok"], types.SampleOutput) and len(out["ok"].sequences[0].tokens) >= 1
     want = {"vocab": "prompt token id 300", "neg": "prompt token id -1", "empty": "prompt has no tokens",
             "img": "prompt chunk 1", "temp": "temperature", "long": "max_tokens", "topp": "top_p",
-            "topk": "top_k"}
+            "topk": "top_k", "stoptok": "stop token id 300"}
     for rid, text in want.items():
         assert isinstance(out[rid], types.ErrorResponse) and out[rid].status == "failed", rid
         assert text in out[rid].error, (rid, out[rid].error)

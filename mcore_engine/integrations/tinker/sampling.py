@@ -82,8 +82,11 @@ def _prompt_ids(model_input: types.ModelInput, vocab_size: int) -> list[int]:
     return ids
 
 
-def _check_params(p: types.SamplingParams, prompt_len: int, max_positions: int) -> None:
+def _check_params(p: types.SamplingParams, prompt_len: int, max_positions: int, vocab_size: int) -> None:
     """ValueError naming the field for sampling parameters this sampler cannot honour."""
+    bad = [t for t in p.stop_tokens or [] if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     if not p.temperature >= 0.0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {p.temperature}")
     if p.max_tokens < 1:
@@ -239,7 +242,7 @@ class Sampler:
             raise ValueError("prompt differs between the samples of one request")
         prompt = prompts[0]
         for i in range(start, end):
-            _check_params(batch.all_sampling_params[i], len(prompt), self.max_positions)
+            _check_params(batch.all_sampling_params[i], len(prompt), self.max_positions, self.vocab_size)
         model = self._model(batch.all_model_ids[start], batch.all_checkpoint_ids[start],
                             batch.all_checkpoint_paths[start])
 
@@ -279,8 +282,10 @@ class Sampler:
             logprobs.append(float(torch.log_softmax(logits, dim=-1)[tok]))
             if tok in stop_tokens:
                 return types.GeneratedSequence(stop_reason="stop", tokens=tokens, logprobs=logprobs)
-            if stream is not None and any(s in stream.add(tok) for s in p.stop_strings):
-                return types.GeneratedSequence(stop_reason="stop", tokens=tokens, logprobs=logprobs)
+            if stream is not None:
+                text = stream.add(tok)  # once per token: the stream is stateful
+                if any(s in text for s in p.stop_strings):
+                    return types.GeneratedSequence(stop_reason="stop", tokens=tokens, logprobs=logprobs)
             if step + 1 < p.max_tokens:
                 out = model(input_ids=torch.tensor([[tok]]), cache=cache, use_cache=True)
                 logits, cache = out.logits[0, -1].float(), out.cache
