@@ -360,7 +360,12 @@ def test_bad_input_is_refused_and_leaves_state_alone(service, server, model_dir)
         tc.forward_backward(short, "cross_entropy").result()
     with pytest.raises(Exception, match="loss_fn"):
         tc.forward_backward(data, "dro").result()
-    tc.optim_step(types.AdamParams(**ADAM)).result()
+    # exp(lp - logprobs) overflows: an error (not a reply JSON cannot carry), its gradients dropped
+    overflow = [_datum(seqs[0], logprobs=[-200.0] * n, advantages=[1.0] * n)]
+    for call in (tc.forward, tc.forward_backward):
+        with pytest.raises(Exception, match="not finite"):
+            call(overflow, "importance_sampling").result()
+    assert tc.optim_step(types.AdamParams(**ADAM)).result().metrics["update_skipped"] == 0.0
     _close(before, _logprobs(tc.forward(data, "cross_entropy").result()), 0.0)
 
     headers = {"X-API-Key": API_KEY}
@@ -413,3 +418,31 @@ def test_rl_example_raises_the_reward(server, model_dir):
     assert run.returncode == 0, run.stderr[-3000:]
     first, last = map(float, run.stdout.strip().splitlines()[-1].removeprefix("mean reward ").split(" -> "))
     assert last > first + 0.2, run.stdout
+
+
+_SHORT_SCRIPT = """
+import sys, tinker
+svc = tinker.ServiceClient(base_url=sys.argv[1], api_key=sys.argv[2])
+svc.create_lora_training_client(base_model=sys.argv[3], rank=2)
+"""
+
+
+def test_models_of_a_script_that_ended_before_its_first_heartbeat_are_freed(model_dir, tmp_path):
+    """SkyRL's cleanup misses sessions that never sent a heartbeat (the client's first comes after
+    10 s); ours counts them from their creation, so a short script's model is unloaded."""
+    import subprocess
+    import sys
+    import time
+
+    args = ("--session-timeout-sec", "1", "--backend-config", '{"max_models": 1}')
+    with tinker_server(model_dir, tmp_path / "short", extra_args=args) as srv:
+        for _ in range(2):   # the second would find max_models full if the first stayed
+            deadline = time.monotonic() + 60
+            while True:
+                run = subprocess.run([sys.executable, "-c", _SHORT_SCRIPT, srv.url, API_KEY, model_dir],
+                                     capture_output=True, text=True, timeout=120)
+                if run.returncode == 0:
+                    break
+                assert "max_models" in run.stderr, run.stderr[-2000:]
+                assert time.monotonic() < deadline, "the ended script's model was never unloaded"
+                time.sleep(2)

@@ -40,7 +40,7 @@ from mcore_engine.integrations.tinker import store
 from mcore_engine.integrations.tinker.batch import Datum, ModelLimits, group_requests
 from mcore_engine.integrations.tinker.config import McoreBackendConfig
 from mcore_engine.integrations.tinker.control import Controller, engine_config, run_worker, setup
-from mcore_engine.integrations.tinker.losses import elementwise
+from mcore_engine.integrations.tinker.losses import NOT_FINITE, elementwise
 
 __all__ = ["ATTN_TARGETS", "MLP_TARGETS", "McoreEngineBackend", "ModelSpec", "engine_config", "run_worker"]
 
@@ -198,13 +198,18 @@ class McoreEngineBackend(AbstractBackend):
                 continue
             for request_id, start, end in group.requests:
                 outputs, total = [], 0.0
-                for d, x in zip(group.datums[start:end], xs[start:end], strict=True):
+                for i, (d, x) in enumerate(zip(group.datums[start:end], xs[start:end], strict=True)):
                     ell = datum_losses(group.loss_fn, group.config, d, x, critic)
+                    if not torch.isfinite(ell).all():  # (forward; forward_backward raised in the engine)
+                        results[request_id] = types.ErrorResponse(error=f"datum {i}: {NOT_FINITE}",
+                                                                  status="failed")
+                        break
                     total += float(ell.double().sum())
                     outputs.append({"values" if critic else "logprobs": _tensor_data(x),
                                     "elementwise_loss": _tensor_data(ell)})
-                results[request_id] = types.ForwardBackwardOutput(
-                    loss_fn_output_type="scalar", loss_fn_outputs=outputs, metrics={"loss:sum": total})
+                else:
+                    results[request_id] = types.ForwardBackwardOutput(
+                        loss_fn_output_type="scalar", loss_fn_outputs=outputs, metrics={"loss:sum": total})
         return results
 
     def forward_backward(self, prepared_batch: types.PreparedModelPassBatch

@@ -21,7 +21,9 @@ import mcore_engine.integrations.tinker._compat as compat  # before any other sk
 # isort: split
 from skyrl.tinker import types
 from skyrl.tinker.config import EngineConfig, add_model
+from skyrl.tinker.db_models import SessionDB
 from skyrl.tinker.engine import TinkerEngine, _model_not_found_error
+from sqlmodel import Session, update
 
 
 class McoreTinkerEngine(TinkerEngine):
@@ -37,6 +39,17 @@ class McoreTinkerEngine(TinkerEngine):
         super().__init__(config)
         # the backend refuses checkpoint paths outside this folder (defence in depth: SkyRL checks ids)
         self.backend.checkpoints_base = Path(str(config.checkpoints_base)).resolve()
+
+    def cleanup_stale_sessions(self) -> int:
+        """SkyRL's cleanup, which selects ``last_heartbeat_at < cutoff``, also for sessions that never
+        sent a heartbeat (a script that ended within the client's first 10 s): their NULL
+        ``last_heartbeat_at`` starts at ``created_at``, else their models would stay loaded for good."""
+        with Session(self.db_engine) as session:
+            session.exec(update(SessionDB)
+                         .where(SessionDB.status == "active", SessionDB.last_heartbeat_at.is_(None))
+                         .values(last_heartbeat_at=SessionDB.created_at))
+            session.commit()
+        return super().cleanup_stale_sessions()
 
     def process_single_request(self, request_type: types.RequestType, model_id: str, request_data: dict):
         if request_type == types.RequestType.OPTIM_STEP:

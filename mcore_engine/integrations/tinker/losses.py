@@ -132,6 +132,11 @@ def engine_elementwise(loss_fn: str, x: torch.Tensor, data: Mapping[str, Any], c
                        returns=data["tinker_returns"], has_old_values=data["tinker_has_values"])
 
 
+NOT_FINITE = ("the loss is not finite: importance_sampling's exp(logprob - logprobs) overflows where "
+              "the datum's logprobs lie far below the model's, and a weight of 0 does not cancel an "
+              "infinite term")
+
+
 def engine_loss_fn(loss_fn: str, cfg: Mapping[str, float], critic: bool = False) -> Callable:
     """The engine's ``loss_convention="flat"`` loss: ``sum_t w_t * l_t * loss_mask_t`` over this
     micro-batch's packed tokens ``[T]`` (its contribution to the global sum; the engine adds the
@@ -141,6 +146,8 @@ def engine_loss_fn(loss_fn: str, cfg: Mapping[str, float], critic: bool = False)
     def loss(outputs: Mapping[str, torch.Tensor], data: Mapping[str, Any], ctx: Any):
         per_token = engine_elementwise(loss_fn, outputs[key], data, cfg, critic)
         total = (per_token * data["tinker_weights"].float() * data["loss_mask"].float()).sum()
+        if not torch.isfinite(total):  # the engine then drops this pass's gradients on every rank
+            raise ValueError(f"{NOT_FINITE} ({loss_fn}: {float(total)})")
         return total, {"loss": total.detach()}
 
     return loss
