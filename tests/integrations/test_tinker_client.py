@@ -371,7 +371,7 @@ def test_bad_input_is_refused_and_leaves_state_alone(service, server, model_dir)
     headers = {"X-API-Key": API_KEY}
     r = httpx.post(f"{server.url}/api/v1/forward", headers=headers, timeout=30, json={
         "model_id": "no-such-model", "forward_input": {"data": [], "loss_fn": "cross_entropy"}})
-    assert r.status_code == 404 and "not found" in r.text.lower(), r.text
+    assert r.status_code == 404 and "model_id 'no-such-model': model not found" in r.text, r.text
     r = httpx.get(f"{server.url}/api/v1/healthz", timeout=10)
     assert r.status_code == 200
     r = httpx.post(f"{server.url}/api/v1/create_session", headers={"X-API-Key": "tml-wrong"}, timeout=10,

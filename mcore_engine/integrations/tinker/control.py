@@ -154,7 +154,6 @@ def engine_config(base_model: str, cfg: Any, spec: Any) -> Any:
     return EngineConfig(**kwargs)
 
 
-
 class RankState:
     """One rank's state: a ``MegatronEngine`` per model id (``specs``: the backend's ``ModelSpec``s).
     Every method is collective (the controller broadcasts it); return values matter on rank 0 only."""

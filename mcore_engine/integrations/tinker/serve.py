@@ -268,6 +268,19 @@ async def _check_api_key(request: Request, call_next):
     return await call_next(request)
 
 
+_skyrl_get_model = api.get_model
+
+
+async def get_model_naming_the_id(session: AsyncSession, model_id: str) -> ModelDB:
+    """SkyRL's model lookup (every route's), its 404 naming the field and the id."""
+    try:
+        return await _skyrl_get_model(session, model_id)
+    except HTTPException as e:
+        if e.status_code == 404:
+            raise HTTPException(status_code=404, detail=f"model_id {model_id!r}: model not found") from None
+        raise
+
+
 def configure_app(app: FastAPI, engine_config: EngineConfig, backend_config: McoreBackendConfig,
                   api_key: str | None) -> FastAPI:
     """Prepare SkyRL's ``app`` for this backend: config, our routes, the API-key middleware."""
@@ -275,6 +288,7 @@ def configure_app(app: FastAPI, engine_config: EngineConfig, backend_config: Mco
     app.state.mcore_api_key = api_key
     app.state.mcore_lora_alpha = backend_config.lora_alpha if backend_config.lora_alpha is not None else 32.0
     replace_routes(app)
+    api.get_model = get_model_naming_the_id  # a module global SkyRL's routes look up at call time
     if not getattr(app.state, "mcore_auth_installed", False):
         app.middleware("http")(_check_api_key)
         app.state.mcore_auth_installed = True
