@@ -42,7 +42,9 @@ def server(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def service(server):
-    return tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+    svc = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+    yield svc
+    svc.holder.close()  # its heartbeat thread would outlive the server
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -398,7 +400,9 @@ def test_two_rank_server_equals_one_rank(service, model_dir, tmp_path, tp, pp):
 
     one = script(service)
     with tinker_server(model_dir, tmp_path / "two", tp=tp, pp=pp, extra_args=MANY_MODELS) as srv:
-        two = script(tinker.ServiceClient(base_url=srv.url, api_key=API_KEY))
+        svc = tinker.ServiceClient(base_url=srv.url, api_key=API_KEY)
+        two = script(svc)
+        svc.holder.close()
     for a, b in zip(one[0], two[0], strict=True):
         assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-5)
     _close(one[1], two[1], 1e-5)
